@@ -1,0 +1,46 @@
+"""commlab: see and tune the communication of data- and pipeline-parallel training in PyTorch.
+
+Public API (everything else is internal):
+
+- ``commlab.launch`` / ``commlab.Runtime`` / ``commlab.init_from_env``: ranks and process groups;
+- ``commlab.DistributedDataParallel``: torch's DDP, bucketed and overlapped in readable Python;
+- ``commlab.collectives``: ring, tree and halving-doubling all-reduce on point-to-point ops;
+- ``commlab.pipeline``: GPipe, 1F1B and interleaved pipeline schedules.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from commlab.runtime import LaunchError, Runtime, init_from_env, launch
+
+__version__ = "0.1.0"
+
+# Heavier parts load on first use so that `commlab --help` and `import commlab` stay quick.
+_LAZY = {
+    "DistributedDataParallel": ("commlab.ddp", "DistributedDataParallel"),
+    "Topology": ("commlab.runtime.topology", "Topology"),
+    "collectives": ("commlab.collectives", None),
+    "pipeline": ("commlab.pipeline", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'commlab' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)
+
+
+__all__ = [
+    "DistributedDataParallel",
+    "LaunchError",
+    "Runtime",
+    "Topology",
+    "collectives",
+    "init_from_env",
+    "launch",
+    "pipeline",
+]

@@ -1,0 +1,68 @@
+"""The `commlab` command line: one click group whose subcommands load only when used."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click command; loading lazily keeps `commlab --help` fast
+# (importing torch and pandas for every subcommand would cost seconds).
+_COMMANDS = {
+    "sweep": ("commlab.sweep.cli:sweep", "Sweep DDP over bucket size x backend x world size ..."),
+    "figures": ("commlab.sweep.cli:figures", "Regenerate every figure of a results directory."),
+    "trace": ("commlab.sweep.cli:trace", "Write one configuration's timeline as a Chrome trace."),
+    "pipeline": ("commlab.pipeline.cli:pipeline", "Pipeline schedules: show, simulate, benchmark."),
+}
+_BENCH_COMMANDS = {
+    "ddp": ("commlab.bench.ddp_bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),
+    "collectives": (
+        "commlab.bench.collectives_bench:bench_collectives",
+        "nccl-tests-style all-reduce benchmark of every algorithm.",
+    ),
+}
+
+
+class _LazyGroup(click.Group):
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._lazy))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self._lazy:
+            module_name, attr = self._lazy[name][0].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Short help comes from the table above, so listing commands imports nothing heavy.
+        rows = [(name, self._lazy[name][1]) for name in sorted(self._lazy)]
+        for name in click.Group.list_commands(self, ctx):
+            cmd = click.Group.get_command(self, ctx, name)
+            if cmd is not None:
+                rows.append((name, cmd.get_short_help_str()))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(sorted(rows))
+
+
+@click.group(cls=_LazyGroup, lazy=_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="commlab")
+def main() -> None:
+    """commlab: see and tune the communication of data- and pipeline-parallel training.
+
+    \b
+    Start here:
+      commlab sweep --bucket-mb 5,25,100     DDP latency vs bucket size (CPU, gloo)
+      commlab bench ddp                      commlab DDP vs torch DDP
+      commlab bench collectives -b 1K -e 64M ring / tree / halving-doubling vs native
+      commlab pipeline show --schedule 1f1b  a pipeline schedule's step x rank grid
+    """
+
+
+@main.group(cls=_LazyGroup, lazy=_BENCH_COMMANDS)
+def bench() -> None:
+    """Micro-benchmarks that compare two implementations in one run."""

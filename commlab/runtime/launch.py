@@ -1,0 +1,171 @@
+"""Running a function on N local ranks (or on this torchrun rank) without ever hanging the caller.
+
+The local launcher spawns one process per rank, rendezvouses them through a FileStore in a
+private temporary directory (no listening socket at all) and pins Gloo's transport to the
+loopback interface, so nothing binds outside this machine. Every rank reports its result or its
+traceback through a queue; the parent kills every child when one fails or the deadline passes.
+
+Under torchrun the same call initialises from the environment and runs ``fn`` on this rank only,
+so multi-node jobs go through torchrun rather than through anything home-made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
+
+
+class LaunchError(RuntimeError):
+    """A rank failed, died or did not finish in time; carries the failing rank's traceback."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
+        super().__init__(message + (f"\n\n--- rank {rank} traceback ---\n{remote_traceback}" if remote_traceback else ""))
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int | None = None,
+    backend: str = "auto",
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on every rank and return the ranks' results in rank order.
+
+    ``fn`` must be importable by name (defined at module level) because ranks are spawned.
+    Raises :class:`LaunchError` with the first failing rank's traceback, or when the ranks have
+    not all finished within ``timeout`` seconds; no child process outlives the call.
+    """
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if world_size is not None and world_size != env_world:
+            raise ValueError(f"world_size={world_size} but torchrun started {env_world} ranks")
+        init_from_env(backend, timeout)
+        result = fn(*args)
+        gathered: list[Any] = [None] * env_world
+        dist.all_gather_object(gathered, result)
+        return gathered
+    world_size = 1 if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    chosen = resolve_backend(backend, world_size)
+    return _spawn(fn, args, world_size, chosen, timeout)
+
+
+def _spawn(fn, args, world_size: int, backend: str, timeout: float) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="commlab-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        q = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, backend, store_path, timeout, fn, args, q),
+                name=f"commlab-rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            _collect(procs, q, results, time.monotonic() + timeout, timeout)
+        finally:
+            _terminate(procs)
+            q.close()
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, q, results: dict[int, Any], deadline: float, timeout: float) -> None:
+    exited_at: dict[int, float] = {}
+    while len(results) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(len(procs))) - set(results))
+            raise LaunchError(f"ranks {missing} did not finish within {timeout:g} s")
+        try:
+            rank, ok, payload = q.get(timeout=min(0.1, remaining))
+        except queue.Empty:
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank in results or p.is_alive():
+                    continue
+                # A clean exit may still have its result in the queue's pipe: give it a moment.
+                exited_at.setdefault(rank, now)
+                if p.exitcode != 0 or now - exited_at[rank] > 5.0:
+                    raise LaunchError(f"rank {rank} exited with code {p.exitcode} without a result", rank)
+            continue
+        if not ok:
+            raise LaunchError(f"rank {rank} failed", rank, payload)
+        results[rank] = pickle.loads(payload)
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this child if the launching process dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)
+    except OSError:  # not Linux: the parent's own cleanup still applies
+        pass
+
+
+def _rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> None:
+    _die_with_parent()
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    # Gloo picks its transport interface from the hostname unless told: keep it on loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Like torchrun, do not let N ranks each start a thread per core on a shared machine.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(*args)
+        q.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
