@@ -1,0 +1,157 @@
+"""Workloads: built-in models, optional model-zoo models, user factories, and synthetic batches.
+
+Built-in models need nothing beyond torch. ``resnet50`` (torchvision) and ``bert``
+(transformers, random weights from a config: nothing is downloaded) need the ``models`` extra.
+Any other model is named as ``package.module:factory``; the factory takes no arguments and
+returns an ``nn.Module`` whose input is a float tensor of shape ``(batch, *input_shape)`` given by
+an ``input_shape`` attribute on the module (default: ``(in_features,)`` of its first Linear).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BUILTIN = ("mlp", "transformer")
+OPTIONAL = {"resnet50": "torchvision", "bert": "transformers"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model together with how to make a synthetic batch and a loss for it."""
+
+    model: nn.Module
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mlp(depth: int = 12, width: int = 1024, in_features: int | None = None, classes: int = 10) -> nn.Sequential:
+    """``depth`` Linear+ReLU blocks of ``width`` features, then a classifier: an nn.Sequential."""
+    if depth < 1 or width < 1:
+        raise ValueError(f"mlp needs depth >= 1 and width >= 1, got depth={depth}, width={width}")
+    layers: list[nn.Module] = []
+    fan_in = in_features or width
+    for _ in range(depth):
+        layers += [nn.Linear(fan_in, width), nn.ReLU()]
+        fan_in = width
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+class TinyTransformer(nn.Module):
+    """A small encoder-only transformer language model (token embedding, N layers, LM head)."""
+
+    def __init__(self, vocab: int = 1024, d_model: int = 256, layers: int = 4, heads: int = 4, seq: int = 64):
+        super().__init__()
+        self.seq = seq
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq, d_model))
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens) + self.pos[: tokens.shape[1]]))
+
+
+def model_names() -> list[str]:
+    return [*BUILTIN, *OPTIONAL]
+
+
+def check_model_name(name: str) -> None:
+    """Raise ValueError for a name that is neither built in, optional, nor ``module:factory``."""
+    if name in BUILTIN or name in OPTIONAL:
+        return
+    if ":" not in name:
+        raise ValueError(f"unknown model {name!r}: choose from {', '.join(model_names())} or give package.module:factory")
+
+
+def build_workload(name: str, **sizes) -> Workload:
+    """Build the named workload with synthetic data of the right shapes."""
+    check_model_name(name)
+    if name == "mlp":
+        width = sizes.get("width", 1024)
+        model = mlp(sizes.get("depth", 12), width)
+        return Workload(model, _dense_batch((width,), 10), nn.functional.cross_entropy)
+    if name == "transformer":
+        model = TinyTransformer(**sizes)
+        return Workload(model, _token_batch(model.seq, model.vocab), _lm_loss)
+    if name in OPTIONAL:
+        _require(OPTIONAL[name], name)
+        return _resnet50() if name == "resnet50" else _bert()
+    module_name, _, attr = name.partition(":")
+    model = getattr(importlib.import_module(module_name), attr)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{name} returned {type(model).__name__}, not an nn.Module")
+    shape = tuple(getattr(model, "input_shape", ()) or (_first_linear(model).in_features,))
+    return Workload(model, _dense_batch(shape, None), _mse_to_zero)
+
+
+def _require(package: str, model: str) -> None:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise ValueError(
+            f"model {model!r} needs {package}: install the extra with pip install 'commlab[models]'"
+        ) from None
+
+
+def _resnet50() -> Workload:
+    import torchvision
+
+    return Workload(torchvision.models.resnet50(weights=None), _dense_batch((3, 224, 224), 1000), nn.functional.cross_entropy)
+
+
+def _bert() -> Workload:
+    import transformers
+
+    config = transformers.BertConfig()  # bert-base sizes, random weights, no download
+    inner = transformers.BertForMaskedLM(config)
+
+    class _Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = inner
+
+        def forward(self, tokens):
+            return self.bert(input_ids=tokens).logits
+
+    return Workload(_Logits(), _token_batch(128, config.vocab_size), _lm_loss)
+
+
+def _dense_batch(shape: tuple[int, ...], classes: int | None):
+    def make(batch: int, gen: torch.Generator):
+        x = torch.randn(batch, *shape, generator=gen)
+        if classes is None:
+            return x, torch.zeros(0)
+        return x, torch.randint(0, classes, (batch,), generator=gen)
+
+    return make
+
+
+def _token_batch(seq: int, vocab: int):
+    def make(batch: int, gen: torch.Generator):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+        return tokens, torch.roll(tokens, -1, dims=1)
+
+    return make
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _mse_to_zero(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _first_linear(model: nn.Module) -> nn.Linear:
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            return m
+    raise ValueError("a user model needs an `input_shape` attribute or a Linear layer to infer it from")
