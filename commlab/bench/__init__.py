@@ -1,0 +1,1 @@
+"""Micro-benchmarks that run two implementations alternately in one run and print their ratio."""
