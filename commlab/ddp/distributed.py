@@ -1,0 +1,228 @@
+"""commlab.DistributedDataParallel: torch's DDP interface over the Python reducer in reducer.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from commlab import collectives
+from commlab.ddp.assignment import bucket_caps
+from commlab.ddp.reducer import Reducer
+from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
+from commlab.ddp.timing import IterationTiming
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with bucketed gradient all-reduce that overlaps backward.
+
+    Same arguments and defaults as ``torch.nn.parallel.DistributedDataParallel``, plus:
+    ``algorithm`` (a name from ``commlab.collectives.algorithm_names()``) runs each bucket's
+    all-reduce; ``overlap=False`` reduces every bucket only after backward (the DDP paper's
+    non-overlapped baseline); ``first_bucket_mb`` overrides the small first bucket's cap;
+    ``round_robin_groups=k`` (or a list of process groups) gives consecutive buckets to k groups
+    in turn, so that their all-reduces may run concurrently.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
+        algorithm: str = "native",
+        overlap: bool = True,
+        first_bucket_mb: float | None = None,
+        round_robin_groups: int | Sequence[dist.ProcessGroup] = 1,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
+        if algorithm not in collectives.algorithm_names():
+            raise ValueError(
+                f"unknown all-reduce algorithm {algorithm!r}: choose from {', '.join(collectives.algorithm_names())}"
+            )
+        first_cap, cap = bucket_caps(bucket_cap_mb, first_bucket_mb)
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDataParallel needs an initialised process group (use commlab.launch)")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("DistributedDataParallel is not needed for a module without trainable parameters")
+        _check_supported(module, [p for _, p in named])
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.device = named[0][1].device
+        self.device_ids = _check_device_ids(device_ids, self.device)
+        self.output_device = output_device
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.algorithm = algorithm
+        self.overlap = overlap
+        self.bucket_bytes_cap = cap
+        self.first_bucket_bytes_cap = first_cap
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self._module_buffers = list(module.buffers())
+        # Construction, as torch's: same shapes everywhere, then rank 0's parameters and buffers.
+        verify_param_shapes(names, params, self.process_group)
+        broadcast_coalesced([p.data for p in module.parameters()] + self._module_buffers, self.process_group)
+        self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
+        self.reducer = Reducer(
+            params,
+            names,
+            group=self.process_group,
+            comm_groups=self.comm_groups,
+            algorithm=algorithm,
+            overlap=overlap,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            first_cap=first_cap,
+            cap=cap,
+        )
+        self._hook_registered = False
+
+    # -- what users and the sweep read ---------------------------------------------------------
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices (into the trainable parameters, in module order) of each bucket,
+        in reduction order."""
+        return [list(b.param_indices) for b in self.reducer.buckets]
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of each bucket, in reduction order."""
+        return [b.nbytes for b in self.reducer.buckets]
+
+    @property
+    def iteration_timings(self) -> list[IterationTiming]:
+        """One entry per synchronised iteration (definitions in commlab.ddp.timing)."""
+        return self.reducer.timings
+
+    def reset_timings(self) -> None:
+        self.reducer.reset_timings()
+
+    # -- training ----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        sync = grad and self.require_backward_grad_sync
+        if grad:
+            self.reducer.maybe_rebuild()
+        if sync:
+            self.reducer.start_iteration()
+        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
+            broadcast_coalesced(self._module_buffers, self.process_group)
+        if self.device_ids:
+            inputs, kwargs = tree_map(_mover(self.device), (inputs, kwargs))
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        if sync:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            self.reducer.prepare_for_backward(tensors)
+            if self.find_unused_parameters and tensors:
+                output = _with_backward_start(output, self.reducer)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates gradients locally; the first one after it synchronises."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[[Any, Any], torch.futures.Future]) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's signature).
+
+        The hook gets un-divided gradients and must average them itself, as torch's do.
+        """
+        if self._hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
+        if not callable(hook):
+            raise ValueError(f"hook must be callable, got {type(hook).__name__}")
+        self._hook_registered = True
+        self.reducer.comm_state = state
+        self.reducer.comm_hook = hook
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the outputs whose backward runs first, so the reducer starts (and queues its
+    end-of-backward callback) even on a rank where no parameter gets a gradient (torch's _DDPSink)."""
+
+    @staticmethod
+    def forward(ctx, reducer: Reducer, *tensors: torch.Tensor):
+        ctx.reducer = reducer
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.reducer.on_backward_start()
+        return (None, *grads)
+
+
+def _with_backward_start(output: Any, reducer: Reducer) -> Any:
+    flat, spec = tree_flatten(output)
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    passed = _BackwardStart.apply(reducer, *[flat[i] for i in positions])
+    for i, t in zip(positions, passed):
+        flat[i] = t
+    return spec.unflatten(flat)
+
+
+def _mover(device: torch.device) -> Callable[[Any], Any]:
+    return lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
+def _check_supported(module: nn.Module, params: list[torch.Tensor]) -> None:
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+    for m in module.modules():
+        if getattr(m, "sparse", False) and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            raise ValueError("sparse gradients (Embedding(sparse=True)) are not supported by commlab's DDP")
+
+
+def _check_device_ids(device_ids, device: torch.device) -> list[int] | None:
+    if device_ids is None:
+        return None
+    if device.type != "cuda" or len(device_ids) != 1:
+        raise ValueError("device_ids must be None for CPU modules, or one CUDA device holding the module")
+    wanted = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+    if wanted != device:
+        raise ValueError(f"device_ids {list(device_ids)} do not match the module's device {device}")
+    return [device.index]
+
+
+def _comm_groups(round_robin: int | Sequence[dist.ProcessGroup], group: dist.ProcessGroup) -> list:
+    """Groups the buckets take in turn (the DDP paper's round-robin process groups, section 3.3)."""
+    if not isinstance(round_robin, int):
+        groups = list(round_robin)
+        if not groups:
+            raise ValueError("round_robin_groups must be a positive integer or a non-empty list of groups")
+        return groups
+    if round_robin < 1:
+        raise ValueError(f"round_robin_groups must be >= 1, got {round_robin}")
+    if round_robin == 1:
+        return [group]
+    ranks = dist.get_process_group_ranks(group)
+    backend = dist.get_backend(group)
+    # Local synchronisation: only the group's own ranks take part, so this also works for a
+    # data-parallel subgroup inside a larger (e.g. pipeline x data) job.
+    return [dist.new_group(ranks, backend=backend, use_local_synchronization=True) for _ in range(round_robin)]
