@@ -71,13 +71,47 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}: choose from {', '.join(model_names())} or give package.module:factory")
 
 
+# The sizes each built-in model takes (``--model-args``); anything else is a user error.
+SIZES = {"mlp": ("depth", "width", "classes"), "transformer": ("vocab", "d_model", "layers", "heads", "seq")}
+
+
+def check_workload(name: str, **sizes) -> None:
+    """Everything that can be checked without building the model; ValueError with the fix.
+
+    Unknown names and sizes, a missing ``models`` extra, and a ``module:factory`` whose module
+    or factory cannot be found all fail here, before any rank is spawned.
+    """
+    check_model_name(name)
+    if name in SIZES:
+        unknown = sorted(set(sizes) - set(SIZES[name]))
+        if unknown:
+            raise ValueError(f"model {name!r} takes sizes {', '.join(SIZES[name])}; got {', '.join(unknown)}")
+        bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1)}
+        if bad:
+            raise ValueError(f"model {name!r}: sizes must be positive integers, got {bad}")
+        return
+    if sizes:
+        raise ValueError(f"model {name!r} takes no sizes, got {', '.join(sorted(sizes))}")
+    if name in OPTIONAL:
+        _require(OPTIONAL[name], name)
+        return
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"model {name!r}: cannot import {module_name!r} ({err})") from None
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"model {name!r}: {module_name!r} has no callable {attr!r}")
+
+
 def build_workload(name: str, **sizes) -> Workload:
     """Build the named workload with synthetic data of the right shapes."""
     check_model_name(name)
     if name == "mlp":
+        check_workload(name, **sizes)
         width = sizes.get("width", 1024)
-        model = mlp(sizes.get("depth", 12), width)
-        return Workload(model, _dense_batch((width,), 10), nn.functional.cross_entropy)
+        model = mlp(sizes.get("depth", 12), width, classes=sizes.get("classes", 10))
+        return Workload(model, _dense_batch((width,), sizes.get("classes", 10)), nn.functional.cross_entropy)
     if name == "transformer":
         model = TinyTransformer(**sizes)
         return Workload(model, _token_batch(model.seq, model.vocab), _lm_loss)

@@ -1,0 +1,158 @@
+"""The `commlab sweep`, `commlab figures` and `commlab trace` commands.
+
+\b
+    commlab sweep --bucket-mb 5,25,100                 the README's first command
+    commlab sweep sweeps/bucket_size.yaml              a paper figure's spec (options override it)
+    commlab sweep sweeps/smoke.yaml --resume           continue a killed sweep
+    commlab figures results/reference                  redraw every figure from the CSVs
+    commlab trace results/reference --config ID        one configuration as a Chrome trace
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from commlab.sweep.spec import DEFAULTS, LAUNCHERS, SCALINGS, build_plan, merge
+
+_LIST = "comma-separated list"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("spec_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", help=f"{_LIST}: mlp, transformer, resnet50, bert or package.module:factory [mlp]")
+@click.option("--model-args", help="model sizes as key=value,... e.g. depth=2,width=64")
+@click.option("--bucket-mb", help=f"{_LIST} of bucket caps in MB, e.g. 5,25,100 [25]")
+@click.option("--backend", help=f"{_LIST}: gloo, nccl [gloo]")
+@click.option("--world-size", help=f"{_LIST} of process counts (the paper's GPU axis) [2]")
+@click.option("--algorithm", help=f"{_LIST} of all-reduce algorithms (commlab.collectives) [native]")
+@click.option("--overlap", type=click.Choice(["on", "off", "both"]), help="overlap comm with backward [both]")
+@click.option("--accumulate", help=f"{_LIST}: micro-batches per step, all but one under no_sync [1]")
+@click.option("--groups", help=f"{_LIST}: round-robin process groups [1]")
+@click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")
+@click.option("--global-batch", type=click.IntRange(min=1), help=f"samples per micro-batch over all ranks [{DEFAULTS['global_batch']}]")
+@click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")
+@click.option("--iters", type=click.IntRange(min=1), help=f"measured steps per configuration [{DEFAULTS['iters']}]")
+@click.option("--warmup", type=click.IntRange(min=0), help=f"unmeasured steps first [{DEFAULTS['warmup']}]")
+@click.option("--out", type=click.Path(file_okay=False), help="parent directory of results [results]")
+@click.option("--name", help="results go to OUT/NAME [the spec file's name, else sweep-<time>]")
+@click.option("--resume", is_flag=True, help="skip configurations already finished in OUT/NAME [latest run]")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), help="spawn local ranks, or one torchrun per configuration [local]")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="seconds per configuration before it is ended [300]")
+@click.option("--nnodes", type=click.IntRange(min=1), help="nodes per torchrun job (multi-node, see scripts/) [1]")
+@click.option("--rdzv-endpoint", help="HOST:PORT of torchrun's rendezvous for --nnodes > 1")
+@click.option("--figures/--no-figures", "draw", default=True, help="draw the figures at the end [on]")
+def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
+    """Measure commlab's DDP over a grid: bucket size x backend x world size x ...
+
+    Every combination of the list options is one configuration, run in a fresh process group;
+    results (CSV), metadata and figures go to OUT/NAME. Options override SPEC_FILE (YAML with the
+    same keys, e.g. sweeps/reference.yaml).
+    """
+    from commlab.sweep import runner, store
+    from commlab.sweep.metadata import command_line, environment
+
+    spec = _read_spec(spec_file)
+    try:
+        plan = build_plan(merge(spec, options))
+        runner.check_plan(plan)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    run_dir = _run_dir(plan.out, plan.name or (spec_file.stem if spec_file else None), resume)
+    node_rank = int(os.environ.get("SLURM_NODEID", "0")) if plan.nnodes > 1 else 0
+    if node_rank != 0:  # every node runs the same grid in step; node 0 alone writes results
+        run_dir = Path(tempfile.mkdtemp(prefix="commlab-sweep-node-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731  (results go to files, chatter to stderr)
+    echo(f"commlab sweep: {len(plan.configs)} configuration(s) -> {run_dir}")
+
+    meta = store.read_metadata(run_dir) or {"environment": environment()}
+    session = {"command": command_line(), "start": _now(), "end": None}
+    meta.setdefault("sessions", []).append(session)
+    store.write_metadata(run_dir, meta)
+    begin = time.monotonic()
+    runner.run(plan, run_dir, resume=resume, echo=echo)
+    records = store.load_records(run_dir)
+    session["end"] = _now()
+    meta["hosts"] = sorted({h for r in records for h in r.get("hosts", [])})
+    meta["devices"] = sorted({d for r in records for d in r.get("devices", [])})
+    store.write_metadata(run_dir, meta)
+
+    if draw:
+        from commlab.sweep.figures import draw_all
+
+        written = draw_all(run_dir)
+        echo(f"figures: {', '.join(p.name for p in written if p.suffix == '.png') or 'none'} (+ PDF)")
+    failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
+    echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
+    if failed:
+        raise click.ClickException(f"{len(failed)} configuration(s) failed (status and error in {run_dir / 'runs.csv'})")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def figures(run_dir: Path) -> None:
+    """Redraw every figure of a sweep's results directory from its CSVs (PNG and PDF)."""
+    from commlab.sweep.figures import draw_all
+
+    try:
+        written = draw_all(run_dir)
+    except FileNotFoundError as err:
+        raise click.UsageError(str(err)) from None
+    for path in written:
+        click.echo(str(path))
+    if not written:
+        click.echo("no successful configuration to draw", err=True)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--config", "config_id", help="configuration id (runs.csv `config`) [the first successful one]")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>.json]")
+def trace(run_dir: Path, config_id: str | None, output: Path | None) -> None:
+    """Write one configuration's measured steps as Chrome trace JSON (Perfetto, chrome://tracing)."""
+    from commlab.sweep.store import read_tables
+    from commlab.sweep.trace import write_trace
+
+    try:
+        iterations, buckets, runs = read_tables(run_dir)
+        path = write_trace(iterations, buckets, runs, config_id, output, run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise click.UsageError(str(err)) from None
+    click.echo(str(path))
+
+
+def _read_spec(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        spec = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise click.BadParameter(f"{path}: not valid YAML ({err})", param_hint="SPEC_FILE") from None
+    if not isinstance(spec, dict):
+        raise click.BadParameter(f"{path}: expected a mapping of option: value", param_hint="SPEC_FILE")
+    return spec
+
+
+def _run_dir(out: str, name: str | None, resume: bool) -> Path:
+    """OUT/NAME; with --resume and no name, the most recent sweep under OUT."""
+    out_dir = Path(out)
+    if name is None and resume:
+        runs = sorted((p for p in out_dir.glob("*/configs") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise click.UsageError(f"--resume: no sweep to resume under {out_dir}/ (give --name)")
+        return runs[-1].parent
+    run_dir = out_dir / (name or time.strftime("sweep-%Y%m%d-%H%M%S"))
+    if not resume and any((run_dir / "configs").glob("*.json")):
+        raise click.UsageError(f"{run_dir} already holds results: add --resume to continue it, or pick another --name")
+    return run_dir
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+

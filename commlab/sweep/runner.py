@@ -1,0 +1,132 @@
+"""Running a sweep: each configuration in a fresh process group, faults recorded, resumable.
+
+A configuration runs either on spawned local ranks (:func:`commlab.launch`) or as one ``torchrun``
+job (so the same sweep runs across nodes). Either way it gets its own process group and its own
+deadline: a crash or a hang is recorded as the configuration's status and error, its processes
+are ended, and the sweep goes on. Each finished configuration is saved atomically before the
+next one starts, so ``--resume`` continues a killed sweep without losing or repeating rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import commlab
+from commlab.sweep import store
+from commlab.sweep.progress import Progress
+from commlab.sweep.spec import Config, Plan
+
+Echo = Callable[[str], None]
+
+
+def check_plan(plan: Plan) -> None:
+    """Environment checks that need torch (models, algorithms, devices); ValueError on failure."""
+    from commlab.collectives import algorithm_names
+    from commlab.models import check_workload
+    from commlab.runtime import resolve_backend
+
+    for cfg in plan.configs:
+        check_workload(cfg.model, **cfg.model_kwargs())
+        if cfg.algorithm not in algorithm_names():
+            raise ValueError(f"--algorithm: unknown all-reduce algorithm {cfg.algorithm!r}: choose from {', '.join(algorithm_names())}")
+        try:
+            resolve_backend(cfg.backend, cfg.world_size // plan.nnodes)
+        except ValueError as err:
+            raise ValueError(f"--backend/--world-size: {err}") from None
+
+
+def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
+    """All ranks' results for one configuration; raises on a crash, a hang or a timeout."""
+    if plan.launcher == "local":
+        from commlab.sweep.worker import measure
+
+        return commlab.launch(measure, cfg, world_size=cfg.world_size, backend=cfg.backend, timeout=plan.timeout)
+    return _torchrun(cfg, plan)
+
+
+def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="commlab-sweep-") as tmp:
+        config_path, result_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        config_path.write_text(json.dumps(cfg.columns()))
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={cfg.world_size // plan.nnodes}", f"--nnodes={plan.nnodes}"]
+        if plan.rdzv_endpoint:
+            cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_endpoint}", f"--rdzv-id={cfg.id}"]
+        else:
+            cmd += ["--standalone"]
+        cmd += ["-m", "commlab.sweep.worker", str(config_path), str(result_path), str(plan.timeout)]
+        # A new session so that a timeout can end torchrun and every rank it started.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=plan.timeout + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise TimeoutError(f"torchrun did not finish within {plan.timeout:g} s") from None
+        if proc.returncode != 0 or not result_path.exists():
+            raise RuntimeError(f"torchrun exited with code {proc.returncode}:\n{output[-4000:]}")
+        return json.loads(result_path.read_text())
+
+
+def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok") -> dict[str, Any]:
+    """The per-configuration record saved under configs/ (see :mod:`commlab.sweep.store`)."""
+    rec: dict[str, Any] = {"config": cfg.columns(), "status": status, "error": error,
+                           "started": started, "ended": time.time(), "iterations": [], "buckets": []}
+    for rank_result in results or []:
+        rec["iterations"] += rank_result["iterations"]
+        rec["buckets"] += rank_result["buckets"]
+    rec["hosts"] = sorted({r["host"] for r in results or []})
+    rec["devices"] = sorted({r["device"] for r in results or []})
+    return rec
+
+
+def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
+    """Run every configuration of ``plan`` not already finished in ``run_dir``; return new records."""
+    done = store.finished_ids(run_dir) if resume else set()
+    todo = [c for c in plan.configs if c.id not in done]
+    if done:
+        echo(f"resuming {run_dir}: {len(plan.configs) - len(todo)} of {len(plan.configs)} configurations already finished")
+    progress = Progress(len(todo), echo)
+    new = []
+    for cfg in todo:
+        echo(f"  running {cfg.id} ...")
+        started = time.time()
+        try:
+            rec = record(cfg, started, measure(cfg, plan))
+        except Exception as err:  # a failed configuration is a result too; the sweep goes on
+            status = "timeout" if ("did not finish within" in str(err) or isinstance(err, TimeoutError)) else "failed"
+            rec = record(cfg, started, None, error=_short(err), status=status)
+        store.save_record(run_dir, rec)
+        _, _, runs = store.assemble(run_dir)
+        new.append(rec)
+        progress.advance(summary_line(runs[runs["config"] == cfg.id].iloc[0]))
+    if not todo:
+        store.assemble(run_dir)
+    return new
+
+
+def summary_line(row) -> str:
+    """One line per finished configuration, for the console."""
+    if row["status"] != "ok":
+        first = str(row["error"]).strip().splitlines()[0] if str(row["error"]).strip() else ""
+        return f"{row['config']}  {row['status'].upper()}  {first[:120]}"
+    return (
+        f"{row['config']}  step {row['step_median'] * 1e3:.1f} ms "
+        f"(p10 {row['step_p10'] * 1e3:.1f}, p90 {row['step_p90'] * 1e3:.1f})  "
+        f"exposed comm {row['exposed_comm_median'] * 1e3:.1f} ms  {row['samples_per_s']:.0f} samples/s"
+    )
+
+
+def _short(err: BaseException) -> str:
+    """The error with the failing rank's traceback, capped so that runs.csv stays readable."""
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) < 4000 else text[:1000] + "\n...\n" + text[-3000:]

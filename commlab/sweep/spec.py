@@ -1,0 +1,253 @@
+"""Sweep specifications: parsing option values, merging a YAML spec with the CLI, the grid.
+
+Everything here is pure: a spec (dict of option name -> raw value, from YAML or click) becomes a
+validated :class:`Plan` holding the list of :class:`Config`, one per point of the grid. Errors are
+``ValueError`` with a message meant for the user; the CLI turns them into click errors before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Option -> default. The embedded default (no options but --bucket-mb) is the README's first
+# command: CPU, Gloo, world size 2, the built-in MLP, with and without overlap.
+DEFAULTS: dict[str, Any] = {
+    "model": "mlp",
+    "model_args": "",
+    "bucket_mb": "25",
+    "backend": "gloo",
+    "world_size": "2",
+    "algorithm": "native",
+    "overlap": "both",
+    "accumulate": "1",
+    "groups": "1",
+    "scaling": "strong",
+    "global_batch": 64,
+    "batch_per_rank": None,
+    "iters": 20,
+    "warmup": 3,
+    "out": "results",
+    "name": None,
+    "launcher": "local",
+    "timeout": 300.0,
+    "nnodes": 1,
+    "rdzv_endpoint": None,
+}
+LAUNCHERS = ("local", "torchrun")
+SCALINGS = ("strong", "weak")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid: everything that determines a DDP measurement."""
+
+    model: str
+    model_args: str  # canonical "key=value,..." (sorted keys)
+    backend: str
+    world_size: int
+    bucket_mb: float
+    algorithm: str
+    overlap: bool
+    accumulate: int  # micro-batches per optimizer step; all but the last under no_sync
+    groups: int  # round-robin process groups
+    scaling: str
+    global_batch: int  # samples per micro-batch across all ranks
+    batch_per_rank: int
+    iters: int
+    warmup: int
+
+    @property
+    def id(self) -> str:
+        """Readable and stable: the same settings give the same id in every run (used by --resume)."""
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:6]
+        model = re.sub(r"[^A-Za-z0-9]+", "_", self.model)[:24]
+        overlap = "ov" if self.overlap else "noov"
+        return (
+            f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-{digest}"
+        )
+
+    def columns(self) -> dict[str, Any]:
+        """The configuration columns of every results table, ``config`` (the id) first."""
+        return {"config": self.id, **asdict(self)}
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return parse_model_args(self.model_args)
+
+    @classmethod
+    def from_columns(cls, row: dict[str, Any]) -> Config:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated sweep: the grid plus how to run it."""
+
+    configs: tuple[Config, ...]
+    out: str
+    name: str | None
+    launcher: str
+    timeout: float
+    nnodes: int
+    rdzv_endpoint: str | None
+
+
+CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]
+
+
+def parse_list(value: Any, item, option: str) -> list:
+    """``"5,25,100"``, ``[5, 25]`` or ``5`` -> a list of parsed, de-duplicated items, order kept."""
+    if value is None:
+        raise ValueError(f"--{_dash(option)} needs a value")
+    raw = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out: list = []
+    for piece in raw:
+        text = str(piece).strip()
+        if not text:
+            raise ValueError(f"--{_dash(option)}: empty item in {value!r}")
+        parsed = item(text, option)
+        if parsed not in out:
+            out.append(parsed)
+    if not out:
+        raise ValueError(f"--{_dash(option)} needs at least one value")
+    return out
+
+
+def positive_float(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--{_dash(option)}: {text!r} is not a number") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"--{_dash(option)}: {text!r} must be a positive number")
+    return value
+
+
+def positive_int(text: str, option: str) -> int:
+    try:
+        value = int(str(text))
+    except ValueError:
+        raise ValueError(f"--{_dash(option)}: {text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"--{_dash(option)}: {text!r} must be a positive integer")
+    return value
+
+
+def overlap_values(value: Any) -> list[bool]:
+    """``on``/``off``/``both`` (or a YAML bool, or a list of them) -> the overlap axis."""
+    words = {"on": [True], "true": [True], "off": [False], "false": [False], "both": [True, False]}
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out: list[bool] = []
+    for item in items:
+        key = str(item).strip().lower()
+        if key not in words:
+            raise ValueError(f"--overlap: {item!r} is not one of on, off, both")
+        out += [v for v in words[key] if v not in out]
+    return out
+
+
+def parse_model_args(value: Any) -> dict[str, Any]:
+    """``"depth=2,width=64"`` or a YAML mapping -> ``{"depth": 2, "width": 64}``."""
+    if isinstance(value, dict):
+        pairs = [(str(k), v) for k, v in value.items()]
+    else:
+        pairs = []
+        for piece in filter(None, (p.strip() for p in str(value or "").split(","))):
+            key, sep, text = piece.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--model-args: {piece!r} is not key=value")
+            pairs.append((key.strip(), _scalar(text.strip())))
+    return dict(sorted(pairs))
+
+
+def canonical_model_args(value: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in parse_model_args(value).items())
+
+
+def merge(spec: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
+    """Defaults, then the YAML spec, then the options given on the command line."""
+    spec = {k.replace("-", "_"): v for k, v in (spec or {}).items()}
+    unknown = sorted(set(spec) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown key(s) in the spec file: {', '.join(unknown)}")
+    merged = {**DEFAULTS, **spec}
+    given = {k: v for k, v in cli.items() if v is not None}
+    merged.update(given)
+    if merged["batch_per_rank"] is not None and "scaling" not in spec and "scaling" not in given:
+        merged["scaling"] = "weak"  # a per-rank batch with no scaling named means weak scaling
+    return merged
+
+
+def build_plan(options: dict[str, Any]) -> Plan:
+    """Validate merged options and expand the grid (model x backend x world size x ... x bucket)."""
+    o = options
+    scaling = str(o["scaling"]).lower()
+    if scaling not in SCALINGS:
+        raise ValueError(f"--scaling: {o['scaling']!r} is not one of {', '.join(SCALINGS)}")
+    launcher = str(o["launcher"]).lower()
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"--launcher: {o['launcher']!r} is not one of {', '.join(LAUNCHERS)}")
+    if scaling == "weak" and o.get("batch_per_rank") is None:
+        raise ValueError("--scaling weak needs --batch-per-rank")
+    models = parse_list(o["model"], lambda t, _: t, "model")
+    backends = parse_list(o["backend"], lambda t, _: t.lower(), "backend")
+    world_sizes = parse_list(o["world_size"], positive_int, "world_size")
+    buckets = parse_list(o["bucket_mb"], positive_float, "bucket_mb")
+    algorithms = parse_list(o["algorithm"], lambda t, _: t, "algorithm")
+    accumulates = parse_list(o["accumulate"], positive_int, "accumulate")
+    groups = parse_list(o["groups"], positive_int, "groups")
+    overlaps = overlap_values(o["overlap"])
+    iters = positive_int(str(o["iters"]), "iters")
+    warmup = int(o["warmup"]) if str(o["warmup"]).lstrip("-").isdigit() else -1
+    if warmup < 0:
+        raise ValueError(f"--warmup: {o['warmup']!r} must be a non-negative integer")
+    timeout = positive_float(str(o["timeout"]), "timeout")
+    nnodes = positive_int(str(o["nnodes"]), "nnodes")
+    model_args = canonical_model_args(o["model_args"])
+    if nnodes > 1 and launcher != "torchrun":
+        raise ValueError("--nnodes > 1 needs --launcher torchrun")
+    if nnodes > 1 and not o.get("rdzv_endpoint"):
+        raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+
+    configs = []
+    for model, backend, world, algo, group, acc, overlap, bucket in itertools.product(
+        models, backends, world_sizes, algorithms, groups, accumulates, overlaps, buckets
+    ):
+        if world % nnodes:
+            raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
+        if scaling == "strong":
+            global_batch = positive_int(str(o["global_batch"]), "global_batch")
+            if global_batch % world:
+                raise ValueError(
+                    f"--global-batch {global_batch} does not split evenly over world size {world} "
+                    "(strong scaling): pick a multiple, or use --scaling weak --batch-per-rank N"
+                )
+            per_rank = global_batch // world
+        else:
+            per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
+            global_batch = per_rank * world
+        configs.append(
+            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group,
+                   scaling, global_batch, per_rank, iters, warmup)
+        )
+    return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
+                o.get("rdzv_endpoint"))
+
+
+def _scalar(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _dash(option: str) -> str:
+    return option.replace("_", "-")

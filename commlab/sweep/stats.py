@@ -1,0 +1,72 @@
+"""Summary statistics of a sweep: medians, p10/p90, samples per second, scaling efficiency.
+
+Pure pandas functions over the tidy tables (see :mod:`commlab.sweep.store`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from commlab.sweep.spec import CONFIG_COLUMNS
+
+PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time"]
+# Columns that change with the world size inside one scaling series.
+_SCALING_AXIS = ["config", "world_size", "global_batch", "batch_per_rank"]
+
+
+def step_per_iteration(iterations: pd.DataFrame) -> pd.DataFrame:
+    """One row per (configuration, iteration): the step time of the slowest rank.
+
+    Ranks finish a synchronised step at nearly the same time (the all-reduce is a barrier); the
+    slowest rank is what the job waits for, so it defines the step.
+    """
+    return iterations.groupby(["config", "iteration"], as_index=False)["step"].max()
+
+
+def summarise(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
+    """Add per-configuration statistics to ``runs`` (one row per configuration).
+
+    ``step_median``/``step_p10``/``step_p90`` are over iterations of the slowest-rank step time;
+    ``<phase>_median`` over every rank and iteration; ``samples_per_s`` counts every micro-batch of
+    a step (``global_batch * accumulate / step_median``); ``scaling_efficiency`` is given by
+    :func:`scaling_efficiency`.
+    """
+    runs = runs.copy()
+    steps = step_per_iteration(iterations).groupby("config")["step"]
+    stats = pd.DataFrame({
+        "iterations": steps.size(),
+        "step_median": steps.median(),
+        "step_p10": steps.quantile(0.1),
+        "step_p90": steps.quantile(0.9),
+    })
+    medians = iterations.groupby("config")[PHASES].median().add_suffix("_median")
+    stats = stats.join(medians)
+    runs = runs.join(stats, on="config")
+    runs["iterations"] = runs["iterations"].fillna(0).astype(int)
+    runs["samples_per_s"] = runs["global_batch"] * runs["accumulate"] / runs["step_median"]
+    runs["scaling_efficiency"] = scaling_efficiency(runs)
+    return runs
+
+
+def scaling_efficiency(runs: pd.DataFrame) -> pd.Series:
+    """Throughput relative to linear scaling from the smallest world size of the same series.
+
+    A series is every configuration that differs only in world size (and the batch columns that
+    follow from it). efficiency(w) = (samples/s at w / samples/s at w0) / (w / w0), so 1.0 is
+    ideal for both strong and weak scaling; NaN where the series has no successful baseline.
+    """
+    if runs.empty:
+        return pd.Series(dtype=float, index=runs.index)
+    keys = _series_keys(runs)
+    out = pd.Series(np.nan, index=runs.index, dtype=float)
+    ok = runs[(runs["status"] == "ok") & runs["samples_per_s"].notna()]
+    for _, series in ok.groupby(keys, dropna=False, sort=False):
+        base = series.loc[series["world_size"].idxmin()]
+        ratio = series["samples_per_s"] / base["samples_per_s"]
+        out.loc[series.index] = ratio / (series["world_size"] / base["world_size"])
+    return out
+
+
+def _series_keys(runs: pd.DataFrame) -> list[str]:
+    return [c for c in CONFIG_COLUMNS if c not in _SCALING_AXIS and c in runs]

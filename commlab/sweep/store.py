@@ -1,0 +1,118 @@
+"""The results directory: one atomic record per configuration, tidy CSVs assembled from them.
+
+Layout of ``results/<name>/``::
+
+    configs/<config id>.json   one record per finished configuration (the source of truth)
+    iterations.csv             configuration columns + rank, iteration, phase seconds
+    buckets.csv                configuration columns + rank, iteration, bucket timings
+    runs.csv                   one row per configuration: status, error, summary statistics
+    metadata.json              versions, hardware, hosts, git commit, command line, times
+
+A record is written to a temporary file in the same directory and then ``os.replace``-d into
+place, so a sweep killed at any moment leaves either the whole record or none of it; the CSVs are
+rebuilt from the records (also atomically), so they can never hold a half-written or duplicated
+configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from commlab.sweep.spec import CONFIG_COLUMNS
+from commlab.sweep.stats import summarise
+
+RECORDS = "configs"
+ITERATION_COLUMNS = [
+    "rank", "iteration", "forward", "backward_compute", "comm", "exposed_comm", "total",
+    "accumulate_time", "optimizer", "step",
+]
+BUCKET_COLUMNS = ["rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_record(run_dir: Path, record: dict[str, Any]) -> Path:
+    path = Path(run_dir) / RECORDS / f"{record['config']['config']}.json"
+    write_atomic(path, json.dumps(record))
+    return path
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every configuration record, in the order they were started."""
+    records = []
+    for path in sorted((Path(run_dir) / RECORDS).glob("*.json")):
+        records.append(json.loads(path.read_text()))
+    return sorted(records, key=lambda r: (r.get("started", 0), r["config"]["config"]))
+
+
+def finished_ids(run_dir: Path) -> set[str]:
+    """Configurations that completed successfully (``--resume`` skips them; failures are retried)."""
+    return {r["config"]["config"] for r in load_records(run_dir) if r["status"] == "ok"}
+
+
+def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The three tidy tables (iterations, buckets, runs) built from configuration records."""
+    iter_rows, bucket_rows, run_rows = [], [], []
+    for rec in records:
+        cfg = rec["config"]
+        iter_rows += [{**cfg, **row} for row in rec.get("iterations", [])]
+        bucket_rows += [{**cfg, **row} for row in rec.get("buckets", [])]
+        run_rows.append({**cfg, "status": rec["status"], "error": rec.get("error", ""),
+                         "seconds": rec.get("ended", 0) - rec.get("started", 0)})
+    iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS)
+    buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS)
+    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + ["status", "error", "seconds"]), iterations)
+    return iterations, buckets, runs
+
+
+def assemble(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Rebuild iterations.csv, buckets.csv and runs.csv from the records; return the tables."""
+    iterations, buckets, runs = tables(load_records(run_dir))
+    for name, df in (("iterations", iterations), ("buckets", buckets), ("runs", runs)):
+        write_atomic(Path(run_dir) / f"{name}.csv", df.to_csv(index=False))
+    return iterations, buckets, runs
+
+
+def read_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Read the three CSVs of a results directory (as written by :func:`assemble`)."""
+    run_dir = Path(run_dir)
+    missing = [n for n in ("iterations", "buckets", "runs") if not (run_dir / f"{n}.csv").exists()]
+    if missing:
+        raise FileNotFoundError(f"{run_dir} has no {', '.join(m + '.csv' for m in missing)}: not a sweep results directory")
+    frames = []
+    for name in ("iterations", "buckets", "runs"):
+        df = pd.read_csv(run_dir / f"{name}.csv")
+        for text in ("model_args", "error"):  # empty strings, not NaN (groupby drops NaN keys)
+            if text in df:
+                df[text] = df[text].fillna("").astype(str)
+        frames.append(df)
+    return frames[0], frames[1], frames[2]
+
+
+def read_metadata(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / "metadata.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_metadata(run_dir: Path, meta: dict[str, Any]) -> None:
+    write_atomic(Path(run_dir) / "metadata.json", json.dumps(meta, indent=2, default=str) + "\n")

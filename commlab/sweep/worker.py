@@ -1,0 +1,110 @@
+"""One configuration measured on one rank: build the workload, wrap it in DDP, time every step.
+
+:func:`measure` runs inside an initialised process group (spawned by :func:`commlab.launch`, or
+one torchrun rank). Run as a module it is the torchrun launcher's entry point::
+
+    torchrun --nproc-per-node 2 -m commlab.sweep.worker CONFIG.json RESULT.json TIMEOUT
+
+which measures the configuration on every rank and has each node's local rank 0 write all
+ranks' results.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab.models import build_workload
+from commlab.sweep.spec import Config
+
+
+def measure(cfg: Config) -> dict[str, Any]:
+    """Time ``cfg.warmup + cfg.iters`` optimizer steps on this rank; return its rows.
+
+    A step is ``cfg.accumulate`` micro-batches, all but the last under ``no_sync`` (gradient
+    accumulation without communication, the paper's section 3.2.4), then the optimizer. DDP
+    records the synchronised micro-batch's breakdown (forward, backward compute, comm, exposed
+    comm, per-bucket times); the optimizer, the no_sync micro-batches and the whole step are
+    timed here. The batch is generated once: data loading is not what a sweep measures.
+    """
+    rt = commlab.Runtime.current()
+    torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
+    workload = build_workload(cfg.model, **cfg.model_kwargs())
+    model = workload.model.to(rt.device)
+    ddp = commlab.DistributedDataParallel(
+        model,
+        bucket_cap_mb=cfg.bucket_mb,
+        algorithm=cfg.algorithm,
+        overlap=cfg.overlap,
+        round_robin_groups=cfg.groups,
+    )
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1000 + rt.rank)
+    inputs, target = (t.to(rt.device) for t in workload.make_batch(cfg.batch_per_rank, gen))
+
+    def now() -> float:
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        return time.perf_counter()
+
+    steps: list[dict[str, float]] = []
+    for i in range(cfg.warmup + cfg.iters):
+        if i == cfg.warmup:
+            ddp.reset_timings()
+            steps.clear()
+        start = now()
+        for _ in range(cfg.accumulate - 1):
+            with ddp.no_sync():
+                workload.loss_fn(ddp(inputs), target).backward()
+        synced = now()
+        workload.loss_fn(ddp(inputs), target).backward()
+        backward_end = now()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = now()
+        steps.append({"accumulate_time": synced - start, "optimizer": end - backward_end, "step": end - start})
+
+    timings = ddp.iteration_timings
+    if len(timings) != len(steps):
+        raise RuntimeError(f"DDP recorded {len(timings)} synchronised iterations for {len(steps)} steps")
+    iterations, buckets = [], []
+    for i, (timing, own) in enumerate(zip(timings, steps)):
+        iterations.append({"rank": rt.rank, "iteration": i, **timing.as_row(), **own})
+        buckets += [
+            {"rank": rt.rank, "iteration": i, "bucket": b.index, "nbytes": b.nbytes,
+             "num_params": b.num_params, "ready": b.ready, "launched": b.launched, "done": b.done}
+            for b in timing.buckets
+        ]
+    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+    return {"rank": rt.rank, "host": socket.gethostname(), "device": device,
+            "iterations": iterations, "buckets": buckets}
+
+
+def main(argv: list[str]) -> int:
+    """torchrun entry point: measure on every rank; global rank 0 writes the gathered results."""
+    from commlab.sweep.store import write_atomic
+
+    config_path, result_path, timeout = argv[0], argv[1], float(argv[2])
+    with open(config_path) as f:
+        cfg = Config.from_columns(json.load(f))
+    try:
+        results = commlab.launch(measure, cfg, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
+        # Every node's local rank 0 writes (all ranks hold the gathered results), so that the
+        # sweep driver on each node of a multi-node job sees the configuration finish.
+        if commlab.Runtime.current().local_rank == 0:
+            write_atomic(result_path, json.dumps(results))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
