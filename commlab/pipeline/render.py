@@ -1,0 +1,62 @@
+"""Pictures of a schedule: the step x rank text grid and a Gantt figure of a (simulated or measured) timeline.
+
+The grid is the schedule's simulation with unit forward and backward times, so row t shows what
+each rank does at clock tick t (torchgpipe's clock-cycle view); "." is a bubble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from commlab.pipeline.schedules import FORWARD, Actions
+from commlab.pipeline.simulate import Timed, simulate
+
+
+def grid(actions: Actions) -> str:
+    """The step x rank table of a schedule with unit times, as printed by ``commlab pipeline show``."""
+    sim = simulate(actions, 1.0, 1.0)
+    ranks = len(actions)
+    steps = int(round(sim.step_time))
+    cells = [["."] * ranks for _ in range(steps)]
+    for t in sim.timeline:
+        cells[int(round(t.start))][t.rank] = str(t.action)
+    width = max(5, *(len(str(t.action)) for t in sim.timeline))
+    header = "step " + " ".join(f"{f'rank{r}':>{width}}" for r in range(ranks))
+    rows = [f"{k:>4} " + " ".join(f"{c:>{width}}" for c in row) for k, row in enumerate(cells)]
+    return "\n".join([header, *rows])
+
+
+def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "") -> None:
+    """Draw one bar per action on a matplotlib axis: rank on y, time on x, forward light, backward dark.
+
+    Micro-batch numbers are written in the bars; the same function draws simulated and measured
+    timelines so the two can be compared panel by panel.
+    """
+    import seaborn as sns
+
+    palette = sns.color_palette("Paired")
+    for t in timeline:
+        color = palette[(2 * t.action.stage) % len(palette)] if t.action.kind == FORWARD else palette[(2 * t.action.stage + 1) % len(palette)]
+        ax.barh(t.rank, t.end - t.start, left=t.start, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+        if t.end - t.start > 0:
+            ax.text((t.start + t.end) / 2, t.rank, str(t.action.microbatch), ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    if title:
+        ax.set_title(title, fontsize=9)
+
+
+def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path: str) -> None:
+    """Save stacked Gantt panels (e.g. simulated over measured) to ``path`` with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.0 + 0.5 * ranks * len(panels)), squeeze=False)
+    for ax, (title, timeline) in zip(axes[:, 0], panels):
+        gantt(ax, timeline, ranks, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

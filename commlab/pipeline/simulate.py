@@ -1,0 +1,146 @@
+"""Dry-run simulation of a schedule: when each action runs, step time, idle time and the bubble.
+
+Each rank runs its actions strictly in order; an action starts when its rank is free and its
+inputs exist: forward ``(s, i)`` needs forward ``(s-1, i)``, backward ``(s, i)`` needs forward
+``(s, i)`` and backward ``(s+1, i)``. Sends never block (the executor's sends are asynchronous), so
+the only waits are receives, and a schedule deadlocks exactly when no rank can start its next
+action. The same engine with unit times is the validator's deadlock check and the text grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from commlab.pipeline.schedules import BACKWARD, FORWARD, Action, Actions, num_stages, stage_rank
+
+
+class DeadlockError(ValueError):
+    """The schedule cannot finish: every unfinished rank waits for an action that never runs."""
+
+
+@dataclass(frozen=True)
+class Timed:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a schedule costs under given per-stage times."""
+
+    timeline: tuple[Timed, ...]  # every action, in order of start time
+    step_time: float
+    busy: tuple[float, ...]  # per rank
+    idle: tuple[float, ...]  # per rank: step_time - busy
+    peak_in_flight: tuple[int, ...]  # per stage: most micro-batches forwarded but not yet backwarded
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of all ranks' time: sum(idle) / (ranks * step_time)."""
+        return sum(self.idle) / (len(self.idle) * self.step_time) if self.step_time else 0.0
+
+
+def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
+    s, i = action.stage, action.microbatch
+    if action.kind == FORWARD:
+        return (Action(s - 1, FORWARD, i),) if s > 0 else ()
+    later = (Action(s + 1, BACKWARD, i),) if s + 1 < stages else ()
+    return (Action(s, FORWARD, i), *later)
+
+
+def _per_stage(value: float | Sequence[float], stages: int, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        values = [float(value)] * stages
+    else:
+        values = [float(x) for x in value]
+    if len(values) != stages:
+        raise ValueError(f"{what} needs one time per stage: {len(values)} given, {stages} stages")
+    if any(x < 0 for x in values):
+        raise ValueError(f"{what} times must be non-negative, got {values}")
+    return values
+
+
+def simulate(
+    actions: Actions,
+    forward: float | Sequence[float] = 1.0,
+    backward: float | Sequence[float] = 2.0,
+    comm: float = 0.0,
+) -> Simulation:
+    """Run the schedule on a virtual clock; raise :class:`DeadlockError` if it cannot finish.
+
+    ``forward`` and ``backward`` are per-stage times (one number for all stages, or a list);
+    ``comm`` is added to every dependency that crosses ranks. The default backward = 2 x forward
+    is the usual estimate (a backward computes gradients for both inputs and weights).
+    """
+    ranks = len(actions)
+    stages = num_stages(actions)
+    f = _per_stage(forward, stages, "forward")
+    b = _per_stage(backward, stages, "backward")
+    end: dict[Action, float] = {}
+    clock = [0.0] * ranks
+    busy = [0.0] * ranks
+    nxt = [0] * ranks
+    timeline: list[Timed] = []
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for r in range(ranks):
+            while nxt[r] < len(actions[r]):
+                act = actions[r][nxt[r]]
+                deps = dependencies(act, stages)
+                if any(d not in end for d in deps):
+                    break
+                ready = max(
+                    [clock[r]]
+                    + [end[d] + (comm if stage_rank(d.stage, ranks) != r else 0.0) for d in deps]
+                )
+                cost = f[act.stage] if act.kind == FORWARD else b[act.stage]
+                end[act] = ready + cost
+                clock[r] = ready + cost
+                busy[r] += cost
+                timeline.append(Timed(r, act, ready, ready + cost))
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = {
+                r: str(actions[r][nxt[r]]) for r in range(ranks) if nxt[r] < len(actions[r])
+            }
+            raise DeadlockError(f"schedule deadlocks: ranks wait forever at {waiting}")
+    step = max(clock) if clock else 0.0
+    timeline.sort(key=lambda t: (t.start, t.rank))
+    return Simulation(
+        timeline=tuple(timeline),
+        step_time=step,
+        busy=tuple(busy),
+        idle=tuple(step - x for x in busy),
+        peak_in_flight=peak_in_flight(actions),
+    )
+
+
+def peak_in_flight(actions: Actions) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose forward ran and whose backward has not.
+
+    This bounds the activations a stage stashes: m for GPipe, p - s for 1F1B (Narayanan et al.
+    2021, section 2.2).
+    """
+    stages = num_stages(actions)
+    live = [0] * stages
+    peak = [0] * stages
+    for rank in actions:
+        for a in rank:
+            live[a.stage] += 1 if a.kind == FORWARD else -1
+            peak[a.stage] = max(peak[a.stage], live[a.stage])
+    return tuple(peak)
+
+
+def bubble_formula(ranks: int, microbatches: int, virtual: int = 1) -> float:
+    """The bubble fraction for uniform stages: (p-1) / (v*m + p-1).
+
+    For GPipe and 1F1B (v = 1) this is Huang et al.'s (p-1)/(m+p-1). Interleaving divides the
+    bubble time by v (Narayanan et al. SC'21, eq. in section 2.2: (p-1)/(v*m) of the ideal time).
+    """
+    return (ranks - 1) / (virtual * microbatches + ranks - 1)
