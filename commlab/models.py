@@ -2,8 +2,8 @@
 
 Built-in models need nothing beyond torch. ``resnet50`` (torchvision) and ``bert``
 (transformers, random weights from a config: nothing is downloaded) need the ``models`` extra.
-Any other model is named as ``package.module:factory``; the factory takes no arguments and
-returns an ``nn.Module`` whose input is a float tensor of shape ``(batch, *input_shape)`` given by
+Any other model is named as ``package.module:factory``; the factory takes the sizes as keyword
+arguments (none by default) and returns an ``nn.Module`` whose input is a float tensor of shape ``(batch, *input_shape)`` given by
 an ``input_shape`` attribute on the module (default: ``(in_features,)`` of its first Linear).
 """
 
@@ -90,9 +90,9 @@ def check_workload(name: str, **sizes) -> None:
         if bad:
             raise ValueError(f"model {name!r}: sizes must be positive integers, got {bad}")
         return
-    if sizes:
-        raise ValueError(f"model {name!r} takes no sizes, got {', '.join(sorted(sizes))}")
     if name in OPTIONAL:
+        if sizes:
+            raise ValueError(f"model {name!r} takes no sizes, got {', '.join(sorted(sizes))}")
         _require(OPTIONAL[name], name)
         return
     module_name, _, attr = name.partition(":")
@@ -119,7 +119,7 @@ def build_workload(name: str, **sizes) -> Workload:
         _require(OPTIONAL[name], name)
         return _resnet50() if name == "resnet50" else _bert()
     module_name, _, attr = name.partition(":")
-    model = getattr(importlib.import_module(module_name), attr)()
+    model = getattr(importlib.import_module(module_name), attr)(**sizes)  # sizes go to the factory
     if not isinstance(model, nn.Module):
         raise ValueError(f"{name} returned {type(model).__name__}, not an nn.Module")
     shape = tuple(getattr(model, "input_shape", ()) or (_first_linear(model).in_features,))

@@ -1,0 +1,143 @@
+"""Figure data: the tables each figure draws, cut from the tidy results (pure pandas).
+
+Each function returns an empty frame when the results cannot support its figure (for example a
+bucket-size curve needs at least two bucket sizes), so the drawing code draws only what the
+data supports.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+# The axes a sweep can vary, in the order a label names them.
+AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "scaling"]
+# Stacked segments of one step, bottom to top (they add up to the step time; section 5 of the
+# paper splits an iteration the same way: forward, backward compute, exposed communication,
+# optimizer).
+SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
+
+
+def ok(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[(runs["status"] == "ok") & runs["step_median"].notna()].copy()
+
+
+def varying(df: pd.DataFrame, columns: list[str]) -> list[str]:
+    """The columns among ``columns`` that take more than one value in ``df``."""
+    return [c for c in columns if c in df and df[c].nunique(dropna=False) > 1]
+
+
+def label(row: pd.Series, columns: list[str]) -> str:
+    """A short human label of a row's values in ``columns``, e.g. ``gloo, w2, overlap``."""
+    parts = []
+    for c in columns:
+        v = row[c]
+        if c == "overlap":
+            parts.append("overlap" if _truthy(v) else "no overlap")
+        elif c == "world_size":
+            parts.append(f"w{v}")
+        elif c == "bucket_mb":
+            parts.append(f"{v:g} MB")
+        elif c in ("accumulate", "groups"):
+            parts.append(f"{c} {v}")
+        else:
+            parts.append(str(v))
+    return ", ".join(parts) or "all"
+
+
+def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
+    """Median seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
+
+    Panels split by whatever varies besides bucket size and overlap; bars within a panel are
+    bucket size x overlap, so with and without overlap stand next to each other.
+    """
+    df = ok(runs)
+    if df.empty:
+        return df
+    for seg in SEGMENTS:
+        df[seg] = df[f"{seg}_median"].fillna(0.0)
+    outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
+    df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
+    df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
+    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS]]
+
+
+def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
+    """Median step time and its p10-p90 band against axis ``x`` (needs two or more x values).
+
+    ``panel`` splits by model, backend and world size (the paper draws one panel per backend and
+    model); ``series`` by the other axes that vary. With ``x="accumulate"`` the times are per
+    micro-batch (step / accumulate), which is how the paper compares no_sync intervals.
+    """
+    df = ok(runs)
+    if df.empty or df[x].nunique() < 2:
+        return df.iloc[0:0]
+    scale = df["accumulate"] if x == "accumulate" else 1.0
+    for stat in ("median", "p10", "p90"):
+        df[stat] = df[f"step_{stat}"] / scale * per
+    panels = _context(df, [a for a in ("model", "model_args", "backend", "world_size") if a != x])
+    series = varying(df, [a for a in AXES if a not in panels and a not in ("model", "model_args", "backend", "world_size", x)])
+    df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
+    df["series"] = df.apply(lambda r: label(r, series), axis=1)
+    return df.sort_values(["panel", "series", x])[["config", "panel", "series", x, "median", "p10", "p90"]]
+
+
+def scaling(runs: pd.DataFrame) -> pd.DataFrame:
+    """Throughput and efficiency against world size, with the ideal (linear) throughput.
+
+    ``ideal`` extends the smallest world size's throughput linearly; needs two or more world
+    sizes. ``series`` names the scaling mode and every other axis that varies.
+    """
+    df = ok(runs)
+    if df.empty or df["world_size"].nunique() < 2:
+        return df.iloc[0:0]
+    keys = varying(df, [a for a in AXES if a != "world_size"])
+    df["series"] = df.apply(lambda r: label(r, ["scaling", *[k for k in keys if k != "scaling"]]), axis=1)
+    parts = []
+    for _, s in df.groupby("series", sort=True):
+        base = s.loc[s["world_size"].idxmin()]
+        s = s.assign(ideal=base["samples_per_s"] * s["world_size"] / base["world_size"])
+        parts.append(s.sort_values("world_size"))
+    out = pd.concat(parts)
+    return out[["config", "series", "world_size", "samples_per_s", "ideal", "scaling_efficiency"]]
+
+
+def pick_timeline_config(runs: pd.DataFrame, buckets: pd.DataFrame) -> str | None:
+    """The configuration whose timeline says most: overlapped, with the most buckets."""
+    df = ok(runs)
+    if df.empty or buckets.empty:
+        return None
+    counts = buckets.groupby("config")["bucket"].nunique().rename("n_buckets")
+    df = df.join(counts, on="config").dropna(subset=["n_buckets"])
+    if df.empty:
+        return None
+    df["overlap_first"] = ~df["overlap"].map(_truthy)
+    return df.sort_values(["overlap_first", "n_buckets"], ascending=[True, False]).iloc[0]["config"]
+
+
+def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank: int = 0, iteration: int | None = None) -> tuple[pd.Series, pd.DataFrame]:
+    """One iteration of one configuration on one rank: its phase row and its bucket rows.
+
+    Without ``iteration``, the iteration whose step time is the median of that rank's, so the
+    picture is typical rather than the warm-up-like first or an outlier.
+    """
+    its = iterations[(iterations["config"] == config) & (iterations["rank"] == rank)]
+    if its.empty:
+        raise ValueError(f"no iterations for configuration {config!r} on rank {rank}")
+    if iteration is None:
+        ordered = its.sort_values("step")
+        iteration = int(ordered.iloc[len(ordered) // 2]["iteration"])
+    row = its[its["iteration"] == iteration]
+    if row.empty:
+        raise ValueError(f"configuration {config!r} has no iteration {iteration}")
+    bks = buckets[(buckets["config"] == config) & (buckets["rank"] == rank) & (buckets["iteration"] == iteration)]
+    return row.iloc[0], bks.sort_values("bucket")
+
+
+def _context(df: pd.DataFrame, columns: list[str]) -> list[str]:
+    """Model, backend and world size always (a panel says what it shows), plus what else varies."""
+    always = [c for c in ("model", "backend", "world_size") if c in columns]
+    return always + [c for c in varying(df, columns) if c not in always]
+
+
+def _truthy(v) -> bool:
+    return v is True or str(v).lower() in ("true", "1")

@@ -1,0 +1,154 @@
+"""Drawing a sweep's figures (seaborn style, PNG and PDF) from its CSVs, only those the data supports.
+
+    breakdown        stacked step segments, with and without overlap   (paper section 5.1)
+    bucket_size      step latency vs bucket size, p10-p90 band            (paper section 5.2)
+    scaling          throughput vs world size with the ideal line, efficiency (section 5.3)
+    no_sync          latency per micro-batch vs accumulation steps        (section 5.4)
+    round_robin      step latency vs round-robin process groups           (section 5.4)
+    timeline         one iteration's buckets: ready, launched, done vs backward compute
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from commlab.sweep import figdata  # noqa: E402
+from commlab.sweep.store import read_tables  # noqa: E402
+
+_NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward",
+          "backward_compute": "backward compute", "exposed_comm": "exposed comm", "optimizer": "optimizer"}
+
+
+def draw_all(run_dir: Path) -> list[Path]:
+    """Redraw every supported figure under ``run_dir/figures``; return the files written."""
+    run_dir = Path(run_dir)
+    iterations, buckets, runs = read_tables(run_dir)
+    out = run_dir / "figures"
+    sns.set_theme(style="whitegrid", context="paper")
+    written: list[Path] = []
+    drawers = [
+        ("breakdown", lambda: _breakdown(figdata.breakdown(runs))),
+        ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket size (MB)", "step latency (ms)", log=True)),
+        ("scaling", lambda: _scaling(figdata.scaling(runs))),
+        ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)")),
+        ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "step latency (ms)")),
+        ("timeline", lambda: _timeline(iterations, buckets, figdata.pick_timeline_config(runs, buckets))),
+    ]
+    for name, draw in drawers:
+        fig = draw()
+        if fig is None:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        for suffix in (".png", ".pdf"):
+            fig.savefig(out / f"{name}{suffix}", dpi=130, bbox_inches="tight")
+            written.append(out / f"{name}{suffix}")
+        plt.close(fig)
+    return written
+
+
+def _panels(n: int, width: float = 4.2, height: float = 3.4):
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _breakdown(df: pd.DataFrame):
+    if df.empty:
+        return None
+    # A segment too thin to see (e.g. no_sync time without accumulation) stays out of the legend.
+    segments = [s for s in figdata.SEGMENTS if df[s].sum() > 0.005 * df[figdata.SEGMENTS].to_numpy().sum()]
+    colors = dict(zip(figdata.SEGMENTS, sns.color_palette("deep", len(figdata.SEGMENTS))))
+    panels = list(dict.fromkeys(df["panel"]))
+    fig, axes = _panels(len(panels), width=max(4.2, 0.9 * df.groupby("panel").size().max()))
+    for ax, panel in zip(axes, panels):
+        part = df[df["panel"] == panel]
+        bottom = pd.Series(0.0, index=part.index)
+        for seg in segments:
+            ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg], label=_NAMES[seg])
+            bottom += part[seg]
+        ax.set_title(panel)
+        ax.set_ylabel("median step latency (ms)")
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Latency breakdown with and without overlapping communication")
+    return fig
+
+
+def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, log: bool = False):
+    if df.empty:
+        return None
+    panels = list(dict.fromkeys(df["panel"]))
+    fig, axes = _panels(len(panels))
+    for ax, panel in zip(axes, panels):
+        part = df[df["panel"] == panel]
+        for (series, s), color in zip(part.groupby("series", sort=True), sns.color_palette("deep")):
+            ax.plot(s[x], s["median"], marker="o", color=color, label=series)
+            ax.fill_between(s[x], s["p10"], s["p90"], color=color, alpha=0.2, linewidth=0)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xticks(sorted(part[x].unique()), labels=[f"{v:g}" for v in sorted(part[x].unique())])
+        ax.minorticks_off()
+        ax.set_title(panel)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, title="median, p10-p90", title_fontsize=7)
+    return fig
+
+
+def _scaling(df: pd.DataFrame):
+    if df.empty:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for (series, s), color in zip(df.groupby("series", sort=True), sns.color_palette("deep")):
+        left.plot(s["world_size"], s["samples_per_s"], marker="o", color=color, label=series)
+        left.plot(s["world_size"], s["ideal"], linestyle="--", color=color, alpha=0.6)
+        right.plot(s["world_size"], s["scaling_efficiency"], marker="o", color=color, label=series)
+    right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ticks = sorted(df["world_size"].unique())
+    for ax, ylabel in ((left, "samples / s (dashed: ideal)"), (right, "scaling efficiency")):
+        ax.set_xticks(ticks)
+        ax.set_xlabel("world size (processes)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    fig.suptitle("Scaling: throughput against linear, and efficiency")
+    return fig
+
+
+def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | None):
+    if config is None:
+        return None
+    row, bks = figdata.timeline(iterations, buckets, config)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * (len(bks) + 2)))
+    ms = 1e3
+    fwd_end = row["forward"]
+    bwd_end = fwd_end + row["backward_compute"]
+    palette = sns.color_palette("deep")
+    ax.barh("forward", row["forward"] * ms, left=0, color=palette[1])
+    ax.barh("backward compute", (bwd_end - fwd_end) * ms, left=fwd_end * ms, color=palette[2])
+    for _, b in bks.iterrows():
+        name = f"bucket {int(b['bucket'])} ({_size(b['nbytes'])})"
+        ax.barh(name, (b["launched"] - b["ready"]) * ms, left=b["ready"] * ms, color="lightgray")
+        ax.barh(name, (b["done"] - b["launched"]) * ms, left=b["launched"] * ms, color=palette[3])
+        ax.plot([b["ready"] * ms], [name], marker="|", color="black", markersize=10)
+    ax.axvline(bwd_end * ms, color="gray", linestyle="--", linewidth=1)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since forward start   (| ready, gray: waiting to launch, red: all-reduce)")
+    ax.set_title(f"{config}, rank 0, iteration {int(row['iteration'])}", fontsize=8)
+    return fig
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
