@@ -1,0 +1,73 @@
+"""Rabenseifner's all-reduce: recursive-halving reduce-scatter + recursive-doubling all-gather.
+
+Following Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in
+MPICH" (IJHPCA 2005), section 4.4. With p' the largest power of two <= p:
+
+1. fold (only when p is not a power of two): among the first 2(p - p') ranks each even rank
+   sends its whole vector to its odd neighbour, which reduces the two and stands in for the pair;
+2. log2 p' halving steps: exchange half of the current range with the partner at distance
+   p'/2, p'/4, ..., 1, reduce the half kept; each rank ends owning one reduced block of p';
+3. log2 p' doubling steps, in reverse: exchange owned ranges, each step doubling them;
+4. unfold: each stand-in sends the result back to its folded even neighbour.
+
+Every step is one exchange with one partner, so the latency term is 2 log2 p' (+2 when folding)
+instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. The index maths
+is in :mod:`commlab.collectives.schedules`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commlab.collectives.p2p import Comm, wait_all
+from commlab.collectives.reduce_ops import combine_, finish_
+from commlab.collectives.schedules import (
+    chunk_bounds,
+    hd_all_gather_steps,
+    hd_fold,
+    hd_reduce_scatter_steps,
+    largest_power_of_two,
+)
+
+
+def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+    recv_works, send_works = comm.post(sends=[(send, peer)], recvs=[(recv, peer)])
+    wait_all(recv_works)
+    wait_all(send_works)
+
+
+def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None:
+    n, p = flat.numel(), comm.size
+    if p == 1 or n == 0:
+        finish_(flat, op, p)
+        return
+    role, virtual, partner = hd_fold(comm.rank, p)
+    if role == "folded":  # steps 1 and 4 only: hand the vector over, get the result back
+        wait_all(comm.post(sends=[(flat, partner)])[1])
+        wait_all(comm.post(recvs=[(flat, partner)])[0])
+        return
+    if role == "proxy":
+        incoming = torch.empty_like(flat)
+        wait_all(comm.post(recvs=[(incoming, partner)])[0])
+        combine_(flat, incoming, op)
+        del incoming
+
+    bounds = chunk_bounds(n, largest_power_of_two(p))
+
+    def span(blocks: tuple[int, int]) -> tuple[int, int]:
+        return bounds[blocks[0]][0], bounds[blocks[1] - 1][1]
+
+    halving = hd_reduce_scatter_steps(virtual, p)
+    scratch = flat.new_empty(max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0))
+    for step in halving:
+        (sa, sb), (ra, rb) = span(step.send), span(step.recv)
+        _exchange(comm, flat[sa:sb], scratch[: rb - ra], step.peer)
+        combine_(flat[ra:rb], scratch[: rb - ra], op)
+    lo, hi = bounds[virtual]
+    finish_(flat[lo:hi], op, p)
+    for step in hd_all_gather_steps(virtual, p):
+        (sa, sb), (ra, rb) = span(step.send), span(step.recv)
+        _exchange(comm, flat[sa:sb], flat[ra:rb], step.peer)
+
+    if role == "proxy":
+        wait_all(comm.post(sends=[(flat, partner)])[1])

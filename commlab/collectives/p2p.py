@@ -1,0 +1,64 @@
+"""Point-to-point plumbing: group ranks to global ranks, and posting one step's sends/receives.
+
+The algorithms speak in *group* ranks. torch's ``isend``/``irecv`` take the peer as a *global*
+rank (``group_dst``/``group_src`` exist only from torch 2.6), so :class:`Comm` resolves the
+group's global ranks once per collective with ``dist.get_process_group_ranks``.
+
+On NCCL one step's sends and receives go through ``batch_isend_irecv``, which fuses them into
+one NCCL group call: posting a ring's send and receive as separate NCCL calls can deadlock
+(each rank's send waits for a receive that is queued behind it). Gloo cannot coalesce, and
+``batch_isend_irecv`` would only loop over the same ``isend``/``irecv`` calls, so on Gloo they
+are posted directly. Empty slices are skipped on both sides (both sides know every size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective's view of its group: my group rank, the size, the global rank of each."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    global_ranks: tuple[int, ...]
+    coalesce: bool  # True on NCCL: post each step as one batch
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> Comm:
+        size = dist.get_world_size(group)
+        ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
+        nccl = str(dist.get_backend(group)).lower() == "nccl"
+        return cls(group, dist.get_rank(group), size, ranks, nccl)
+
+    def post(
+        self,
+        sends: list[tuple[torch.Tensor, int]] = (),
+        recvs: list[tuple[torch.Tensor, int]] = (),
+    ) -> tuple[list[dist.Work], list[dist.Work]]:
+        """Start sending each (tensor, group peer) in ``sends`` and receiving into ``recvs``.
+
+        Returns (works to wait on before reading the received data, works to wait on before
+        reusing the sent buffers). A coalesced NCCL batch is one work and appears in both.
+        """
+        recvs = [(t, p) for t, p in recvs if t.numel() > 0]
+        sends = [(t, p) for t, p in sends if t.numel() > 0]
+        if self.coalesce and (recvs or sends):
+            ops = [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for t, p in recvs]
+            ops += [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for t, p in sends]
+            works = list(dist.batch_isend_irecv(ops))
+            return works, works
+        recv_works = [dist.irecv(t, self.global_ranks[p], group=self.group) for t, p in recvs]
+        send_works = [dist.isend(t, self.global_ranks[p], group=self.group) for t, p in sends]
+        return recv_works, send_works
+
+
+def wait_all(works: list[dist.Work]) -> None:
+    """Wait for every work; each wait is bounded by the process group's timeout."""
+    for w in works:
+        w.wait()
