@@ -78,9 +78,11 @@ class DistributedDataParallel(nn.Module):
         names = [n for n, _ in named]
         params = [p for _, p in named]
         self._module_buffers = list(module.buffers())
-        # Construction, as torch's: same shapes everywhere, then rank 0's parameters and buffers.
+        # Construction, as torch's: same shapes everywhere, then rank 0's parameters and (as torch
+        # 2.13 does, only when broadcast_buffers) its buffers.
         verify_param_shapes(names, params, self.process_group)
-        broadcast_coalesced([p.data for p in module.parameters()] + self._module_buffers, self.process_group)
+        initial = [p.data for p in module.parameters()] + (self._module_buffers if broadcast_buffers else [])
+        broadcast_coalesced(initial, self.process_group)
         self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
         self.reducer = Reducer(
             params,
