@@ -228,8 +228,9 @@ class PipelineSchedule:
         grad = None
         if loss is None:
             grad = message if message is not None else self._local.pop(action)
-        with self.stage.backward_context(s, last=self._last_backward[s] == action):
-            torch.autograd.backward(loss if loss is not None else y, grad_tensors=grad)
+        root = loss if loss is not None else y
+        with self.stage.backward_context(s, self._last_backward[s] == action, [root]):
+            torch.autograd.backward(root, grad_tensors=grad)
         self._live[s] -= nbytes
         if s > 0 and x.requires_grad:
             return x.grad

@@ -86,6 +86,6 @@ class Stage:
         """Entered around every forward of ``stage`` (including a checkpoint's recomputation)."""
         return contextlib.nullcontext()
 
-    def backward_context(self, stage: int, last: bool) -> ContextManager:
-        """Entered around every backward of ``stage``; ``last`` marks its final one in the step."""
+    def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor]) -> ContextManager:
+        """Entered around every backward of ``stage`` from ``outputs``; ``last``: its final one in the step."""
         return contextlib.nullcontext()
