@@ -57,6 +57,9 @@ def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
         df[seg] = df[f"{seg}_median"].fillna(0.0)
     outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
     df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
+    both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
+    if both.any():  # the figure is about overlap: keep the panels that can compare it
+        df = df[both].copy()
     df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
     return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS]]
 
@@ -78,6 +81,7 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     series = varying(df, [a for a in AXES if a not in panels and a not in ("model", "model_args", "backend", "world_size", x)])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     df["series"] = df.apply(lambda r: label(r, series), axis=1)
+    df = _curves_only(df, ["panel", "series"], x)
     return df.sort_values(["panel", "series", x])[["config", "panel", "series", x, "median", "p10", "p90"]]
 
 
@@ -92,6 +96,9 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
         return df.iloc[0:0]
     keys = varying(df, [a for a in AXES if a != "world_size"])
     df["series"] = df.apply(lambda r: label(r, ["scaling", *[k for k in keys if k != "scaling"]]), axis=1)
+    df = _curves_only(df, ["series"], "world_size")
+    if df.empty:
+        return df
     parts = []
     for _, s in df.groupby("series", sort=True):
         base = s.loc[s["world_size"].idxmin()]
@@ -131,6 +138,11 @@ def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank:
         raise ValueError(f"configuration {config!r} has no iteration {iteration}")
     bks = buckets[(buckets["config"] == config) & (buckets["rank"] == rank) & (buckets["iteration"] == iteration)]
     return row.iloc[0], bks.sort_values("bucket")
+
+
+def _curves_only(df: pd.DataFrame, keys: list[str], x: str) -> pd.DataFrame:
+    """Drop series with a single x value: one point is not a curve (e.g. after a grid was extended)."""
+    return df[df.groupby(keys)[x].transform("nunique") > 1].copy()
 
 
 def _context(df: pd.DataFrame, columns: list[str]) -> list[str]:

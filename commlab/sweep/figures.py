@@ -44,7 +44,9 @@ def draw_all(run_dir: Path) -> list[Path]:
     ]
     for name, draw in drawers:
         fig = draw()
-        if fig is None:
+        if fig is None:  # not supported by this data: drop a stale copy from an earlier draw
+            for suffix in (".png", ".pdf"):
+                (out / f"{name}{suffix}").unlink(missing_ok=True)
             continue
         out.mkdir(parents=True, exist_ok=True)
         for suffix in (".png", ".pdf"):
@@ -80,8 +82,10 @@ def _breakdown(df: pd.DataFrame):
         ax.set_title(panel)
         ax.set_ylabel("median step latency (ms)")
         ax.tick_params(axis="x", labelsize=7)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("Latency breakdown with and without overlapping communication")
+    fig.tight_layout()
     return fig
 
 
@@ -104,6 +108,7 @@ def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, log: bool = False
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, title="median, p10-p90", title_fontsize=7)
+    fig.tight_layout()
     return fig
 
 
@@ -124,6 +129,7 @@ def _scaling(df: pd.DataFrame):
         ax.set_ylim(bottom=0)
     left.legend(fontsize=7)
     fig.suptitle("Scaling: throughput against linear, and efficiency")
+    fig.tight_layout()
     return fig
 
 

@@ -101,10 +101,11 @@ def read_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame
         raise FileNotFoundError(f"{run_dir} has no {', '.join(m + '.csv' for m in missing)}: not a sweep results directory")
     frames = []
     for name in ("iterations", "buckets", "runs"):
-        df = pd.read_csv(run_dir / f"{name}.csv")
-        for text in ("model_args", "error"):  # empty strings, not NaN (groupby drops NaN keys)
+        # Text columns stay text, empty as "" rather than NaN (groupby drops NaN keys).
+        df = pd.read_csv(run_dir / f"{name}.csv", dtype={"model_args": str, "error": str})
+        for text in ("model_args", "error"):
             if text in df:
-                df[text] = df[text].fillna("").astype(str)
+                df[text] = df[text].fillna("")
         frames.append(df)
     return frames[0], frames[1], frames[2]
 

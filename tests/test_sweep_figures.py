@@ -1,0 +1,85 @@
+"""Figures and traces from the fixture sweep in tests/fixtures/sweep (no processes)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from commlab.sweep import figdata
+from commlab.sweep.cli import figures, trace
+from commlab.sweep.store import read_tables
+from commlab.sweep.trace import chrome_trace
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sweep"
+
+
+@pytest.fixture()
+def run_dir(tmp_path):
+    for name in ("iterations", "buckets", "runs"):
+        shutil.copy(FIXTURE / f"{name}.csv", tmp_path / f"{name}.csv")
+    return tmp_path
+
+
+def test_figure_tables_follow_the_data(run_dir):
+    iterations, buckets, runs = read_tables(run_dir)
+    bd = figdata.breakdown(runs)
+    assert set(bd["panel"]) == {"mlp, gloo, w2, accumulate 1, groups 1"}  # the one panel with both overlaps
+    assert len(bd) == 6 and bd["bar"].str.contains("no overlap").sum() == 3
+    ov, no = bd[~bd["bar"].str.contains("no overlap")], bd[bd["bar"].str.contains("no overlap")]
+    assert (ov["exposed_comm"].to_numpy() < no["exposed_comm"].to_numpy()).all()
+
+    bucket = figdata.curve(runs, "bucket_mb")
+    assert bucket.groupby("series")["bucket_mb"].apply(list).to_dict() == {
+        "no overlap, accumulate 1, groups 1": [1.0, 5.0, 25.0], "overlap, accumulate 1, groups 1": [1.0, 5.0, 25.0]}
+    assert (bucket["p10"] <= bucket["median"]).all() and (bucket["median"] <= bucket["p90"]).all()
+    nosync = figdata.curve(runs, "accumulate")
+    raw = runs.set_index("config")
+    assert nosync["median"].tolist() == pytest.approx((raw.loc[nosync["config"], "step_median"] / raw.loc[nosync["config"], "accumulate"]).tolist())
+    assert figdata.curve(runs, "groups")["groups"].tolist() == [1, 2, 3]
+
+    sc = figdata.scaling(runs)
+    assert sc["world_size"].tolist() == [1, 2, 4]
+    assert sc["ideal"].tolist() == pytest.approx([sc["samples_per_s"].iloc[0] * w for w in (1, 2, 4)])
+    assert sc["scaling_efficiency"].tolist() == pytest.approx((sc["samples_per_s"] / sc["ideal"]).tolist())
+
+    config = figdata.pick_timeline_config(runs, buckets)
+    row, bks = figdata.timeline(iterations, buckets, config)
+    assert row["config"] == config and bool(row["overlap"]) and len(bks) == buckets.groupby("config")["bucket"].nunique().max()
+    single = runs[runs["world_size"] == 4]
+    assert figdata.curve(single, "bucket_mb").empty and figdata.scaling(single).empty  # one point: no curve
+
+
+def test_figures_command_writes_every_supported_figure(run_dir):
+    result = CliRunner().invoke(figures, [str(run_dir)])
+    assert result.exit_code == 0, result.output
+    names = {"breakdown", "bucket_size", "scaling", "no_sync", "round_robin", "timeline"}
+    for name in names:
+        for suffix in (".png", ".pdf"):
+            path = run_dir / "figures" / f"{name}{suffix}"
+            assert path.stat().st_size > 1000, path
+    assert sorted(result.output.split()) == sorted(str(run_dir / "figures" / f"{n}{s}") for n in names for s in (".png", ".pdf"))
+    bad = CliRunner().invoke(figures, [str(run_dir / "figures")])
+    assert bad.exit_code == 2 and "not a sweep results directory" in bad.output
+
+
+def test_trace_is_chrome_trace_json(run_dir):
+    iterations, buckets, runs = read_tables(run_dir)
+    config = runs[(runs["accumulate"] == 2)]["config"].iloc[0]
+    events = chrome_trace(iterations, buckets, config)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}  # both ranks
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    n_its = len(iterations[iterations["config"] == config])
+    names = [e["name"] for e in spans]
+    assert names.count("forward") == n_its and names.count("no_sync micro-batches") == n_its
+    assert names.count("all-reduce") == len(buckets[buckets["config"] == config])
+    forwards = sorted(e["ts"] for e in spans if e["name"] == "forward" and e["pid"] == 0)
+    assert forwards == sorted(set(forwards))  # steps laid end to end, not on top of each other
+
+    result = CliRunner().invoke(trace, [str(run_dir), "--config", config, "-o", str(run_dir / "t.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / "t.json").read_text())["otherData"]["config"] == config
+    result = CliRunner().invoke(trace, [str(run_dir), "--config", "nope"])
+    assert result.exit_code == 2 and "no configuration 'nope'" in result.output
