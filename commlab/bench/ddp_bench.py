@@ -1,0 +1,117 @@
+"""`commlab bench ddp`: commlab's DDP against torch's DDP, alternating iterations in one launch.
+
+Both wrap copies of the same model, see the same batches and use the same bucket cap; iteration i
+of one is followed by iteration i of the other, so a load change on a shared machine hits both.
+An iteration is forward + backward (gradients synchronised) + an SGD step; its time is the
+slowest rank's. The command prints each median and the ratio commlab / torch:
+
+    commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
+    commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import click
+
+from commlab.models import check_model_name
+
+
+def _bench_rank(cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import commlab
+    from commlab.models import build_workload
+
+    rt = commlab.Runtime.current()
+    torch.manual_seed(0)
+    sizes = {"depth": cfg["depth"], "width": cfg["width"]} if cfg["model"] == "mlp" else {}
+    work = build_workload(cfg["model"], **sizes)
+    models = {
+        "commlab": commlab.DistributedDataParallel(
+            work.model.to(rt.device), bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"]
+        ),
+        "torch": TorchDDP(build_workload(cfg["model"], **sizes).model.to(rt.device), bucket_cap_mb=cfg["bucket_mb"]),
+    }
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in models.items()}
+    gen = torch.Generator().manual_seed(1 + rt.rank)
+    batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
+    batches = [(x.to(rt.device), y.to(rt.device)) for x, y in batches]
+    sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(cfg["warmup"] + cfg["iters"]):
+        order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
+        for name in order:
+            x, y = batches[i % len(batches)]
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            opts[name].zero_grad()
+            work.loss_fn(models[name](x), y).backward()
+            opts[name].step()
+            sync()
+            if i >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - start)
+    params = sum(p.numel() for p in work.model.parameters())
+    return {"times": times, "params": params, "buckets": len(models["commlab"].bucket_sizes)}
+
+
+def summarise(per_rank: list[dict]) -> dict[str, float]:
+    """Per iteration the slowest rank's time; then medians, their ratio, and the paired ratio."""
+    slowest = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in ("commlab", "torch")}
+    ours, theirs = statistics.median(slowest["commlab"]), statistics.median(slowest["torch"])
+    paired = statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"]))
+    return {"commlab": ours, "torch": theirs, "ratio": ours / theirs, "paired_ratio": paired}
+
+
+def _algorithms() -> list[str]:
+    from commlab import collectives
+
+    return collectives.algorithm_names()
+
+
+@click.command("ddp")
+@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
+@click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
+@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
+@click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="seconds")
+def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, timeout):
+    """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
+    import commlab
+    from commlab.runtime import resolve_backend
+
+    try:
+        check_model_name(model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    if algorithm not in _algorithms():
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(_algorithms())}", param_hint="--algorithm")
+    try:
+        backend = resolve_backend(backend, world_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend") from None
+    cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
+               warmup=warmup, algorithm=algorithm)  # fmt: skip
+    per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
+    s = summarise(per_rank)
+    shape = f" ({depth} x {width})" if model == "mlp" else ""
+    click.echo(
+        f"model {model}{shape}, {per_rank[0]['params'] / 1e6:.1f} M params, batch {batch}/rank, "
+        f"world {world_size}, {backend}, {bucket_mb:g} MB buckets ({per_rank[0]['buckets']} in commlab), "
+        f"all-reduce {algorithm}"
+    )
+    click.echo(f"{iters} timed iterations each after {warmup} warm-up, alternating; slowest rank per iteration")
+    click.echo(f"  commlab DDP  median {s['commlab'] * 1e3:9.2f} ms/iter")
+    click.echo(f"  torch DDP    median {s['torch'] * 1e3:9.2f} ms/iter")
+    click.echo(f"  ratio commlab/torch: {s['ratio']:.3f} (median of per-iteration ratios {s['paired_ratio']:.3f})")
