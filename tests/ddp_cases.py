@@ -179,6 +179,11 @@ def run_world2() -> dict:
         "no_overlap": parity("mlp", bucket_cap_mb=tiny, overlap=False),
         "round_robin": parity("mlp", bucket_cap_mb=tiny, round_robin_groups=3),
         "static_graph": parity("mlp", static_graph=True),
+        # commlab's own all-reduce algorithms under DDP (their correctness is tested elsewhere;
+        # here: launched from autograd hooks, several in flight, round-robin groups).
+        "ring": parity("mlp", bucket_cap_mb=tiny, algorithm="ring"),
+        "tree": parity("tied", bucket_cap_mb=tiny, algorithm="tree", round_robin_groups=2),
+        "halving_doubling": parity("bn", bucket_cap_mb=1e-3, algorithm="halving_doubling", overlap=False),
     }
     small_transformer = lambda: TinyTransformer(vocab=64, d_model=32, layers=2, heads=2, seq=8)  # noqa: E731
     layouts = {
@@ -210,6 +215,7 @@ def run_world3() -> dict:
         "mlp": parity("mlp", bucket_cap_mb=1e-9),
         "unused": parity("branchy", bucket_cap_mb=1e-9, find_unused_parameters=True, round_robin_groups=2),
         "fp16_hook": parity("bn", hook=default_hooks.fp16_compress_hook),
+        "ring": parity("mlp", bucket_cap_mb=1e-9, algorithm="ring"),
     }
     try:
         commlab.DistributedDataParallel(_Wider(8 if dist.get_rank() != 2 else 9))

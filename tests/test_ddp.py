@@ -9,7 +9,9 @@ import pytest
 import commlab
 import ddp_cases
 
-EXACT = 1e-6  # same reduction order and pre-division as torch: in practice the results are identical
+# Same pre-division and (for "native") the same reduction as torch: results are in practice
+# identical; commlab's ring/tree/halving-doubling may sum in another order (world size 3).
+EXACT = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def world3():
 PARITY_CASES = [
     "mlp", "bn", "bn_no_broadcast", "tied", "unused", "unused_view", "cap_tiny", "cap_1", "cap_25",
     "cap_huge", "view", "no_sync", "no_sync_view", "fp16_hook", "allreduce_hook", "no_overlap",
-    "round_robin", "static_graph",
+    "round_robin", "static_graph", "ring", "tree", "halving_doubling",
 ]  # fmt: skip
 
 
@@ -112,7 +114,7 @@ def test_second_comm_hook_is_an_error(world2):
 
 def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
     for rank, result in enumerate(world3):
-        for case in ("mlp", "unused", "fp16_hook"):
+        for case in ("mlp", "unused", "fp16_hook", "ring"):
             r = result[case]
             assert r["params"] <= EXACT and r["grads"] <= EXACT and r["buffers"] <= EXACT, (case, rank)
             assert r["buckets"] == r["torch_buckets"], (case, rank)
