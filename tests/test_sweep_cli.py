@@ -1,0 +1,158 @@
+"""`commlab sweep` end to end: help, bad input, a tiny real sweep with a failing configuration,
+and --resume after the sweep process was killed (few spawns, many checks per spawn)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from commlab.cli import main
+from commlab.sweep.spec import CONFIG_COLUMNS
+from commlab.sweep.store import BUCKET_COLUMNS, ITERATION_COLUMNS
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY = ["--model-args", "depth=2,width=64", "--overlap", "on", "--world-size", "1", "--iters", "2",
+        "--warmup", "1", "--global-batch", "8"]
+MLP_BYTES = 4 * ((64 * 64 + 64) * 2 + 64 * 10 + 10)  # depth 2, width 64, 10 classes, float32
+
+
+def sweep(*args):
+    return CliRunner().invoke(main, ["sweep", *map(str, args)])
+
+
+def test_help_lists_the_options():
+    result = sweep("--help")
+    assert result.exit_code == 0
+    for option in ("--bucket-mb", "--backend", "--world-size", "--algorithm", "--overlap", "--accumulate",
+                   "--groups", "--scaling", "--global-batch", "--batch-per-rank", "--resume", "--launcher", "--timeout"):
+        assert option in result.output
+    for command in ("figures", "trace"):
+        assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bucket-mb", "0"], "must be a positive number"),
+    (["--bucket-mb", "-3"], "must be a positive number"),
+    (["--bucket-mb", "abc"], "'abc' is not a number"),
+    (["--bucket-mb", "5,,25"], "empty item"),
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--model", "no_such_module_xyz:factory"], "cannot import"),
+    (["--model-args", "depth=2,colour=3"], "takes sizes"),
+    (["--backend", "mpi"], "unknown backend 'mpi'"),
+    (["--algorithm", "carrier_pigeon"], "unknown all-reduce algorithm 'carrier_pigeon'"),
+    (["--world-size", "0"], "must be a positive integer"),
+    (["--world-size", "2", "--global-batch", "63"], "does not split evenly"),
+    (["--overlap", "maybe"], "Invalid value for '--overlap'"),
+    (["--timeout", "0"], "--timeout"),
+    (["--scaling", "weak"], "needs --batch-per-rank"),
+])
+def test_bad_input_is_a_click_error_before_any_process(tmp_path, args, message):
+    result = sweep(*args, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_environment_dependent_input(tmp_path):
+    if not torch.cuda.is_available():
+        result = sweep("--backend", "nccl", "--world-size", "2", "--out", tmp_path)
+        assert result.exit_code == 2 and "CUDA device" in result.output
+    if find_spec("torchvision") is None:
+        result = sweep("--model", "resnet50", "--out", tmp_path)
+        assert result.exit_code == 2 and "commlab[models]" in result.output
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("bucket_size: 5\n")
+    result = sweep(spec, "--out", tmp_path)
+    assert result.exit_code == 2 and "unknown key(s) in the spec file: bucket_size" in result.output
+    assert list(tmp_path.iterdir()) == [spec]
+
+
+def test_tiny_sweep_results_and_a_failing_configuration(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))  # spawned ranks inherit sys.path
+    result = sweep("--model", "mlp,sweep_models:fails_on_rank1", "--bucket-mb", "0.01,1", *TINY,
+                   "--world-size", "2", "--out", tmp_path, "--name", "tiny", "--timeout", 120)
+    run_dir = tmp_path / "tiny"
+    assert result.exit_code == 1, result.output  # failures are reported, after everything is written
+    assert "2 configuration(s) failed" in result.output and "ETA" in result.output
+
+    runs = pd.read_csv(run_dir / "runs.csv")
+    assert len(runs) == 4 and runs["config"].is_unique
+    good, bad = runs[runs["model"] == "mlp"], runs[runs["model"] != "mlp"]
+    assert (good["status"] == "ok").all() and (bad["status"] == "failed").all()
+    assert bad["error"].str.contains("boom: this factory fails on rank 1").all()
+    assert (bad["iterations"] == 0).all() and bad["step_median"].isna().all()
+    assert (good["iterations"] == 2).all()
+    assert good["samples_per_s"].tolist() == pytest.approx((8 / good["step_median"]).tolist())
+    assert (good["step_p10"] <= good["step_median"]).all() and (good["step_median"] <= good["step_p90"]).all()
+
+    iterations = pd.read_csv(run_dir / "iterations.csv")
+    assert list(iterations.columns) == CONFIG_COLUMNS + ITERATION_COLUMNS
+    assert len(iterations) == 2 * 2 * 2  # ok configurations x ranks x iterations
+    assert not iterations.duplicated(["config", "rank", "iteration"]).any()
+    assert set(iterations["config"]) == set(good["config"])
+    times = iterations[ITERATION_COLUMNS[2:]]
+    assert (times >= 0).all().all()
+    assert (iterations["step"] >= iterations["total"] + iterations["optimizer"] - 1e-6).all()
+    assert (iterations["forward"] + iterations["backward_compute"] <= iterations["total"] + 1e-6).all()
+
+    buckets = pd.read_csv(run_dir / "buckets.csv")
+    assert list(buckets.columns) == CONFIG_COLUMNS + BUCKET_COLUMNS
+    per_iteration = buckets.groupby(["config", "rank", "iteration"])
+    assert (per_iteration["nbytes"].sum() == MLP_BYTES).all()  # every gradient byte in one bucket
+    counts = per_iteration["bucket"].nunique().groupby("config").max()
+    small, large = (good.sort_values("bucket_mb")["config"])
+    assert counts[small] > counts[large] == 1
+    assert ((buckets["ready"] <= buckets["launched"]) & (buckets["launched"] <= buckets["done"])).all()
+
+    meta = json.loads((run_dir / "metadata.json").read_text())
+    assert meta["environment"]["torch"] == torch.__version__
+    assert meta["sessions"][0]["end"] and "sweep" in meta["sessions"][0]["command"]
+    assert meta["hosts"] and meta["devices"] == ["cpu"]
+    assert len(list((run_dir / "configs").glob("*.json"))) == 4
+    for name in ("bucket_size", "timeline"):
+        assert (run_dir / "figures" / f"{name}.png").stat().st_size > 1000
+
+    again = sweep("--model", "mlp", "--bucket-mb", "0.01", *TINY, "--out", tmp_path, "--name", "tiny")
+    assert again.exit_code == 2 and "already holds results" in again.output
+    traced = CliRunner().invoke(main, ["trace", str(run_dir), "--config", small])
+    assert traced.exit_code == 0, traced.output
+    assert json.loads(Path(traced.output.strip()).read_text())["traceEvents"]
+
+
+def test_resume_after_the_sweep_was_killed(tmp_path):
+    args = ["sweep", "--bucket-mb", "0.01,1", *TINY, "--out", str(tmp_path), "--name", "killed",
+            "--no-figures", "--timeout", "120"]
+    configs = tmp_path / "killed" / "configs"
+    proc = subprocess.Popen([sys.executable, "-c", "from commlab.cli import main; main()", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(configs.glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks, mid-sweep
+        proc.wait()
+    before = {p.name: p.read_bytes() for p in configs.glob("*.json")}
+    assert len(before) == 1, "the sweep should have been killed after its first configuration"
+
+    # Resume with the torchrun launcher: same configuration ids, same result format.
+    result = CliRunner().invoke(main, [*args, "--resume", "--launcher", "torchrun"])
+    assert result.exit_code == 0, result.output
+    assert "1 of 2 configurations already finished" in result.output
+    for name, content in before.items():  # finished configurations were not rerun
+        assert (configs / name).read_bytes() == content
+    runs = pd.read_csv(tmp_path / "killed" / "runs.csv")
+    assert len(runs) == 2 and runs["config"].is_unique and (runs["status"] == "ok").all()
+    iterations = pd.read_csv(tmp_path / "killed" / "iterations.csv")
+    assert len(iterations) == 2 * 2 and not iterations.duplicated(["config", "rank", "iteration"]).any()
+    assert len(json.loads((tmp_path / "killed" / "metadata.json").read_text())["sessions"]) == 2
+    assert not [p for p in configs.iterdir() if p.suffix != ".json"]  # no temp files left behind
