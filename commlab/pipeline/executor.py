@@ -83,6 +83,7 @@ class PipelineSchedule:
         self._boundaries: dict[int, Boundary] | None = None
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
+        self.started_at = 0.0
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -111,7 +112,7 @@ class PipelineSchedule:
         self._losses: list[torch.Tensor] = []
         sends: list = []
         recv = self._post([], self._recv_op(self.actions[0]))
-        start = time.perf_counter()
+        start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
         for k, action in enumerate(self.actions):
             message = self._wait(recv)
             began = time.perf_counter() - start

@@ -1,0 +1,206 @@
+"""The pipeline benchmark: commlab's executor vs torch.distributed.pipelining, same model, same run.
+
+Every configuration (schedule x micro-batches x balance x checkpointing) runs inside one launch:
+commlab's step and torch's (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B over
+PipelineStage) alternate iteration by iteration on copies of the same seeded MLP and batch, so a
+load change on a shared machine hits both. A step's time is the slowest rank's, measured from a
+barrier. From commlab's own timeline (each action's compute interval) we get the measured bubble
+(idle share of all ranks' time) and per-stage forward/backward times, which the simulator turns
+into its predicted bubble. Activation memory is the bytes saved for backward (saved-tensor hooks),
+plus the CUDA allocator's peak on GPUs. torch has no checkpointing in its schedules, so the
+reference runs only for ``checkpoint=never``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtual=2)
+
+
+def measure_rank(configs: list[dict[str, Any]], common: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run every configuration on this rank (called by commlab.launch on each rank)."""
+    import commlab
+
+    rt = commlab.Runtime.current()
+    return [_measure(rt, cfg, common) for cfg in configs]
+
+
+def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from commlab.models import mlp
+    from commlab.pipeline.executor import PipelineSchedule
+    from commlab.pipeline.stage import Stage
+
+    def model():
+        torch.manual_seed(0)
+        return mlp(common["depth"], common["width"])
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(common["batch"], common["width"], generator=gen).to(rt.device)
+    y = torch.randint(0, 10, (common["batch"],), generator=gen).to(rt.device)
+    ours_model = model()
+    stage = Stage(ours_model, cfg["balance"], device=rt.device)
+    ours = PipelineSchedule(stage, cfg["schedule"], microbatches=cfg["microbatches"], loss_fn=F.cross_entropy,
+                            checkpoint=cfg["checkpoint"], timeout=common.get("timeout", 300.0))  # fmt: skip
+    runs = {"commlab": (ours_model, lambda: ours.step(x if stage.is_first else None, target=y if stage.is_last else None))}
+    if cfg["checkpoint"] == "never":
+        ref_model = model()
+        runs["torch"] = (ref_model, _torch_step(ref_model, cfg, rt, x, y))
+    cuda = rt.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    timelines, origins, cuda_peak = [], [], None
+    for i in range(common["warmup"] + common["iters"]):
+        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:  # neither always goes first
+            net, step = runs[name]
+            net.zero_grad(set_to_none=False)
+            dist.barrier()
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(rt.device)
+                base = torch.cuda.memory_allocated(rt.device)
+            start = time.perf_counter()
+            step()
+            sync()
+            elapsed = time.perf_counter() - start
+            if i < common["warmup"]:
+                continue
+            times[name].append(elapsed)
+            if name == "commlab":  # absolute perf_counter times: one clock for all local ranks
+                at = ours.started_at
+                timelines.append([(t.action.stage, t.action.kind, t.action.microbatch, at + t.start, at + t.end) for t in ours.timeline])
+                origins.append(start)
+                if cuda:
+                    cuda_peak = torch.cuda.max_memory_allocated(rt.device) - base
+    return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "saved_bytes": dict(ours.peak_saved_bytes), "cuda_peak": cuda_peak}
+
+
+def _torch_step(net, cfg: dict[str, Any], rt, x, y):
+    """The same split under torch.distributed.pipelining; returns a closure running one step."""
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from commlab.pipeline.partition import split
+
+    parts = split(net, cfg["balance"])
+    p, total = rt.world_size, len(parts)
+    stages = [PipelineStage(parts[s].to(rt.device), s, total, rt.device) for s in range(rt.rank, total, p)]
+    m = cfg["microbatches"]
+    if cfg["schedule"] == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=F.cross_entropy)
+    else:
+        kind = ScheduleGPipe if cfg["schedule"] == "gpipe" else Schedule1F1B
+        schedule = kind(stages[0], m, loss_fn=F.cross_entropy)
+    first, last = rt.rank == 0, rt.rank == (total - 1) % p
+
+    def step():
+        args = (x,) if first else ()
+        if last:
+            schedule.step(*args, target=y, losses=[], return_outputs=False)
+        else:
+            schedule.step(*args, return_outputs=False)
+
+    return step
+
+
+def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:
+    """Iteration k's timeline per rank, in seconds from the earliest rank's start of the step."""
+    origin = min(r["origins"][k] for r in per_rank)
+    return {r["rank"]: [(s, kind, i, a - origin, b - origin) for s, kind, i, a, b in r["timelines"][k]] for r in per_rank}
+
+
+def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
+    """Median delay from a message's producer finishing to its consumer starting, counted only
+    where the consumer sat idle waiting for it: the simulator's per-message ``comm``."""
+    from commlab.pipeline.schedules import Action
+    from commlab.pipeline.simulate import dependencies
+
+    delays = []
+    for k in range(len(per_rank[0]["timelines"])):
+        timeline = aligned(per_rank, k)
+        where = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+        for r, acts in timeline.items():
+            free = 0.0
+            for s, kind, i, a, b in acts:
+                for d in dependencies(Action(s, kind, i), stages):
+                    rank, done = where[(d.stage, d.kind, d.microbatch)]
+                    if rank != r and done > free:
+                        delays.append(max(0.0, a - done))
+                free = b
+    return statistics.median(delays) if delays else 0.0
+
+
+def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int) -> dict[str, Any]:
+    """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
+    from commlab.pipeline.schedules import build
+    from commlab.pipeline.simulate import bubble_formula, simulate
+
+    slowest = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in per_rank[0]["times"]}
+    row: dict[str, Any] = {**_columns(cfg)}
+    ours = statistics.median(slowest["commlab"])
+    row.update(commlab_s=ours, commlab_samples_per_s=batch / ours)
+    if "torch" in slowest:
+        theirs = statistics.median(slowest["torch"])
+        row.update(torch_s=theirs, torch_samples_per_s=batch / theirs, ratio=ours / theirs,
+                   paired_ratio=statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"])))  # fmt: skip
+    measured = []
+    for k, step_time in enumerate(slowest["commlab"]):
+        busy = sum(end - start for r in per_rank for (*_, start, end) in r["timelines"][k])
+        measured.append(1.0 - busy / (world * step_time))
+    fwd, bwd = stage_times(per_rank)
+    actions = build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"])
+    comm = comm_latency(per_rank, len(fwd))
+    row.update(bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
+               bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
+               bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
+    return row
+
+
+def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Median measured forward and backward compute time of each stage (seconds)."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for r in per_rank:
+        for timeline in r["timelines"]:
+            for stage, kind, _, start, end in timeline:
+                durations.setdefault((stage, kind), []).append(end - start)
+    stages = 1 + max(s for s, _ in durations)
+    return ([statistics.median(durations[(s, "F")]) for s in range(stages)],
+            [statistics.median(durations[(s, "B")]) for s in range(stages)])  # fmt: skip
+
+
+def stage_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    fwd, bwd = stage_times(per_rank)
+    rows = []
+    for r in per_rank:
+        for stage, nbytes in r["saved_bytes"].items():
+            rows.append({**_columns(cfg), "rank": r["rank"], "stage": stage, "saved_bytes": nbytes,
+                         "cuda_peak_bytes": r["cuda_peak"], "forward_s": fwd[stage], "backward_s": bwd[stage]})  # fmt: skip
+    return rows
+
+
+def timeline_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """The median iteration's measured timeline and the simulator's, both in seconds."""
+    from commlab.pipeline.schedules import build
+    from commlab.pipeline.simulate import simulate
+
+    steps = [max(r["times"]["commlab"][k] for r in per_rank) for k in range(len(per_rank[0]["timelines"]))]
+    k = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
+    rows = [{**_columns(cfg), "source": "measured", "rank": r, "stage": s, "kind": kind, "microbatch": i,
+             "start": start, "end": end} for r, acts in aligned(per_rank, k).items() for s, kind, i, start, end in acts]  # fmt: skip
+    fwd, bwd = stage_times(per_rank)
+    sim = simulate(build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"]), fwd, bwd, comm_latency(per_rank, len(fwd)))
+    rows += [{**_columns(cfg), "source": "simulated", "rank": t.rank, "stage": t.action.stage, "kind": t.action.kind,
+              "microbatch": t.action.microbatch, "start": t.start, "end": t.end} for t in sim.timeline]  # fmt: skip
+    return rows
+
+
+def _columns(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"config": cfg["config"], "schedule": cfg["schedule"], "microbatches": cfg["microbatches"],
+            "balance_mode": cfg["balance_mode"], "balance": "-".join(map(str, cfg["balance"])),
+            "checkpoint": cfg["checkpoint"], "virtual": cfg["virtual"]}  # fmt: skip

@@ -1,0 +1,89 @@
+"""Figures of a pipeline benchmark, drawn from its tidy CSVs (matplotlib Agg, seaborn).
+
+- ``throughput.png``: samples/s vs micro-batches, one line per schedule, commlab solid, torch dashed;
+- ``activation_memory.png``: bytes saved for backward per stage, one bar per schedule;
+- ``timeline.png``: for each schedule, the measured timeline of a median step over the simulator's
+  Gantt chart from the measured per-stage times.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from commlab.pipeline.render import gantt_figure
+from commlab.pipeline.schedules import Action
+from commlab.pipeline.simulate import Timed
+
+
+def draw_all(run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run_dir = Path(run_dir)
+    summary = pd.read_csv(run_dir / "summary.csv")
+    stages = pd.read_csv(run_dir / "stages.csv")
+    timeline = pd.read_csv(run_dir / "timeline.csv")
+    written = [_throughput(summary, run_dir / "throughput.png"), _memory(stages, run_dir / "activation_memory.png")]
+    written.append(_timelines(summary, timeline, run_dir / "timeline.png"))
+    return written
+
+
+def _plain(df: pd.DataFrame) -> pd.DataFrame:
+    """The configurations without checkpointing, with the most common balance mode."""
+    df = df[df["checkpoint"] == "never"]
+    return df[df["balance_mode"] == df["balance_mode"].mode().iloc[0]] if len(df) else df
+
+
+def _throughput(summary: pd.DataFrame, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    df = _plain(summary)
+    long = [df.assign(implementation="commlab", samples_per_s=df["commlab_samples_per_s"])]
+    if "torch_samples_per_s" in df:
+        long.append(df.assign(implementation="torch", samples_per_s=df["torch_samples_per_s"]))
+    data = pd.concat(long).dropna(subset=["samples_per_s"])
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    sns.lineplot(data=data, x="microbatches", y="samples_per_s", hue="schedule", style="implementation", marker="o", ax=ax)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches per mini-batch")
+    ax.set_ylabel("samples / s")
+    ax.set_title("pipeline throughput", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _memory(stages: pd.DataFrame, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    df = _plain(stages)
+    df = df[df["microbatches"] == df["microbatches"].max()]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    sns.barplot(data=df.assign(MiB=df["saved_bytes"] / 2**20), x="stage", y="MiB", hue="schedule", ax=ax)
+    ax.set_ylabel("activation memory at peak (MiB saved for backward)")
+    ax.set_title(f"per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _timelines(summary: pd.DataFrame, timeline: pd.DataFrame, path: Path) -> Path:
+    df = _plain(summary)
+    panels = []
+    ranks = int(timeline["rank"].max()) + 1
+    for schedule, group in df.groupby("schedule", sort=False):
+        config = group.sort_values("microbatches")["config"].iloc[-1]
+        rows = timeline[timeline["config"] == config]
+        for source in ("simulated", "measured"):
+            part = rows[rows["source"] == source]
+            ms = [Timed(int(r.rank), Action(int(r.stage), r.kind, int(r.microbatch)), r.start * 1e3, r.end * 1e3)
+                  for r in part.itertuples()]  # fmt: skip
+            panels.append((f"{config}: {source} (ms)", ms))
+    gantt_figure(panels, ranks, str(path))
+    return path
