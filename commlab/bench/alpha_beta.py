@@ -1,0 +1,108 @@
+"""Benchmark arithmetic: sizes like "64M", nccl-tests' bus bandwidth, and the alpha-beta fit.
+
+Bus bandwidth (nccl-tests, doc/PERFORMANCE.md): algbw = S / t is what an application sees, but
+it falls as ranks are added because each byte has to cross more links. busbw rescales it to the
+bandwidth of the busiest link, so that it can be compared with the hardware's and across world
+sizes. An all-reduce on n ranks must move at least 2(n-1)/n * S bytes through every rank (a
+reduce-scatter, (n-1)/n * S, then an all-gather of the same), hence busbw = algbw * 2(n-1)/n;
+reduce-scatter and all-gather each move (n-1)/n * S; broadcast and reduce move S through the
+link out of (into) the root, factor 1.
+
+The alpha-beta (latency-bandwidth, Hockney) model says one collective on S bytes takes
+t = alpha + S / beta; :func:`fit_alpha_beta` estimates it by least squares over a size sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(I?B)?\s*$", re.IGNORECASE)
+
+BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "4096", "1K", "64M", "1G" (binary units, as nccl-tests); also "64MB", "64MiB"."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ValueError(f"cannot read size {text!r}: use a whole number with an optional K, M or G (e.g. 64M)")
+        value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]}{unit}"
+    return str(nbytes)
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int, element_size: int) -> list[int]:
+    """Message sizes from min to max (inclusive when hit), each ``factor`` times the last.
+
+    Each is rounded down to whole elements (at least one), as nccl-tests does; duplicates after
+    rounding are dropped.
+    """
+    if min_bytes > max_bytes:
+        raise ValueError(f"min size {min_bytes} B is larger than max size {max_bytes} B")
+    if factor < 2:
+        raise ValueError(f"step factor must be an integer >= 2, got {factor}")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        rounded = max(element_size, size // element_size * element_size)
+        if not sizes or rounded != sizes[-1]:
+            sizes.append(rounded)
+        size *= factor
+    return sizes
+
+
+def busbw_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor of ``collective`` on ``world_size`` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    try:
+        return BUSBW_FACTORS[collective](world_size)
+    except KeyError:
+        raise ValueError(f"unknown collective {collective!r}: choose from {', '.join(BUSBW_FACTORS)}") from None
+
+
+def bandwidths(nbytes: int, seconds: float, collective: str, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes per second, as nccl-tests)."""
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else math.nan
+    return algbw, algbw * busbw_factor(collective, world_size)
+
+
+def fit_alpha_beta(nbytes, seconds) -> tuple[float, float, float]:
+    """Least-squares fit of t = alpha + S / beta: returns (alpha in us, beta in GB/s, R^2).
+
+    NaNs where the data cannot determine them (fewer than two distinct sizes); beta is inf when
+    the fitted time does not grow with size.
+    """
+    x = np.asarray(nbytes, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError("sizes and times must have the same length")
+    if len(np.unique(x)) < 2:
+        return math.nan, math.nan, math.nan
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = float(((y - (alpha + slope * x)) ** 2).sum())
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - residual / total if total > 0 else 1.0
+    beta = 1.0 / slope / 1e9 if slope > 0 else math.inf
+    return float(alpha) * 1e6, beta, r2

@@ -1,0 +1,119 @@
+"""Results of `commlab bench collectives`: rows from ranks, the printed table, CSVs and figure."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pandas as pd
+
+from commlab.bench.alpha_beta import bandwidths, fit_alpha_beta
+
+COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
+    ("size_bytes", "size(B)", 12, "d"),
+    ("count", "count", 12, "d"),
+    ("dtype", "type", 10, "s"),
+    ("op", "redop", 7, "s"),
+    ("algorithm", "algorithm", 18, "s"),
+    ("time_us", "time(us)", 12, ".1f"),
+    ("algbw_gbps", "algbw(GB/s)", 13, ".3f"),
+    ("busbw_gbps", "busbw(GB/s)", 13, ".3f"),
+    ("wrong", "#wrong", 8, "d"),
+]
+FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes"]
+
+
+def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
+    """One tidy row per (size, algorithm): the slowest rank's mean time, #wrong summed over ranks."""
+    world = len(per_rank)
+    rows = []
+    for i, first in enumerate(per_rank[0]):
+        same = [rank_rows[i] for rank_rows in per_rank]
+        seconds = max(r["mean_s"] for r in same)
+        algbw, busbw = bandwidths(first["size_bytes"], seconds, "all_reduce", world)
+        wrong = [r["wrong"] for r in same]
+        rows.append({
+            "world_size": world,
+            "size_bytes": first["size_bytes"],
+            "count": first["count"],
+            "dtype": meta["dtype"],
+            "op": meta["op"],
+            "algorithm": first["algorithm"],
+            "time_us": seconds * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": busbw,
+            "wrong": -1 if min(wrong) < 0 else sum(wrong),
+            **{k: v for k, v in meta.items() if k not in ("dtype", "op")},
+        })
+    return pd.DataFrame(rows)
+
+
+def format_table(df: pd.DataFrame) -> str:
+    """nccl-tests-style fixed-width table of ``df``'s rows (#wrong -1, unchecked, prints N/A)."""
+    lines = ["".join(title.rjust(width) for _, title, width, _ in COLUMNS)]
+    for row in df.itertuples(index=False):
+        cells = []
+        for key, _, width, fmt in COLUMNS:
+            value = getattr(row, key)
+            text = "N/A" if key == "wrong" and value < 0 else format(int(value) if fmt == "d" else value, fmt)
+            cells.append(text.rjust(width))
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def fit_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The alpha-beta model of each (algorithm, backend, world size), least squares over sizes."""
+    rows = []
+    for (algorithm, backend, world), part in df.groupby(["algorithm", "backend", "world_size"], sort=False):
+        alpha, beta, r2 = fit_alpha_beta(part["size_bytes"], part["time_us"] / 1e6)
+        rows.append({
+            "algorithm": algorithm, "backend": backend, "world_size": world, "alpha_us": alpha,
+            "beta_gbps": beta, "r2": r2, "n_sizes": part["size_bytes"].nunique(),
+            "min_bytes": part["size_bytes"].min(), "max_bytes": part["size_bytes"].max(),
+        })
+    return pd.DataFrame(rows, columns=FIT_COLUMNS)
+
+
+def _atomic(path: str, write) -> None:
+    """Write through a temporary file in the same directory, then rename: never a torn file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_outputs(df: pd.DataFrame, fits: pd.DataFrame, out_dir: str) -> dict[str, str]:
+    """collectives.csv, alpha_beta.csv and busbw.png under ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "results": os.path.join(out_dir, "collectives.csv"),
+        "alpha_beta": os.path.join(out_dir, "alpha_beta.csv"),
+        "figure": os.path.join(out_dir, "busbw.png"),
+    }
+    _atomic(paths["results"], lambda p: df.to_csv(p, index=False))
+    _atomic(paths["alpha_beta"], lambda p: fits.to_csv(p, index=False))
+    _atomic(paths["figure"], lambda p: _figure(df, p))
+    return paths
+
+
+def _figure(df: pd.DataFrame, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    grid = sns.relplot(
+        data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size",
+        kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
+    )
+    grid.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
+    grid.set_titles("world size {col_name}")
+    grid.figure.suptitle(f"all-reduce, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
+    grid.savefig(path, format="png", dpi=110, bbox_inches="tight")
+    plt.close(grid.figure)

@@ -1,0 +1,130 @@
+"""`commlab bench collectives`: the pure arithmetic, input errors before spawning, one tiny run."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from commlab.bench.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, parse_size, size_sweep
+from commlab.bench.collectives_bench import bench_collectives
+from commlab.bench.collectives_report import combine_ranks, format_table
+from commlab.bench.collectives_run import bench_input, expected_result
+from commlab.cli import main
+
+
+def test_parse_and_format_sizes():
+    assert parse_size("1K") == 1024 and parse_size("64M") == 64 << 20 and parse_size("1g") == 1 << 30
+    assert parse_size("4096") == 4096 and parse_size("64MB") == 64 << 20 and parse_size(" 2KiB ") == 2048
+    for bad in ("", "1.5M", "M", "-1K", "64T", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_size(64 << 20) == "64M" and format_size(1536) == "1536" and format_size(2048) == "2K"
+
+
+def test_size_sweep_rounds_to_elements_and_stops_at_max():
+    assert size_sweep(1024, 8192, 2, 4) == [1024, 2048, 4096, 8192]
+    assert size_sweep(1000, 5000, 4, 8) == [1000, 4000]
+    assert size_sweep(1, 16, 2, 4) == [4, 8, 16]  # 1 and 2 bytes round up to one element (deduplicated)
+    with pytest.raises(ValueError, match="larger than max"):
+        size_sweep(10, 5, 2, 4)
+    with pytest.raises(ValueError, match="step factor"):
+        size_sweep(1, 5, 1, 4)
+
+
+def test_busbw_factors_follow_nccl_tests():
+    assert busbw_factor("all_reduce", 1) == 0.0
+    assert busbw_factor("all_reduce", 2) == 1.0
+    assert busbw_factor("all_reduce", 4) == 1.5
+    assert busbw_factor("reduce_scatter", 4) == 0.75 and busbw_factor("all_gather", 8) == 7 / 8
+    assert busbw_factor("broadcast", 8) == 1.0 and busbw_factor("reduce", 3) == 1.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        busbw_factor("all_to_all", 4)
+    algbw, busbw = bandwidths(2_000_000, 1e-3, "all_reduce", 4)
+    assert algbw == pytest.approx(2.0) and busbw == pytest.approx(3.0)
+
+
+def test_alpha_beta_fit_recovers_a_known_model():
+    sizes = [1 << k for k in range(10, 27, 2)]
+    alpha, beta = 50e-6, 2.5e9  # 50 us, 2.5 GB/s
+    times = [alpha + s / beta for s in sizes]
+    a, b, r2 = fit_alpha_beta(sizes, times)
+    assert a == pytest.approx(50.0, rel=1e-6) and b == pytest.approx(2.5, rel=1e-6) and r2 == pytest.approx(1.0)
+    noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(times)]
+    assert 0.5 < fit_alpha_beta(sizes, noisy)[2] < 1.0
+    assert all(math.isnan(v) for v in fit_alpha_beta([8, 8], [1.0, 2.0]))
+    assert fit_alpha_beta([8, 16], [2.0, 1.0])[1] == math.inf  # time falls with size: no bandwidth term
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float32])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+def test_bench_data_reduce_exactly_to_the_closed_form(dtype, op):
+    world, count = 8, 23
+    inputs = torch.stack([bench_input(r, count, dtype, "cpu").double() for r in range(world)])
+    full = {"sum": inputs.sum(0), "avg": inputs.sum(0) / world, "max": inputs.max(0).values, "min": inputs.min(0).values}[op]
+    if op == "avg" and not dtype.is_floating_point:
+        full = torch.floor(full)
+    assert torch.equal(expected_result(world, count, dtype, op, "cpu"), full.to(dtype))
+
+
+def test_slowest_rank_time_and_summed_wrong():
+    per_rank = [
+        [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 1e-3, "wrong": 0}],
+        [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 4e-3, "wrong": 2}],
+        [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 2e-3, "wrong": 1}],
+    ]
+    df = combine_ranks(per_rank, {"dtype": "float32", "op": "sum", "backend": "gloo"})
+    assert df["time_us"].tolist() == [pytest.approx(4000.0)] and df["wrong"].tolist() == [3]
+    assert df["busbw_gbps"].iloc[0] == pytest.approx(df["algbw_gbps"].iloc[0] * 4 / 3)
+    assert "N/A" in format_table(df.assign(wrong=-1))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-b", "1.5M"], "cannot read size"),
+        (["-b", "64M", "-e", "1K"], "larger than max"),
+        (["--algorithm", "ring,butterfly"], "unknown algorithm(s) butterfly"),
+        (["--world-size", "0"], "expected integers >= 1"),
+        (["--world-size", "two"], "comma-separated integers"),
+        (["-f", "1"], "-f"),
+        (["--dtype", "int8"], "int8"),
+    ],
+)
+def test_bad_input_is_a_click_error_before_any_spawn(args, message):
+    result = CliRunner().invoke(bench_collectives, args)
+    assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when there is no GPU")
+def test_nccl_without_gpus_is_a_click_error():
+    result = CliRunner().invoke(bench_collectives, ["--backend", "nccl"])
+    assert result.exit_code == 2 and "CUDA device" in result.output
+
+
+def test_tiny_run_table_csv_fit_and_figure(tmp_path):
+    # World 3 rather than 2: its bus-bandwidth factor is 4/3, so the busbw check can fail.
+    out = tmp_path / "out"
+    args = ["bench", "collectives", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+            "--world-size", "3", "--op", "avg", "--timeout", "120", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("size(B)"))
+    assert header.split() == ["size(B)", "count", "type", "redop", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+    df = pd.read_csv(out / "collectives.csv")
+    assert {"world_size", "size_bytes", "count", "dtype", "op", "algorithm", "time_us", "algbw_gbps",
+            "busbw_gbps", "wrong", "backend", "iters", "warmup", "timestamp", "torch"} <= set(df.columns)  # fmt: skip
+    assert sorted(df["size_bytes"].unique()) == [1024, 4096] and set(df["count"]) == {256, 1024}
+    assert set(df["algorithm"]) == {"ring", "tree", "halving_doubling", "native"} and len(df) == 8
+    assert (df["wrong"] == 0).all() and (df["time_us"] > 0).all() and (df["op"] == "avg").all()
+    assert (df["busbw_gbps"] - df["algbw_gbps"] * 4 / 3).abs().max() < 1e-9
+    assert (df["algbw_gbps"] - df["size_bytes"] / df["time_us"] / 1e3).abs().max() < 1e-9
+    table_rows = [line.split() for line in lines if line.split()[:1] in (["1024"], ["4096"])]
+    assert len(table_rows) == 8 and all(row[-1] == "0" for row in table_rows)
+    fits = pd.read_csv(out / "alpha_beta.csv")
+    assert list(fits.columns)[:6] == ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2"]
+    assert len(fits) == 4 and (fits["n_sizes"] == 2).all() and (fits["world_size"] == 3).all()
+    assert (out / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".tmp-*"))  # atomic writes leave no temporary file behind
