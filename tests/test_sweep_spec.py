@@ -1,10 +1,12 @@
 """Sweep specs, the grid, summary statistics and the store: pure functions, no processes."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from commlab.sweep import store
 from commlab.sweep.progress import bar, clock
@@ -130,3 +132,12 @@ def test_progress_bar_eta():
     assert clock(65) == "1:05" and clock(3725) == "1:02:05"
     assert bar(0, 4, 0.0, width=8) == "[........] 0/4  elapsed 0:00  ETA --:--"
     assert bar(1, 4, 10.0, width=8) == "[##......] 1/4  elapsed 0:10  ETA 0:30"
+
+
+@pytest.mark.parametrize("spec", sorted((Path(__file__).parents[1] / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_specs_are_valid_here(spec):
+    from commlab.sweep.runner import check_plan
+
+    p = build_plan(merge(yaml.safe_load(spec.read_text()), {}))
+    check_plan(p)  # models, algorithms and backends all available on a CPU-only machine
+    assert len(p.configs) >= 2 and len({c.id for c in p.configs}) == len(p.configs)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,13 +62,18 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
         runner.check_plan(plan)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    run_dir = _run_dir(plan.out, plan.name or (spec_file.stem if spec_file else None), resume)
-    node_rank = int(os.environ.get("SLURM_NODEID", "0")) if plan.nnodes > 1 else 0
-    if node_rank != 0:  # every node runs the same grid in step; node 0 alone writes results
-        run_dir = Path(tempfile.mkdtemp(prefix="commlab-sweep-node-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if plan.nnodes > 1 and not (plan.name or spec_file):
+        raise click.UsageError("a multi-node sweep needs --name (or a spec file) so that every node agrees on it")
+    # Multi-node: every node's driver runs the same grid in step (each starts its torchrun per
+    # configuration); node 0 alone writes, into a directory all nodes see for --resume.
+    node_rank = int(os.environ.get("SLURM_NODEID", os.environ.get("NODE_RANK", "0"))) if plan.nnodes > 1 else 0
+    run_dir = _run_dir(plan.out, plan.name or (spec_file.stem if spec_file else None), resume, node_rank == 0)
     echo = lambda line: click.echo(line, err=True)  # noqa: E731  (results go to files, chatter to stderr)
     echo(f"commlab sweep: {len(plan.configs)} configuration(s) -> {run_dir}")
+    if node_rank != 0:
+        runner.run(plan, run_dir, resume=resume, echo=echo, write=False)
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     meta = store.read_metadata(run_dir) or {"environment": environment()}
     session = {"command": command_line(), "start": _now(), "end": None}
@@ -139,7 +143,7 @@ def _read_spec(path: Path | None) -> dict:
     return spec
 
 
-def _run_dir(out: str, name: str | None, resume: bool) -> Path:
+def _run_dir(out: str, name: str | None, resume: bool, writer: bool = True) -> Path:
     """OUT/NAME; with --resume and no name, the most recent sweep under OUT."""
     out_dir = Path(out)
     if name is None and resume:
@@ -148,7 +152,7 @@ def _run_dir(out: str, name: str | None, resume: bool) -> Path:
             raise click.UsageError(f"--resume: no sweep to resume under {out_dir}/ (give --name)")
         return runs[-1].parent
     run_dir = out_dir / (name or time.strftime("sweep-%Y%m%d-%H%M%S"))
-    if not resume and any((run_dir / "configs").glob("*.json")):
+    if writer and not resume and any((run_dir / "configs").glob("*.json")):
         raise click.UsageError(f"{run_dir} already holds results: add --resume to continue it, or pick another --name")
     return run_dir
 

@@ -89,8 +89,13 @@ def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, er
     return rec
 
 
-def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
-    """Run every configuration of ``plan`` not already finished in ``run_dir``; return new records."""
+def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = True,
+        measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
+    """Run every configuration of ``plan`` not already finished in ``run_dir``; return new records.
+
+    ``write=False`` (the drivers of nodes other than node 0 in a multi-node sweep) runs the same
+    configurations in step with node 0 but leaves the results directory to node 0.
+    """
     done = store.finished_ids(run_dir) if resume else set()
     todo = [c for c in plan.configs if c.id not in done]
     if done:
@@ -105,11 +110,14 @@ def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, measure: Callabl
         except Exception as err:  # a failed configuration is a result too; the sweep goes on
             status = "timeout" if ("did not finish within" in str(err) or isinstance(err, TimeoutError)) else "failed"
             rec = record(cfg, started, None, error=_short(err), status=status)
-        store.save_record(run_dir, rec)
-        _, _, runs = store.assemble(run_dir)
+        if write:
+            store.save_record(run_dir, rec)
+            _, _, runs = store.assemble(run_dir)
+        else:
+            _, _, runs = store.tables([rec])
         new.append(rec)
         progress.advance(summary_line(runs[runs["config"] == cfg.id].iloc[0]))
-    if not todo:
+    if write and not todo:
         store.assemble(run_dir)
     return new
 
