@@ -35,7 +35,7 @@ def _data(batch: int, seed: int = 1):
 
 
 def _grads(model: nn.Module) -> dict:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _run(schedule, balance, checkpoint, dropout=0.0, steps=1, x=None, y=None):
@@ -143,3 +143,17 @@ def test_bad_batches_raise_value_errors(two_ranks):
     assert "cannot be split into 4 micro-batches" in two_ranks[1]["small_batch"]
     assert "first stage must pass the mini-batch" in two_ranks[0]["missing"]
     assert "last stage must pass target" in two_ranks[1]["missing"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL pipeline needs two CUDA devices (one per rank)")
+def test_nccl_pipeline_matches_unpartitioned_model():
+    # The same executor on CUDA tensors over NCCL (no tags: messages match by issue order).
+    results = commlab.launch(_two_ranks, world_size=2, backend="nccl", timeout=120)
+    ref_losses, ref_grads = _reference()
+    for schedule, _ in SCHEDULES:
+        for checkpoint in CHECKPOINTS:
+            losses, grads = _merged(results, (schedule, checkpoint))
+            assert losses == pytest.approx(ref_losses, rel=1e-4)
+            for name, g in ref_grads.items():
+                torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)

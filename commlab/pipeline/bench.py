@@ -47,7 +47,7 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     ours_model = model()
     stage = Stage(ours_model, cfg["balance"], device=rt.device)
     ours = PipelineSchedule(stage, cfg["schedule"], microbatches=cfg["microbatches"], loss_fn=F.cross_entropy,
-                            checkpoint=cfg["checkpoint"], timeout=common.get("timeout", 300.0))  # fmt: skip
+                            checkpoint=cfg["checkpoint"], timeout=common.get("timeout", 300.0), measure=True)  # fmt: skip
     runs = {"commlab": (ours_model, lambda: ours.step(x if stage.is_first else None, target=y if stage.is_last else None))}
     if cfg["checkpoint"] == "never":
         ref_model = model()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,10 @@ class PipelineSchedule:
     forward during its backward (GPipe's re-materialisation, Huang et al. 2019, section 2.3);
     ``except_last`` spares the last micro-batch, whose backward follows its forward at once on the
     last stage (torchgpipe's default).
-    After :meth:`step`: ``timeline`` (this rank's compute intervals, seconds from the step start)
-    and ``peak_saved_bytes`` (per local stage: activation bytes held for backward at the peak).
+    After :meth:`step`: ``timeline`` (this rank's compute intervals, seconds from the step start;
+    on CUDA exact only with ``measure=True``, which synchronises after every action) and
+    ``peak_saved_bytes`` (per local stage: activation bytes held for backward at the peak).
+    ``timeout`` bounds every wait for a message, so a lost peer raises instead of hanging.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class PipelineSchedule:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         checkpoint: str = "never",
         timeout: float = 300.0,
+        measure: bool = False,
     ):
         check_plan(schedule, stage.num_stages, stage.ranks, microbatches, checkpoint)
         self.stage = stage
@@ -78,6 +82,7 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.measure = measure
         self.actions: tuple[Action, ...] = build(schedule, stage.ranks, microbatches, stage.virtual)[stage.rank]
         self._last_backward = {a.stage: a for a in self.actions if a.kind == BACKWARD}
         self._boundaries: dict[int, Boundary] | None = None
@@ -110,21 +115,20 @@ class PipelineSchedule:
         self.peak_saved_bytes = {s: 0 for s in st.modules}
         self.timeline = []
         self._losses: list[torch.Tensor] = []
-        sends: list = []
-        recv = self._post([], self._recv_op(self.actions[0]))
+        pending_sends: list = []  # (works, tensor): the tensor must outlive its send
+        posted = self._exchange([], self._recv_op(self.actions[0]))
         start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
         for k, action in enumerate(self.actions):
-            message = self._wait(recv)
+            message = posted.wait(self.timeout)
             began = time.perf_counter() - start
             produced = self._forward(action, message) if action.kind == FORWARD else self._backward(action, message)
-            if st.device.type == "cuda":
-                torch.cuda.current_stream(st.device).synchronize()  # honest compute intervals
+            if self.measure and st.device.type == "cuda":
+                torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
             self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
-            send_ops = self._send_ops(action, produced)
             nxt = self._recv_op(self.actions[k + 1]) if k + 1 < len(self.actions) else None
-            recv = self._post(send_ops, nxt)
-            sends.append((recv.pop("sends"), produced))
-        for works, _ in sends:
+            posted = self._exchange(self._send_ops(action, produced), nxt)
+            pending_sends.append((posted.sends, produced))
+        for works, _ in pending_sends:
             for w in works:
                 w.wait(self.timeout)
         self._stash.clear()
@@ -150,7 +154,7 @@ class PipelineSchedule:
         boundary = self._boundaries[action.stage if action.kind == FORWARD else other]
         buf = boundary.buffer(action.microbatch, self.stage.device)
         peer = self.stage.global_rank_of(other)
-        return (action, buf, dist.P2POp(dist.irecv, buf, peer, self.stage.group, tag(producer, self.stage.num_stages, self.microbatches)))
+        return buf, dist.P2POp(dist.irecv, buf, peer, self.stage.group, tag(producer, self.stage.num_stages, self.microbatches))
 
     def _send_ops(self, action: Action, produced: torch.Tensor | None) -> list:
         found = self._peer_of(action, send=True)
@@ -164,22 +168,13 @@ class PipelineSchedule:
         peer = self.stage.global_rank_of(other)
         return [dist.P2POp(dist.isend, produced, peer, self.stage.group, tag(producer, self.stage.num_stages, self.microbatches))]
 
-    def _post(self, send_ops: list, recv) -> dict:
-        ops = send_ops + ([recv[2]] if recv else [])
+    def _exchange(self, send_ops: list, recv) -> _Posted:
+        """Issue one action's send and the next action's receive as one batch."""
+        ops = send_ops + ([recv[1]] if recv else [])
         works = dist.batch_isend_irecv(ops) if ops else []
-        if recv is None:
-            return {"sends": works, "recv": None}
-        # Gloo returns one work per op; NCCL may coalesce the batch into one work for all of them.
-        recv_works = works[len(send_ops):] if len(works) == len(ops) else works
-        return {"sends": works[: len(send_ops)] if len(works) == len(ops) else [], "recv": (recv[0], recv[1], recv_works)}
-
-    def _wait(self, posted: dict) -> torch.Tensor | None:
-        if posted.get("recv") is None:
-            return None
-        _, buf, works = posted["recv"]
-        for w in works:
-            w.wait(self.timeout)
-        return buf
+        if len(works) != len(ops):  # NCCL may coalesce a batch into one work: wait for all of it
+            return _Posted([], recv[0] if recv else None, works)
+        return _Posted(works[: len(send_ops)], recv[0] if recv else None, works[len(send_ops) :])
 
     # -- compute --------------------------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
@@ -236,6 +231,20 @@ class PipelineSchedule:
         if s > 0 and x.requires_grad:
             return x.grad
         return None
+
+
+@dataclass
+class _Posted:
+    """What one batch of point-to-point ops left to wait for."""
+
+    sends: list
+    buffer: torch.Tensor | None  # the next action's incoming message
+    recv_works: list
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor | None:
+        for w in self.recv_works:
+            w.wait(timeout)
+        return self.buffer
 
 
 def _rng_state(device: torch.device) -> tuple:
