@@ -53,7 +53,8 @@ MODELS = {"mlp": lambda: mlp(3, 32, in_features=16, classes=4), "bn": bn_model, 
 
 def _data(step: int, micro: int = 0):
     g = torch.Generator().manual_seed(1000 * dist.get_rank() + 10 * step + micro)
-    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    device = commlab.Runtime.current().device  # cpu on gloo, this rank's GPU on nccl
+    return torch.randn(8, 16, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
 
 
 def _maxdiff(xs, ys) -> float:
@@ -63,7 +64,7 @@ def _maxdiff(xs, ys) -> float:
 def parity(model: str, steps: int = 3, micro: int = 1, hook=None, torch_hook="same", **kwargs) -> dict:
     """Train commlab's and torch's DDP the same way; report the largest differences."""
     torch.manual_seed(dist.get_rank())  # different initial values: construction must broadcast
-    ours_module = MODELS[model]()
+    ours_module = MODELS[model]().to(commlab.Runtime.current().device)
     theirs_module = copy.deepcopy(ours_module)
     ours_kwargs = {k: kwargs.pop(k) for k in ("algorithm", "overlap", "first_bucket_mb", "round_robin_groups") if k in kwargs}
     ours = commlab.DistributedDataParallel(ours_module, **kwargs, **ours_kwargs)
@@ -134,7 +135,8 @@ def buckets_before_after(model_fn, **kwargs) -> dict:
 
 def timing_run(overlap: bool) -> dict:
     torch.manual_seed(0)
-    ddp = commlab.DistributedDataParallel(mlp(6, 64, in_features=16, classes=4), bucket_cap_mb=0.02, overlap=overlap)
+    model = mlp(6, 64, in_features=16, classes=4).to(commlab.Runtime.current().device)
+    ddp = commlab.DistributedDataParallel(model, bucket_cap_mb=0.02, overlap=overlap)
     for step in range(3):
         with ddp.no_sync():
             nn.functional.cross_entropy(ddp(_data(step)[0]), _data(step)[1]).backward()
@@ -223,3 +225,13 @@ def run_world3() -> dict:
     except ValueError as e:
         out["mismatch"] = str(e)
     return out
+
+
+def run_cuda() -> dict:
+    """The same code on CUDA tensors with NCCL: parity with torch and CUDA-event timings."""
+    return {
+        "mlp": parity("mlp", bucket_cap_mb=1e-9),
+        "bn_view": parity("bn", gradient_as_bucket_view=True),
+        "fp16_hook": parity("mlp", hook=default_hooks.fp16_compress_hook),
+        "timing_overlap": timing_run(True),
+    }

@@ -5,6 +5,7 @@ and returns differences, bucket layouts and timings, which the tests below asser
 """
 
 import pytest
+import torch
 
 import commlab
 import ddp_cases
@@ -119,3 +120,17 @@ def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
             assert r["params"] <= EXACT and r["grads"] <= EXACT and r["buffers"] <= EXACT, (case, rank)
             assert r["buckets"] == r["torch_buckets"], (case, rank)
         assert "'fc.weight' has shape (9, 16)" in result["mismatch"] and "rank 2" in result["mismatch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL and CUDA-event timings")
+def test_nccl_on_cuda_matches_torch_and_times_with_cuda_events():
+    (result,) = commlab.launch(ddp_cases.run_cuda, world_size=1, backend="nccl", timeout=120)
+    for case in ("mlp", "bn_view", "fp16_hook"):
+        r = result[case]
+        assert r["params"] <= EXACT and r["grads"] <= EXACT and r["buffers"] <= EXACT, case
+        assert r["buckets"] == r["torch_buckets"], case
+    t = result["timing_overlap"]["last"]
+    assert result["timing_overlap"]["count"] == 3
+    for b in t.buckets:
+        assert 0 <= b.ready <= b.launched <= b.done <= t.total + 1e-4  # events are ~us-resolved

@@ -3,7 +3,8 @@
 Both wrap copies of the same model, see the same batches and use the same bucket cap; iteration i
 of one is followed by iteration i of the other, so a load change on a shared machine hits both.
 An iteration is forward + backward (gradients synchronised) + an SGD step; its time is the
-slowest rank's. The command prints each median and the ratio commlab / torch:
+slowest rank's. The command prints each median and the ratio commlab / torch, in wall time and
+in process CPU time (steadier on a busy machine):
 
     commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
     commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
@@ -43,26 +44,32 @@ def _bench_rank(cfg: dict) -> dict:
     batches = [(x.to(rt.device), y.to(rt.device)) for x, y in batches]
     sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in models}
+    cpu: dict[str, list[float]] = {name: [] for name in models}
     for i in range(cfg["warmup"] + cfg["iters"]):
         order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
         for name in order:
             x, y = batches[i % len(batches)]
             dist.barrier()
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             opts[name].zero_grad()
             work.loss_fn(models[name](x), y).backward()
             opts[name].step()
             sync()
             if i >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
     params = sum(p.numel() for p in work.model.parameters())
-    return {"times": times, "params": params, "buckets": len(models["commlab"].bucket_sizes)}
+    return {"times": times, "cpu": cpu, "params": params, "buckets": len(models["commlab"].bucket_sizes)}
 
 
-def summarise(per_rank: list[dict]) -> dict[str, float]:
-    """Per iteration the slowest rank's time; then medians, their ratio, and the paired ratio."""
-    slowest = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in ("commlab", "torch")}
+def summarise(per_rank: list[dict], key: str = "times") -> dict[str, float]:
+    """Per iteration the slowest rank's time; then medians, their ratio, and the paired ratio.
+
+    ``key="cpu"`` does the same with each rank's process CPU time (all its threads), which a
+    loaded machine disturbs far less than wall time: it shows the reducer's own overhead.
+    """
+    slowest = {name: [max(ts) for ts in zip(*(r[key][name] for r in per_rank))] for name in ("commlab", "torch")}
     ours, theirs = statistics.median(slowest["commlab"]), statistics.median(slowest["torch"])
     paired = statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"]))
     return {"commlab": ours, "torch": theirs, "ratio": ours / theirs, "paired_ratio": paired}
@@ -104,7 +111,7 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
     cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
                warmup=warmup, algorithm=algorithm)  # fmt: skip
     per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
-    s = summarise(per_rank)
+    s, c = summarise(per_rank), summarise(per_rank, "cpu")
     shape = f" ({depth} x {width})" if model == "mlp" else ""
     click.echo(
         f"model {model}{shape}, {per_rank[0]['params'] / 1e6:.1f} M params, batch {batch}/rank, "
@@ -112,6 +119,8 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
         f"all-reduce {algorithm}"
     )
     click.echo(f"{iters} timed iterations each after {warmup} warm-up, alternating; slowest rank per iteration")
-    click.echo(f"  commlab DDP  median {s['commlab'] * 1e3:9.2f} ms/iter")
-    click.echo(f"  torch DDP    median {s['torch'] * 1e3:9.2f} ms/iter")
+    click.echo("               wall ms/iter   cpu ms/iter")
+    click.echo(f"  commlab DDP  {s['commlab'] * 1e3:12.2f}  {c['commlab'] * 1e3:12.2f}")
+    click.echo(f"  torch DDP    {s['torch'] * 1e3:12.2f}  {c['torch'] * 1e3:12.2f}")
     click.echo(f"  ratio commlab/torch: {s['ratio']:.3f} (median of per-iteration ratios {s['paired_ratio']:.3f})")
+    click.echo(f"  cpu-time ratio:      {c['ratio']:.3f} (median of per-iteration ratios {c['paired_ratio']:.3f})")

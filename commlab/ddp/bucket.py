@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ class Bucket:
         self.params = params
         first = params[0]
         self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.buffer = torch.zeros(sum(self.numels), dtype=first.dtype, device=first.device)
         self.views = [
             self.buffer[o : o + n].view(p.shape) for o, n, p in zip(self.offsets, self.numels, params)

@@ -71,8 +71,10 @@ class Reducer:
         self.rebuild_pending = will_rebuild(find_unused_parameters, static_graph)
         limits = initial_size_limits(first_cap, cap, find_unused_parameters, static_graph)
         self._install(initial_buckets(self.params, limits))
-        # Holding the accumulators keeps their identity stable for the unused-parameter search.
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        # Holding the accumulators keeps their identity stable for the unused-parameter search
+        # (torch's Reducer holds them too). enable_grad: DDP may be built under no_grad.
+        with torch.enable_grad():
+            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
         self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_gradient, i)) for i, p in enumerate(self.params)
