@@ -76,13 +76,14 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     meta = store.read_metadata(run_dir) or {"environment": environment()}
-    session = {"command": command_line(), "start": _now(), "end": None}
+    # The load average says how far to trust the timings (other work shares the CPUs).
+    session = {"command": command_line(), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()
     runner.run(plan, run_dir, resume=resume, echo=echo)
     records = store.load_records(run_dir)
-    session["end"] = _now()
+    session["end"], session["load_average_end"] = _now(), os.getloadavg()
     meta["hosts"] = sorted({h for r in records for h in r.get("hosts", [])})
     meta["devices"] = sorted({d for r in records for d in r.get("devices", [])})
     store.write_metadata(run_dir, meta)

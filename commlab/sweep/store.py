@@ -89,7 +89,8 @@ def assemble(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Rebuild iterations.csv, buckets.csv and runs.csv from the records; return the tables."""
     iterations, buckets, runs = tables(load_records(run_dir))
     for name, df in (("iterations", iterations), ("buckets", buckets), ("runs", runs)):
-        write_atomic(Path(run_dir) / f"{name}.csv", df.to_csv(index=False))
+        # Nine significant digits: nanoseconds for timings up to a second, and half the bytes.
+        write_atomic(Path(run_dir) / f"{name}.csv", df.to_csv(index=False, float_format="%.9g"))
     return iterations, buckets, runs
 
 
