@@ -157,6 +157,17 @@ def hook_twice_error() -> str:
     return ""
 
 
+def unused_without_flag_error() -> str:
+    """Branchy's ``dead`` layer gets no gradient; without find_unused_parameters that is an error."""
+    ddp = commlab.DistributedDataParallel(Branchy(), bucket_cap_mb=1e-9)
+    for step in range(2):  # the first iteration has one bucket; the error is the same either way
+        try:
+            nn.functional.cross_entropy(ddp(_data(step)[0]), _data(step)[1]).backward()
+        except RuntimeError as e:
+            return str(e)
+    return ""
+
+
 def run_world2() -> dict:
     """Everything checked at world size 2, in one process group."""
     tiny, huge = 1e-9, 1e6
@@ -202,6 +213,7 @@ def run_world2() -> dict:
         "timing_overlap": timing_run(True),
         "timing_no_overlap": timing_run(False),
         "hook_twice": hook_twice_error(),
+        "unused_error": unused_without_flag_error(),
     }
 
 

@@ -109,8 +109,11 @@ def test_overlap_is_real_and_overlap_false_waits_for_backward(world2):
         assert [b.launched for b in t.buckets] == sorted(b.launched for b in t.buckets)
 
 
-def test_second_comm_hook_is_an_error(world2):
-    assert "only be called once" in world2[0]["hook_twice"]
+def test_second_comm_hook_and_unflagged_unused_parameters_are_errors(world2):
+    for result in world2:
+        assert "only be called once" in result["hook_twice"]
+        message = result["unused_error"]
+        assert "dead.weight" in message and "dead.bias" in message and "find_unused_parameters=True" in message
 
 
 def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
