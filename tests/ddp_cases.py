@@ -230,6 +230,7 @@ def run_world3() -> dict:
         "unused": parity("branchy", bucket_cap_mb=1e-9, find_unused_parameters=True, round_robin_groups=2),
         "fp16_hook": parity("bn", hook=default_hooks.fp16_compress_hook),
         "ring": parity("mlp", bucket_cap_mb=1e-9, algorithm="ring"),
+        "rr_list": parity("tied", bucket_cap_mb=1e-9, round_robin_groups=[dist.new_group([0, 1, 2]) for _ in range(2)]),
     }
     try:
         commlab.DistributedDataParallel(_Wider(8 if dist.get_rank() != 2 else 9))

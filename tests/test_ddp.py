@@ -118,7 +118,7 @@ def test_second_comm_hook_and_unflagged_unused_parameters_are_errors(world2):
 
 def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
     for rank, result in enumerate(world3):
-        for case in ("mlp", "unused", "fp16_hook", "ring"):
+        for case in ("mlp", "unused", "fp16_hook", "ring", "rr_list"):
             r = result[case]
             assert r["params"] <= EXACT and r["grads"] <= EXACT and r["buffers"] <= EXACT, (case, rank)
             assert r["buckets"] == r["torch_buckets"], (case, rank)
