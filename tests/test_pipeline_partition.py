@@ -43,6 +43,7 @@ def test_partition_is_optimal_against_brute_force():
 
 def test_partition_literal_cases_and_errors():
     assert partition([1, 1, 1, 1], 2) == [2, 2]
+    assert partition([1, 1, 1, 1, 1], 2) == [2, 3]  # a tie: the later stage takes the extra layer
     assert partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]
     assert partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]  # 15 | 13 | 17
     with pytest.raises(ValueError, match="cannot split 3 layers into 4"):

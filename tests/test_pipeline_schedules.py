@@ -118,6 +118,9 @@ def test_uneven_stages_and_communication_cost():
     assert sim.busy == (12.0, 36.0) and sim.idle == (27.0, 3.0)
     # One micro-batch, two ranks: each of the two crossings costs c.
     assert simulate(gpipe(2, 1), 1.0, 2.0, comm=0.5).step_time == pytest.approx(6.0 + 2 * 0.5)
+    # Replaying individual action times: one slow forward on rank 0 delays everything after it.
+    slow = simulate(gpipe(2, 2), 1.0, 1.0, durations={Action(0, "F", 0): 3.0})
+    assert slow.step_time == simulate(gpipe(2, 2), 1.0, 1.0).step_time + 2.0
     with pytest.raises(ValueError, match="one time per stage"):
         simulate(gpipe(2, 1), forward=[1.0, 2.0, 3.0])
 

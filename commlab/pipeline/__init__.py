@@ -10,6 +10,7 @@ Schedules (``gpipe``, ``one_f_one_b``, ``interleaved``), :func:`validate`, :func
 """
 
 from commlab.pipeline.executor import CHECKPOINT_MODES, PipelineSchedule, check_plan
+from commlab.pipeline.hybrid import DataParallelStage
 from commlab.pipeline.partition import balance_by_size, balance_by_time, partition, split
 from commlab.pipeline.render import grid
 from commlab.pipeline.schedules import SCHEDULES, Action, build, format_actions, gpipe, interleaved, one_f_one_b
@@ -21,6 +22,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "SCHEDULES",
     "Action",
+    "DataParallelStage",
     "DeadlockError",
     "PipelineSchedule",
     "Simulation",

@@ -6,7 +6,9 @@ PipelineStage) alternate iteration by iteration on copies of the same seeded MLP
 load change on a shared machine hits both. A step's time is the slowest rank's, measured from a
 barrier. From commlab's own timeline (each action's compute interval) we get the measured bubble
 (idle share of all ranks' time) and per-stage forward/backward times, which the simulator turns
-into its predicted bubble. Activation memory is the bytes saved for backward (saved-tensor hooks),
+into its predicted bubble (with the median measured message delay as ``comm``). The "replayed"
+bubble feeds each step's own action times to the simulator: on a loaded machine compute times
+vary from one micro-batch to the next, which a per-stage median cannot predict. Activation memory is the bytes saved for backward (saved-tensor hooks),
 plus the CUDA allocator's peak on GPUs. torch has no checkpointing in its schedules, so the
 reference runs only for ``checkpoint=never``.
 """
@@ -138,7 +140,7 @@ def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
 
 def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int) -> dict[str, Any]:
     """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
-    from commlab.pipeline.schedules import build
+    from commlab.pipeline.schedules import Action, build
     from commlab.pipeline.simulate import bubble_formula, simulate
 
     slowest = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in per_rank[0]["times"]}
@@ -156,7 +158,11 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
     fwd, bwd = stage_times(per_rank)
     actions = build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"])
     comm = comm_latency(per_rank, len(fwd))
-    row.update(bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
+    replayed = []
+    for k in range(len(measured)):
+        own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
+        replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
+    row.update(bubble_replayed=statistics.median(replayed), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
                bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
                bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
     return row

@@ -104,7 +104,7 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 @pipeline.command()
 @click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True)
 @click.option("--microbatches", "-m", default="2,4,8", show_default=True, help="comma-separated")
-@click.option("--balance", "balance_modes", default="uniform", show_default=True, help="uniform,time,size")
+@click.option("--balance", "balance_modes", default="time", show_default=True, help="uniform,time,size")
 @click.option("--checkpoint", "checkpoints", default="never", show_default=True, help="never,except_last,always")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=2))
 @click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
@@ -196,11 +196,12 @@ def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size
 
 
 def _print(summary, stages) -> None:
-    click.echo(f"{'config':<34} {'commlab ms':>10} {'torch ms':>9} {'ratio':>6} {'samples/s':>9} "
-               f"{'bubble meas':>11} {'sim':>6} {'formula':>7} {'msg ms':>6} {'stage0 act MiB':>14}")  # fmt: skip
+    click.echo(f"{'config':<30} {'commlab ms':>10} {'torch ms':>9} {'ratio':>6} {'paired':>6} {'samples/s':>9} "
+               f"{'bubble':>6} {'sim':>6} {'replay':>6} {'formula':>7} {'msg ms':>6} {'stage0 MiB':>10}")  # fmt: skip
     for row in summary:
         first = [s["saved_bytes"] for s in stages if s["config"] == row["config"] and s["stage"] == 0][0]
         torch_ms = f"{row['torch_s'] * 1e3:9.2f}" if "torch_s" in row else f"{'-':>9}"
-        ratio = f"{row['ratio']:6.3f}" if "ratio" in row else f"{'-':>6}"
-        click.echo(f"{row['config']:<34} {row['commlab_s'] * 1e3:10.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
-                   f"{row['bubble_measured']:11.3f} {row['bubble_simulated']:6.3f} {row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:14.2f}")  # fmt: skip
+        ratio = f"{row['ratio']:6.3f} {row['paired_ratio']:6.3f}" if "ratio" in row else f"{'-':>6} {'-':>6}"
+        click.echo(f"{row['config']:<30} {row['commlab_s'] * 1e3:10.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
+                   f"{row['bubble_measured']:6.3f} {row['bubble_simulated']:6.3f} {row['bubble_replayed']:6.3f} "
+                   f"{row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:10.2f}")  # fmt: skip

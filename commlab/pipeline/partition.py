@@ -45,8 +45,8 @@ def split(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
 def partition(costs: Sequence[float], parts: int) -> list[int]:
     """Layer counts per stage minimising the largest stage cost (contiguous stages, each >= 1 layer).
 
-    O(n^2 k) dynamic programme over prefix sums; ties go to the split found first, which puts
-    the extra layer of an uneven split on the earlier stages.
+    O(n^2 k) dynamic programme over prefix sums; among equally good splits the earliest cut wins,
+    which gives the extra layer of an uneven split to the later stages.
     """
     n = len(costs)
     if parts < 1 or parts > n:

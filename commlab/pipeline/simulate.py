@@ -9,7 +9,7 @@ action. The same engine with unit times is the validator's deadlock check and th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from commlab.pipeline.schedules import BACKWARD, FORWARD, Action, Actions, num_stages, stage_rank
@@ -68,12 +68,15 @@ def simulate(
     forward: float | Sequence[float] = 1.0,
     backward: float | Sequence[float] = 2.0,
     comm: float = 0.0,
+    durations: Mapping[Action, float] | None = None,
 ) -> Simulation:
     """Run the schedule on a virtual clock; raise :class:`DeadlockError` if it cannot finish.
 
     ``forward`` and ``backward`` are per-stage times (one number for all stages, or a list);
     ``comm`` is added to every dependency that crosses ranks. The default backward = 2 x forward
     is the usual estimate (a backward computes gradients for both inputs and weights).
+    ``durations`` overrides the time of individual actions: replaying one measured step's own
+    compute times shows what the schedule would have cost with zero executor overhead.
     """
     ranks = len(actions)
     stages = num_stages(actions)
@@ -98,6 +101,8 @@ def simulate(
                     + [end[d] + (comm if stage_rank(d.stage, ranks) != r else 0.0) for d in deps]
                 )
                 cost = f[act.stage] if act.kind == FORWARD else b[act.stage]
+                if durations is not None and act in durations:
+                    cost = durations[act]
                 end[act] = ready + cost
                 clock[r] = ready + cost
                 busy[r] += cost
