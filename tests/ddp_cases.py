@@ -103,6 +103,7 @@ def parity(model: str, steps: int = 3, micro: int = 1, hook=None, torch_hook="sa
         "torch_buckets": torch_buckets(theirs),
         "timings": len(ours.iteration_timings),
         "grad_is_view": [_is_view_of_bucket(ours, p) for p in ours.module.parameters()],
+        "bucket_sizes": ours.bucket_sizes,
     }
 
 
@@ -192,6 +193,8 @@ def run_world2() -> dict:
         "no_overlap": parity("mlp", bucket_cap_mb=tiny, overlap=False),
         "round_robin": parity("mlp", bucket_cap_mb=tiny, round_robin_groups=3),
         "static_graph": parity("mlp", static_graph=True),
+        # No torch equivalent: same values as torch's default layout, a different first bucket.
+        "first_bucket": parity("mlp", bucket_cap_mb=0.01, first_bucket_mb=0.002),
         # commlab's own all-reduce algorithms under DDP (their correctness is tested elsewhere;
         # here: launched from autograd hooks, several in flight, round-robin groups).
         "ring": parity("mlp", bucket_cap_mb=tiny, algorithm="ring"),
@@ -201,6 +204,8 @@ def run_world2() -> dict:
     small_transformer = lambda: TinyTransformer(vocab=64, d_model=32, layers=2, heads=2, seq=8)  # noqa: E731
     layouts = {
         "mlp_default": buckets_before_after(lambda: mlp(4, 128, in_features=16)),
+        # 4 MiB weights: after the rebuild torch's 1 MiB first bucket holds only the last layer.
+        "mlp_default_first_bucket": buckets_before_after(lambda: mlp(3, 1024, in_features=16)),
         "mlp_cap_tiny": buckets_before_after(lambda: mlp(4, 128, in_features=16), bucket_cap_mb=1e-9),
         "mlp_cap_0.1": buckets_before_after(lambda: mlp(4, 128, in_features=16), bucket_cap_mb=0.1),
         "transformer_default": buckets_before_after(small_transformer),

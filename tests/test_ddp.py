@@ -46,6 +46,16 @@ def test_same_parameters_buffers_and_grads_as_torch_ddp(world2, case):
     assert world2[0]["cases"][case]["buckets"] == world2[1]["cases"][case]["buckets"]
 
 
+def test_first_bucket_mb_sets_the_first_cap_and_keeps_torch_values(world2):
+    for result in world2:
+        r = result["cases"]["first_bucket"]
+        assert r["params"] <= EXACT and r["grads"] <= EXACT
+        # 0.002 MiB first cap (2 KiB): the classifier (16 + 512 B), a bias and a 4 KiB weight
+        # close it; the rest (6400 B) stays under torch's 0.01 MiB cap, where torch has one bucket.
+        assert r["buckets"] == [[7, 6, 5, 4], [3, 2, 1, 0]] and r["bucket_sizes"] == [4752, 6400]
+        assert r["buckets"] != r["torch_buckets"] and sorted(sum(r["buckets"], [])) == list(range(8))
+
+
 def test_bf16_compress_hook_runs_unchanged_and_stays_close(world2):
     # torch refuses this hook without NCCL, so the reference is torch's DDP without a hook.
     for result in world2:
@@ -88,6 +98,9 @@ def test_bucket_layout_equals_torch_before_and_after_rebuild(world2):
     # Without find_unused_parameters: one bucket at first, several after the rebuild.
     assert len(layouts["mlp_cap_0.1"]["ours_before"]) == 1 and len(layouts["mlp_cap_0.1"]["ours_after"]) == 2
     assert len(layouts["transformer_cap_0.02"]["ours_after"]) > 1
+    first = layouts["mlp_default_first_bucket"]  # default caps: 1 MiB first bucket, then 25 MiB
+    assert first["ours_after"] == [[7, 6, 5, 4], [3, 2, 1, 0]]
+    assert first["sizes"][0] >= 1024 * 1024 > first["sizes"][0] - 4 * 1024 * 1024
     # With it: small first bucket from the start and no rebuild.
     unused = layouts["transformer_find_unused"]
     assert len(unused["ours_before"]) > 1 and unused["ours_before"] == unused["ours_after"]
