@@ -10,8 +10,8 @@ Pipelining: each block is cut into pieces of ``piece_bytes``. A piece is forward
 next step) as soon as it has arrived and been reduced, so on large messages sending piece j+1,
 receiving piece j+1 and reducing piece j overlap, across step boundaries too: the whole
 all-reduce is one pass of 2(p-1) steps in which the first p-1 reduce and the rest copy.
-Received reduce-scatter pieces land in a double-buffered scratch block (step s and s+1 are in
-flight together); all-gather pieces land directly in place.
+At most ``WINDOW`` receives are in flight; reduce-scatter pieces land in that many scratch
+slots (reused round-robin), all-gather pieces land directly in place.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from commlab.collectives.schedules import (
 # Chosen by `commlab bench collectives` on Gloo/CPU: large enough that Python's per-message cost
 # (~tens of us) is small against the transfer, small enough to overlap several pieces per block.
 PIECE_BYTES = 1 << 20
+# Receives in flight at once; received reduce-scatter pieces land in this many scratch slots,
+# so the scratch stays small and cache-warm instead of a whole block of fresh pages.
+WINDOW = 4
 
 _REDUCE, _REDUCE_LAST, _COPY = "reduce", "reduce_last", "copy"
 
@@ -51,50 +54,64 @@ def ring_pass(
         return
     left, right = ring_neighbours(r, p)
     bounds = chunk_bounds(flat.numel(), p)
+    if comm.coalesce:
+        _ring_pass_stepwise(flat, op, comm, steps, bounds)
+        return
     piece_numel = max(1, piece_bytes // flat.element_size())
-    width = max(b - a for a, b in bounds)
-    scratch = [flat.new_empty(width) for _ in range(2)] if reduce_scatter else []
+    # Every piece this rank receives, in the order the left neighbour sends them: step by step,
+    # piece by piece. Pieces are cut relative to their block, so the block received at step s
+    # is cut exactly as it is sent on at step s+1.
+    arrivals = [(s, j, a, b) for s, (_, block, _) in enumerate(steps) for j, (a, b) in enumerate(pieces(*bounds[block], piece_numel))]
+    slots = min(WINDOW, len(arrivals))
+    scratch = flat.new_empty(slots * piece_numel) if reduce_scatter else None
     sent: list = []
 
-    def cut(block: int) -> list[tuple[int, int]]:
-        return pieces(*bounds[block], piece_numel)
-
-    def landing(s: int, a: int, b: int) -> torch.Tensor:
-        """Where piece [a, b) of step s's received block arrives: scratch when reducing."""
+    def landing(q: int) -> torch.Tensor:
+        s, _, a, b = arrivals[q]
         if steps[s][2] == _COPY:
             return flat[a:b]
-        start = bounds[steps[s][1]][0]
-        return scratch[s % 2][a - start : b - start]
+        offset = (q % slots) * piece_numel
+        return scratch[offset : offset + (b - a)]
 
-    def post(s: int, send, recv) -> list:
-        sends = [(flat[send[0] : send[1]], right)] if send else []
-        recvs = [(landing(s, *recv), left)] if recv else []
-        recv_works, send_works = comm.post(sends, recvs)
-        sent.extend(send_works)
-        return recv_works
+    def send(a: int, b: int) -> None:
+        sent.extend(comm.post(sends=[(flat[a:b], right)])[1])
 
-    first_send, first_recv = cut(steps[0][0]), cut(steps[0][1])
-    pending = [
-        post(0, first_send[j] if j < len(first_send) else None, first_recv[j] if j < len(first_recv) else None)
-        for j in range(max(len(first_send), len(first_recv)))
-    ]
-    for s, (_, recv_block, mode) in enumerate(steps):
-        got = cut(recv_block)
-        later = cut(steps[s + 1][1]) if s + 1 < len(steps) else None
-        following = []
-        for j, (a, b) in enumerate(got):
-            wait_all(pending[j])
-            if mode != _COPY:
-                combine_(flat[a:b], landing(s, a, b), op)
-                if mode == _REDUCE_LAST:
-                    finish_(flat[a:b], op, p)
-            if later is not None:  # the block just received is the one sent at step s+1
-                following.append(post(s + 1, (a, b), later[j] if j < len(later) else None))
-        if later is not None:
-            # Blocks differ by at most one element, so the next one may have one more piece.
-            following += [post(s + 1, None, piece) for piece in later[len(got) :]]
-        pending = following
+    def receive(q: int) -> list:
+        return comm.post(recvs=[(landing(q), left)])[0]
+
+    for a, b in pieces(*bounds[steps[0][0]], piece_numel):  # step 0 sends data already here
+        send(a, b)
+    pending = {q: receive(q) for q in range(slots)}
+    for q, (s, _, a, b) in enumerate(arrivals):
+        wait_all(pending.pop(q))
+        mode = steps[s][2]
+        if mode != _COPY:
+            combine_(flat[a:b], landing(q), op)
+            if mode == _REDUCE_LAST:
+                finish_(flat[a:b], op, p)
+        if q + slots < len(arrivals):  # this piece's scratch slot is free again
+            pending[q + slots] = receive(q + slots)
+        if s + 1 < len(steps):  # the block received at step s is the one sent at step s+1
+            send(a, b)
     wait_all(sent)
+
+
+def _ring_pass_stepwise(flat: torch.Tensor, op: str, comm: Comm, steps: list, bounds: list) -> None:
+    """The same steps with each step's send and receive in one NCCL group call.
+
+    NCCL pipelines a message in its own chunks; pairing each send with its receive in a batch is
+    what keeps a ring of NCCL p2p calls from deadlocking, so nothing is split further here.
+    """
+    left, right = ring_neighbours(comm.rank, comm.size)
+    scratch = flat.new_empty(max(b - a for a, b in bounds))
+    for send_block, recv_block, mode in steps:
+        (sa, sb), (ra, rb) = bounds[send_block], bounds[recv_block]
+        landing = flat[ra:rb] if mode == _COPY else scratch[: rb - ra]
+        wait_all(comm.post(sends=[(flat[sa:sb], right)], recvs=[(landing, left)])[0])
+        if mode != _COPY:
+            combine_(flat[ra:rb], landing, op)
+            if mode == _REDUCE_LAST:
+                finish_(flat[ra:rb], op, comm.size)
 
 
 def all_reduce_ring(flat: torch.Tensor, op: str, comm: Comm, *, piece_bytes: int = PIECE_BYTES) -> None:
