@@ -61,3 +61,12 @@ def test_a_node_that_does_not_write(tmp_path):
     assert len(measure.ran) == 1 and records[0]["status"] == "ok"
     assert list(tmp_path.iterdir()) == []
     assert store.finished_ids(tmp_path) == set()
+
+
+def test_a_sweep_where_everything_failed_still_has_its_tables(tmp_path):
+    plan = build_plan(merge({}, {"bucket_mb": "1,2", "overlap": "on"}))
+    boom = RuntimeError("torchrun exited with code 1")
+    runner.run(plan, tmp_path, resume=False, echo=lambda _: None, measure=Measure({1.0: boom, 2.0: boom}))
+    iterations, buckets, runs = store.read_tables(tmp_path)
+    assert iterations.empty and buckets.empty
+    assert (runs["status"] == "failed").all() and runs["step_median"].isna().all() and (runs["iterations"] == 0).all()

@@ -92,7 +92,8 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
         from commlab.sweep.figures import draw_all
 
         written = draw_all(run_dir)
-        echo(f"figures: {', '.join(p.name for p in written if p.suffix == '.png') or 'none'} (+ PDF)")
+        pngs = [p.name for p in written if p.suffix == ".png"]
+        echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:

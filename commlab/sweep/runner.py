@@ -73,7 +73,9 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
             proc.communicate()
             raise TimeoutError(f"torchrun did not finish within {plan.timeout:g} s") from None
         if proc.returncode != 0 or not result_path.exists():
-            raise RuntimeError(f"torchrun exited with code {proc.returncode}:\n{output[-4000:]}")
+            errors = sorted(Path(tmp).glob("result.json.rank*.error"))
+            detail = "\n".join(f"--- {p.name.split('.')[2]} ---\n{p.read_text()}" for p in errors) or output[-4000:]
+            raise RuntimeError(f"torchrun exited with code {proc.returncode}\n{detail}")
         return json.loads(result_path.read_text())
 
 

@@ -79,10 +79,16 @@ def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, p
         bucket_rows += [{**cfg, **row} for row in rec.get("buckets", [])]
         run_rows.append({**cfg, "status": rec["status"], "error": rec.get("error", ""),
                          "seconds": rec.get("ended", 0) - rec.get("started", 0)})
-    iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS)
-    buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS)
+    # Typed even when empty (every configuration failed), so that statistics still apply.
+    iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS).astype(_dtypes(ITERATION_COLUMNS))
+    buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS).astype(_dtypes(BUCKET_COLUMNS))
     runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + ["status", "error", "seconds"]), iterations)
     return iterations, buckets, runs
+
+
+def _dtypes(columns: list[str]) -> dict[str, str]:
+    counts = ("rank", "iteration", "bucket", "nbytes", "num_params")
+    return {c: ("int64" if c in counts else "float64") for c in columns}
 
 
 def assemble(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -12,9 +12,11 @@ ranks' results.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -100,6 +102,11 @@ def main(argv: list[str]) -> int:
         # sweep driver on each node of a multi-node job sees the configuration finish.
         if commlab.Runtime.current().local_rank == 0:
             write_atomic(result_path, json.dumps(results))
+    except BaseException:
+        # torchrun's own report names the rank but not the error: leave the traceback for the driver.
+        rank = os.environ.get("RANK", "?")
+        write_atomic(f"{result_path}.rank{rank}.error", traceback.format_exc())
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
