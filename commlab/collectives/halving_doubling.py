@@ -30,10 +30,12 @@ from commlab.collectives.schedules import (
 )
 
 
-def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
+def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, peer: int, sent: list) -> None:
+    """Swap with ``peer``; wait for the receive only (a send's buffer is not written again
+    within its phase, and ``sent`` is drained between phases)."""
     recv_works, send_works = comm.post(sends=[(send, peer)], recvs=[(recv, peer)])
+    sent.extend(send_works)
     wait_all(recv_works)
-    wait_all(send_works)
 
 
 def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None:
@@ -59,15 +61,19 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
 
     halving = hd_reduce_scatter_steps(virtual, p)
     scratch = flat.new_empty(max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0))
+    sent: list = []
     for step in halving:
         (sa, sb), (ra, rb) = span(step.send), span(step.recv)
-        _exchange(comm, flat[sa:sb], scratch[: rb - ra], step.peer)
+        _exchange(comm, flat[sa:sb], scratch[: rb - ra], step.peer, sent)
         combine_(flat[ra:rb], scratch[: rb - ra], op)
     lo, hi = bounds[virtual]
     finish_(flat[lo:hi], op, p)
+    wait_all(sent)  # the all-gather receives into the ranges the halving sent
+    sent.clear()
     for step in hd_all_gather_steps(virtual, p):
         (sa, sb), (ra, rb) = span(step.send), span(step.recv)
-        _exchange(comm, flat[sa:sb], flat[ra:rb], step.peer)
+        _exchange(comm, flat[sa:sb], flat[ra:rb], step.peer, sent)
+    wait_all(sent)
 
     if role == "proxy":
         wait_all(comm.post(sends=[(flat, partner)])[1])
