@@ -26,7 +26,7 @@ _LIST = "comma-separated list"
 @click.argument("spec_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", help=f"{_LIST}: mlp, transformer, resnet50, bert or package.module:factory [mlp]")
 @click.option("--model-args", help="model sizes as key=value,... e.g. depth=2,width=64")
-@click.option("--bucket-mb", help=f"{_LIST} of bucket caps in MB, e.g. 5,25,100 [25]")
+@click.option("--bucket-mb", help=f"{_LIST} of bucket caps in MiB (as torch's bucket_cap_mb), e.g. 5,25,100 [25]")
 @click.option("--backend", help=f"{_LIST}: gloo, nccl [gloo]")
 @click.option("--world-size", help=f"{_LIST} of process counts (the paper's GPU axis) [2]")
 @click.option("--algorithm", help=f"{_LIST} of all-reduce algorithms (commlab.collectives) [native]")

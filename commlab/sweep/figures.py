@@ -1,10 +1,12 @@
 """Drawing a sweep's figures (seaborn style, PNG and PDF) from its CSVs, only those the data supports.
 
-    breakdown        stacked step segments, with and without overlap   (paper section 5.1)
-    bucket_size      step latency vs bucket size, p10-p90 band            (paper section 5.2)
-    scaling          throughput vs world size with the ideal line, efficiency (section 5.3)
-    no_sync          latency per micro-batch vs accumulation steps        (section 5.4)
-    round_robin      step latency vs round-robin process groups           (section 5.4)
+The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, section 5):
+
+    breakdown        stacked step segments, with and without overlap
+    bucket_size      step latency vs bucket size, p10-p90 band
+    scaling          throughput vs world size with the ideal line, and efficiency
+    no_sync          latency per micro-batch vs accumulation steps (skipping synchronisation)
+    round_robin      step latency vs round-robin process groups
     timeline         one iteration's buckets: ready, launched, done vs backward compute
 """
 

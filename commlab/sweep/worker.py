@@ -31,7 +31,7 @@ def measure(cfg: Config) -> dict[str, Any]:
     """Time ``cfg.warmup + cfg.iters`` optimizer steps on this rank; return its rows.
 
     A step is ``cfg.accumulate`` micro-batches, all but the last under ``no_sync`` (gradient
-    accumulation without communication, the paper's section 3.2.4), then the optimizer. DDP
+    accumulation without communication, the paper's section 3.2), then the optimizer. DDP
     records the synchronised micro-batch's breakdown (forward, backward compute, comm, exposed
     comm, per-bucket times); the optimizer, the no_sync micro-batches and the whole step are
     timed here. The batch is generated once: data loading is not what a sweep measures.
