@@ -159,17 +159,27 @@ class Reducer:
             return
         self._started = True
         Variable._execution_engine.queue_callback(self._finalize)
-        for i in self._unused:  # they will get no hook; their bucket must still fill up
-            self._mark_ready(i)
+        with torch.no_grad():
+            for i in self._unused:  # they will get no hook; their bucket must still fill up
+                self._mark_ready(i)
 
     def _on_gradient(self, index: int, _param: torch.Tensor) -> None:
-        """Step 2 (the post-accumulate-grad hook of parameter ``index``)."""
+        """Step 2 (the post-accumulate-grad hook of parameter ``index``).
+
+        This runs once per parameter per backward, so it stays lean: no context managers unless
+        backward builds a graph (create_graph=True), where the copies must not be recorded.
+        """
         if not self.expect_hooks:  # no_sync, or a backward that did not go through forward
             return
-        self.on_backward_start()
+        if not self._started:
+            self.on_backward_start()
         if self.rebuild_pending:
             self._ready_order.append(index)
-        self._mark_ready(index)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self._mark_ready(index)
+        else:
+            self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
         if self._marked[index]:
@@ -186,7 +196,6 @@ class Reducer:
             if self.overlap:
                 self._launch_in_order()
 
-    @torch.no_grad()
     def _fill(self, bucket: Bucket, slot: int) -> None:
         p, view = bucket.params[slot], bucket.views[slot]
         grad = p.grad
@@ -232,8 +241,8 @@ class Reducer:
     def _finalize(self) -> None:
         """Step 4: runs on the autograd engine once the whole backward graph has executed."""
         self.expect_hooks = False
-        missing = [self.names[i] for i in range(len(self.params)) if not self._marked[i]]
-        if missing:
+        if 0 in self._marked:
+            missing = [self.names[i] for i in range(len(self.params)) if not self._marked[i]]
             raise RuntimeError(
                 "DistributedDataParallel: these parameters received no gradient in this backward: "
                 f"{missing}. Pass find_unused_parameters=True if some parameters may go unused, "
