@@ -65,7 +65,7 @@ def _memory(stages: pd.DataFrame, path: Path) -> Path:
     df = df[df["microbatches"] == df["microbatches"].max()]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     sns.barplot(data=df.assign(MiB=df["saved_bytes"] / 2**20), x="stage", y="MiB", hue="schedule", ax=ax)
-    ax.set_ylabel("activation memory at peak (MiB saved for backward)")
+    ax.set_ylabel("MiB saved for backward (peak)")
     ax.set_title(f"per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
