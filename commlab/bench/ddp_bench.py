@@ -86,9 +86,10 @@ def _algorithms() -> list[str]:
 @click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
-@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
 @click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
-@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="bucket_cap_mb (MiB) of both DDPs")
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
 @click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
