@@ -55,7 +55,8 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     assert len(summary) == 8 and set(summary["schedule"]) == {"gpipe", "1f1b"}
     plain = summary[summary["checkpoint"] == "never"]
     assert plain["ratio"].notna().all() and summary[summary["checkpoint"] == "always"]["ratio"].isna().all()
-    assert ((summary["bubble_measured"] >= 0) & (summary["bubble_measured"] < 1)).all()
+    for column in ("bubble_measured", "idle_waiting", "idle_data_ready", "bubble_simulated", "bubble_replayed"):
+        assert ((summary[column] >= 0) & (summary[column] < 1)).all(), column
     assert plain["bubble_formula"].tolist()[:2] == pytest.approx([1 / 3, 1 / 5])  # gpipe, m = 2 and 4
     stages = pd.read_csv(run / "stages.csv")
     first = stages[(stages["stage"] == 0) & (stages["checkpoint"] == "never")].set_index(["schedule", "microbatches"])

@@ -138,6 +138,29 @@ def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
     return statistics.median(delays) if delays else 0.0
 
 
+def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: float) -> tuple[float, float]:
+    """Split one step's idle time (all ranks) into waiting for a peer's message and being idle
+    although the message had arrived (executor overhead, or the OS running something else).
+
+    Time after a rank's last action counts as waiting: it is the schedule's cool-down.
+    """
+    from commlab.pipeline.schedules import Action
+    from commlab.pipeline.simulate import dependencies
+
+    ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+    waiting = ready = 0.0
+    for r, acts in timeline.items():
+        free = 0.0
+        for s, kind, i, start, end in sorted(acts, key=lambda a: a[3]):
+            arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages)
+                                    if ends[(d.stage, d.kind, d.microbatch)][0] != r])  # fmt: skip
+            waiting += max(0.0, min(arrived, start) - free)
+            ready += max(0.0, start - max(arrived, free))
+            free = end
+        waiting += max(0.0, step_time - free)
+    return waiting, ready
+
+
 def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int) -> dict[str, Any]:
     """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
     from commlab.pipeline.schedules import Action, build
@@ -151,18 +174,22 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
         theirs = statistics.median(slowest["torch"])
         row.update(torch_s=theirs, torch_samples_per_s=batch / theirs, ratio=ours / theirs,
                    paired_ratio=statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"])))  # fmt: skip
-    measured = []
+    measured, waiting, ready = [], [], []
+    fwd, bwd = stage_times(per_rank)
     for k, step_time in enumerate(slowest["commlab"]):
         busy = sum(end - start for r in per_rank for (*_, start, end) in r["timelines"][k])
         measured.append(1.0 - busy / (world * step_time))
-    fwd, bwd = stage_times(per_rank)
+        w, ready_k = idle_breakdown(aligned(per_rank, k), len(fwd), step_time)
+        waiting.append(w / (world * step_time))
+        ready.append(ready_k / (world * step_time))
     actions = build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"])
     comm = comm_latency(per_rank, len(fwd))
     replayed = []
     for k in range(len(measured)):
         own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
         replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
-    row.update(bubble_replayed=statistics.median(replayed), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
+    row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
+               idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
                bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
                bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
     return row

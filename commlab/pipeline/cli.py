@@ -180,7 +180,7 @@ def _balance(mode: str, depth: int, width: int, batch: int, stages: int) -> list
     if mode == "uniform":
         return partition([1.0] * len(model), stages)
     sample = torch.randn(batch, width)
-    return balance_by_time(model, sample, stages) if mode == "time" else balance_by_size(model, sample, stages)
+    return balance_by_time(model, sample, stages, repeat=5) if mode == "time" else balance_by_size(model, sample, stages)
 
 
 def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size) -> None:
@@ -197,11 +197,11 @@ def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size
 
 def _print(summary, stages) -> None:
     click.echo(f"{'config':<30} {'commlab ms':>10} {'torch ms':>9} {'ratio':>6} {'paired':>6} {'samples/s':>9} "
-               f"{'bubble':>6} {'sim':>6} {'replay':>6} {'formula':>7} {'msg ms':>6} {'stage0 MiB':>10}")  # fmt: skip
+               f"{'bubble':>6} {'wait':>6} {'ready':>6} {'sim':>6} {'replay':>6} {'formula':>7} {'msg ms':>6} {'stage0 MiB':>10}")  # fmt: skip
     for row in summary:
         first = [s["saved_bytes"] for s in stages if s["config"] == row["config"] and s["stage"] == 0][0]
         torch_ms = f"{row['torch_s'] * 1e3:9.2f}" if "torch_s" in row else f"{'-':>9}"
         ratio = f"{row['ratio']:6.3f} {row['paired_ratio']:6.3f}" if "ratio" in row else f"{'-':>6} {'-':>6}"
         click.echo(f"{row['config']:<30} {row['commlab_s'] * 1e3:10.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
-                   f"{row['bubble_measured']:6.3f} {row['bubble_simulated']:6.3f} {row['bubble_replayed']:6.3f} "
+                   f"{row['bubble_measured']:6.3f} {row['idle_waiting']:6.3f} {row['idle_data_ready']:6.3f} {row['bubble_simulated']:6.3f} {row['bubble_replayed']:6.3f} "
                    f"{row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:10.2f}")  # fmt: skip
