@@ -38,7 +38,7 @@ def split_batch(batch: torch.Tensor, microbatches: int, what: str = "batch") -> 
     return torch.tensor_split(batch, microbatches, dim=0)
 
 
-def tag(action: Action, stages: int, microbatches: int) -> int:
+def tag(action: Action, microbatches: int) -> int:
     """A tag unique to the message ``action`` produces, so Gloo matches it whatever the posting order."""
     return 2 * (action.stage * microbatches + action.microbatch) + (0 if action.kind == FORWARD else 1)
 

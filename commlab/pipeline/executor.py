@@ -154,7 +154,7 @@ class PipelineSchedule:
         boundary = self._boundaries[action.stage if action.kind == FORWARD else other]
         buf = boundary.buffer(action.microbatch, self.stage.device)
         peer = self.stage.global_rank_of(other)
-        return buf, dist.P2POp(dist.irecv, buf, peer, self.stage.group, tag(producer, self.stage.num_stages, self.microbatches))
+        return buf, dist.P2POp(dist.irecv, buf, peer, self.stage.group, tag(producer, self.microbatches))
 
     def _send_ops(self, action: Action, produced: torch.Tensor | None) -> list:
         found = self._peer_of(action, send=True)
@@ -166,7 +166,7 @@ class PipelineSchedule:
             self._local[nxt] = produced
             return []
         peer = self.stage.global_rank_of(other)
-        return [dist.P2POp(dist.isend, produced, peer, self.stage.group, tag(producer, self.stage.num_stages, self.microbatches))]
+        return [dist.P2POp(dist.isend, produced, peer, self.stage.group, tag(producer, self.microbatches))]
 
     def _exchange(self, send_ops: list, recv) -> _Posted:
         """Issue one action's send and the next action's receive as one batch."""
