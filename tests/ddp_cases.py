@@ -35,7 +35,8 @@ class Branchy(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.trunk, self.extra, self.dead, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.trunk, self.extra, self.dead = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
 
     def forward(self, x):
         h = torch.relu(self.trunk(x))
@@ -66,7 +67,8 @@ def parity(model: str, steps: int = 3, micro: int = 1, hook=None, torch_hook="sa
     torch.manual_seed(dist.get_rank())  # different initial values: construction must broadcast
     ours_module = MODELS[model]().to(commlab.Runtime.current().device)
     theirs_module = copy.deepcopy(ours_module)
-    ours_kwargs = {k: kwargs.pop(k) for k in ("algorithm", "overlap", "first_bucket_mb", "round_robin_groups") if k in kwargs}
+    commlab_only = ("algorithm", "overlap", "first_bucket_mb", "round_robin_groups")
+    ours_kwargs = {k: kwargs.pop(k) for k in commlab_only if k in kwargs}
     ours = commlab.DistributedDataParallel(ours_module, **kwargs, **ours_kwargs)
     with warnings.catch_warnings():  # torch 2.13 deprecates broadcast_buffers; we keep its name
         warnings.simplefilter("ignore", FutureWarning)
@@ -210,7 +212,9 @@ def run_world2() -> dict:
         "mlp_cap_0.1": buckets_before_after(lambda: mlp(4, 128, in_features=16), bucket_cap_mb=0.1),
         "transformer_default": buckets_before_after(small_transformer),
         "transformer_cap_0.02": buckets_before_after(small_transformer, bucket_cap_mb=0.02),
-        "transformer_find_unused": buckets_before_after(small_transformer, bucket_cap_mb=0.02, find_unused_parameters=True),
+        "transformer_find_unused": buckets_before_after(
+            small_transformer, bucket_cap_mb=0.02, find_unused_parameters=True
+        ),
     }
     return {
         "cases": cases,

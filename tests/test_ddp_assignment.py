@@ -92,7 +92,8 @@ def test_size_limit_policy_equals_torch(cap_mb, find_unused, static):
     config = _BucketCapacityConfig.create(cap_mb, None, use_python_reducer=False)
     first, cap = bucket_caps(cap_mb, None)
     assert (first, cap) == (config.first_bucket_bytes_cap, config.bucket_bytes_cap)
-    assert initial_size_limits(first, cap, find_unused, static) == config.compute_bucket_size_limits(static, find_unused)[0]
+    torch_limits = config.compute_bucket_size_limits(static, find_unused)[0]
+    assert initial_size_limits(first, cap, find_unused, static) == torch_limits
     assert will_rebuild(find_unused, static) == (static or not find_unused)
 
 

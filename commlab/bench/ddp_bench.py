@@ -93,7 +93,8 @@ def _algorithms() -> list[str]:
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
 @click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
-@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="seconds")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds before the launch is abandoned")
 def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, timeout):
     """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
     import commlab
