@@ -7,6 +7,7 @@ Each spawned function runs many configurations in one process group and returns 
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import torch
@@ -160,6 +161,23 @@ def hook_twice_error() -> str:
     return ""
 
 
+def rewrap() -> dict:
+    """Wrapping a module again after dropping its first DDP: the old hooks go with it."""
+    module = mlp(2, 8, in_features=16, classes=4)
+    first = commlab.DistributedDataParallel(module)
+    hooks_with_first = len(module[0].weight._post_accumulate_grad_hooks)
+    del first
+    gc.collect()
+    second = commlab.DistributedDataParallel(module, bucket_cap_mb=1e-9)
+    for step in range(2):
+        nn.functional.cross_entropy(second(_data(step)[0]), _data(step)[1]).backward()
+    return {
+        "hooks_with_first": hooks_with_first,
+        "hooks_with_second": len(module[0].weight._post_accumulate_grad_hooks),
+        "timings": len(second.iteration_timings),
+    }
+
+
 def unused_without_flag_error() -> str:
     """Branchy's ``dead`` layer gets no gradient; without find_unused_parameters that is an error."""
     ddp = commlab.DistributedDataParallel(Branchy(), bucket_cap_mb=1e-9)
@@ -222,6 +240,7 @@ def run_world2() -> dict:
         "timing_overlap": timing_run(True),
         "timing_no_overlap": timing_run(False),
         "hook_twice": hook_twice_error(),
+        "rewrap": rewrap(),
         "unused_error": unused_without_flag_error(),
     }
 

@@ -150,3 +150,8 @@ def test_nccl_on_cuda_matches_torch_and_times_with_cuda_events():
     assert result["timing_overlap"]["count"] == 3
     for b in t.buckets:
         assert 0 <= b.ready <= b.launched <= b.done <= t.total + 1e-4  # events are ~us-resolved
+
+
+def test_a_dropped_ddp_takes_its_hooks_with_it(world2):
+    for result in world2:
+        assert result["rewrap"] == {"hooks_with_first": 1, "hooks_with_second": 1, "timings": 2}

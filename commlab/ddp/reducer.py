@@ -18,6 +18,7 @@ docs/design.md, and the C++ original is torch/csrc/distributed/c10d/reducer.cpp)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import weakref
 from functools import partial
 from typing import Any
 
@@ -76,9 +77,11 @@ class Reducer:
         with torch.enable_grad():
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
         self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(partial(self._on_gradient, i)) for i, p in enumerate(self.params)
-        ]
+        # The hooks reach the reducer through a weak reference, so a dropped DDP is freed (and its
+        # hooks removed in __del__) even though the parameters live on; torch's Reducer likewise
+        # removes its hooks when destroyed.
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
         self.expect_hooks = False
         self._started = False
         self._next_launch = 0
@@ -89,6 +92,10 @@ class Reducer:
         self._forward_end: Any = None
         self._raw: list[RawIteration] = []
         self._timings: list[IterationTiming] = []
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
 
     # -- buckets ---------------------------------------------------------------------------
     def _install(self, bucket_indices: list[list[int]]) -> None:
@@ -297,3 +304,12 @@ class Reducer:
     def reset_timings(self) -> None:
         self._raw.clear()
         self._timings.clear()
+
+
+def _hook(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        live = reducer()
+        if live is not None:
+            live._on_gradient(index, param)
+
+    return hook
