@@ -70,3 +70,24 @@ def test_a_sweep_where_everything_failed_still_has_its_tables(tmp_path):
     iterations, buckets, runs = store.read_tables(tmp_path)
     assert iterations.empty and buckets.empty
     assert (runs["status"] == "failed").all() and runs["step_median"].isna().all() and (runs["iterations"] == 0).all()
+
+
+def test_run_directory_choice(tmp_path):
+    import os
+
+    import click
+
+    from commlab.sweep.cli import _run_dir
+
+    for name, mtime in (("older", 1_000), ("newer", 2_000)):
+        (tmp_path / name / "configs").mkdir(parents=True)
+        (tmp_path / name / "configs" / "x.json").write_text("{}")
+        os.utime(tmp_path / name / "configs", (mtime, mtime))
+    assert _run_dir(str(tmp_path), None, resume=True) == tmp_path / "newer"  # --resume: the latest run
+    assert _run_dir(str(tmp_path), "older", resume=True) == tmp_path / "older"
+    with pytest.raises(click.UsageError, match="already holds results"):
+        _run_dir(str(tmp_path), "older", resume=False)
+    assert _run_dir(str(tmp_path), "older", resume=False, writer=False) == tmp_path / "older"
+    assert _run_dir(str(tmp_path), None, resume=False).name.startswith("sweep-")
+    with pytest.raises(click.UsageError, match="no sweep to resume"):
+        _run_dir(str(tmp_path / "empty"), None, resume=True)
