@@ -17,8 +17,8 @@ docs/design.md, and the C++ original is torch/csrc/distributed/c10d/reducer.cpp)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -34,6 +34,7 @@ from commlab.ddp.assignment import (
     will_rebuild,
 )
 from commlab.ddp.bucket import Bucket, GradBucket
+from commlab.ddp.graph import grad_accumulators, unreachable
 from commlab.ddp.timing import IterationTiming, RawIteration, make_clock, resolve
 
 
@@ -72,10 +73,7 @@ class Reducer:
         self.rebuild_pending = will_rebuild(find_unused_parameters, static_graph)
         limits = initial_size_limits(first_cap, cap, find_unused_parameters, static_graph)
         self._install(initial_buckets(self.params, limits))
-        # Holding the accumulators keeps their identity stable for the unused-parameter search
-        # (torch's Reducer holds them too). enable_grad: DDP may be built under no_grad.
-        with torch.enable_grad():
-            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        self._accumulators = grad_accumulators(self.params)  # held, as torch's Reducer does
         self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
         # The hooks reach the reducer through a weak reference, so a dropped DDP is freed (and its
         # hooks removed in __del__) even though the parameters live on; torch's Reducer likewise
@@ -140,25 +138,8 @@ class Reducer:
         if self.rebuild_pending:
             self._ready_order = []
         if self.find_unused:
-            self._unused = self._unreachable(outputs)
+            self._unused = unreachable(outputs, self._accumulator_index)
         self._forward_end = self.clock.stamp()
-
-    def _unreachable(self, outputs: Sequence[torch.Tensor]) -> list[int]:
-        """Parameters whose accumulator the graph from ``outputs`` does not reach (torch's
-        prepare_for_backward does this search in C++ when find_unused_parameters is set)."""
-        reached = bytearray(len(self.params))
-        seen = set()
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            index = self._accumulator_index.get(fn)
-            if index is not None:
-                reached[index] = 1
-            stack.extend(nxt for nxt, _ in fn.next_functions)
-        return [i for i in range(len(self.params)) if not reached[i]]
 
     def on_backward_start(self) -> None:
         """The first hook (or the output sink) of a synchronised backward."""

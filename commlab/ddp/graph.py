@@ -1,0 +1,37 @@
+"""Autograd-graph search: which parameters the graph behind some outputs cannot reach.
+
+DDP with ``find_unused_parameters=True`` needs this after every forward (torch's Reducer does the
+same walk in C++ in ``prepare_for_backward``): a parameter whose gradient accumulator is not in
+the graph will get no gradient hook in this backward, so its bucket must be filled without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def grad_accumulators(params: Sequence[torch.Tensor]) -> list:
+    """Each parameter's AccumulateGrad node. Keep the list alive: a node that nobody holds is
+    recreated later as a different object, and the search below matches nodes by identity."""
+    with torch.enable_grad():  # DDP may be built under no_grad, where view_as records nothing
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+
+
+def unreachable(outputs: Sequence[torch.Tensor], accumulator_index: dict) -> list[int]:
+    """Indices (values of ``accumulator_index``) of the accumulators the graph from ``outputs``
+    does not reach, in increasing order."""
+    reached = set()
+    seen = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        index = accumulator_index.get(fn)
+        if index is not None:
+            reached.add(index)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return sorted(set(accumulator_index.values()) - reached)
