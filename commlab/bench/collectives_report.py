@@ -101,18 +101,31 @@ def write_outputs(df: pd.DataFrame, fits: pd.DataFrame, out_dir: str) -> dict[st
     return paths
 
 
+def _size_label(value: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if value >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
 def _figure(df: pd.DataFrame, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     import seaborn as sns
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     grid = sns.relplot(
         data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size",
         kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
     )
-    grid.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
+    grid.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
+    for ax in grid.axes.flat:  # sizes are powers of two: label them 4K, 64M as the CLI takes them
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     grid.set_titles("world size {col_name}")
     grid.figure.suptitle(f"all-reduce, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
     grid.savefig(path, format="png", dpi=110, bbox_inches="tight")
