@@ -1,7 +1,8 @@
 """The pipeline executor on Gloo: loss and every gradient equal the unpartitioned model's.
 
 Two spawns in all: one world-2 run checks every schedule x checkpoint mode (plus RNG replay under
-checkpointing, gradient accumulation over two steps, activation bytes and the per-rank errors);
+checkpointing, gradient accumulation over two steps, activation bytes, the per-rank errors, and
+torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same split as a second oracle);
 one world-4 run checks hybrid 2 x 2 pipeline x data parallel. Each returns a dict; the asserts are
 here in the parent.
 """
@@ -52,6 +53,26 @@ def _run(schedule, balance, checkpoint, dropout=0.0, steps=1, x=None, y=None):
     return losses, _grads(model), pipe.peak_saved_bytes
 
 
+def _torch_reference(schedule, x, y):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from commlab.pipeline import split
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = _model()
+    stage = PipelineStage(split(model, [4, 4])[rank].to(device), rank, 2, device)
+    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    pipe = kind(stage, MICROBATCHES, loss_fn=F.cross_entropy)
+    losses = []
+    if rank == 0:
+        pipe.step(x.to(device))
+    else:
+        pipe.step(target=y.to(device), losses=losses)
+    loss = torch.stack(losses).mean().item() if losses else None
+    return [loss], _grads(model), {}
+
+
 def _two_ranks():
     out = {}
     for schedule, balance in SCHEDULES:
@@ -61,6 +82,12 @@ def _two_ranks():
     out["dropout_never"] = _run("1f1b", [4, 4], "never", dropout=0.5)
     out["dropout_always"] = _run("1f1b", [4, 4], "always", dropout=0.5)
     out["two_steps"] = _run("1f1b", [4, 4], "never", steps=2)
+    # torch.distributed.pipelining on the same split: a second oracle (equal micro-batches, where
+    # its 1/m loss scaling is exact).
+    x8, y8 = _data(8)
+    for schedule in ("gpipe", "1f1b"):
+        out[("ours8", schedule)] = _run(schedule, [4, 4], "never", x=x8, y=y8)
+        out[("torch", schedule)] = _torch_reference(schedule, x8, y8)
     # Per-rank errors raise before any message is sent, so the other rank is not left waiting.
     stage = Stage(_model(), [4, 4])
     pipe = PipelineSchedule(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
@@ -112,6 +139,16 @@ def test_loss_and_gradients_match_unpartitioned_model(two_ranks, schedule, check
     assert set(grads) == set(ref_grads)  # every parameter got its gradient on exactly one rank
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gradients_match_torch_pipelining(two_ranks, schedule):
+    ours_loss, ours = _merged(two_ranks, ("ours8", schedule))
+    torch_loss, theirs = _merged(two_ranks, ("torch", schedule))
+    assert ours_loss == pytest.approx(torch_loss, rel=1e-5)
+    assert set(ours) == set(theirs) and len(ours) == 8
+    for name, g in theirs.items():
+        torch.testing.assert_close(ours[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_checkpoint_replays_dropout_and_steps_accumulate(two_ranks):
