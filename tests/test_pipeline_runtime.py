@@ -1,10 +1,10 @@
 """The pipeline executor on Gloo: loss and every gradient equal the unpartitioned model's.
 
-Two spawns in all: one world-2 run checks every schedule x checkpoint mode (plus RNG replay under
+One world-2 spawn checks every schedule x checkpoint mode (plus RNG replay under
 checkpointing, gradient accumulation over two steps, activation bytes, the per-rank errors, and
 torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same split as a second oracle);
-one world-4 run checks hybrid 2 x 2 pipeline x data parallel. Each returns a dict; the asserts are
-here in the parent.
+it returns a dict per rank and the asserts are here in the parent. test_pipeline_hybrid.py does the
+same with one world-4 spawn for hybrid pipeline x data parallel.
 """
 
 import pytest
