@@ -7,6 +7,8 @@ it returns a dict per rank and the asserts are here in the parent. test_pipeline
 same with one world-4 spawn for hybrid pipeline x data parallel.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,6 +104,21 @@ def _two_ranks():
         out["missing"] = None
     except ValueError as err:
         out["missing"] = str(err)
+    if dist.get_backend() != "gloo":  # NCCL aborts its communicator on a timeout: Gloo only
+        out["rank"] = dist.get_rank()
+        return out
+    # A peer that stops taking part: the waiting rank raises after the schedule's timeout.
+    pipe = PipelineSchedule(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy, timeout=2)
+    x, y = _data(8)
+    pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)  # shapes agreed
+    if stage.is_last:
+        time.sleep(4)  # skip the next step
+    else:
+        began = time.monotonic()
+        try:
+            pipe.step(x)
+        except RuntimeError as err:
+            out["stalled"] = (time.monotonic() - began, str(err))
     out["rank"] = dist.get_rank()
     return out
 
@@ -173,6 +190,11 @@ def test_activation_bytes_follow_the_schedule(two_ranks):
     assert first[("gpipe", "always")][2][0] < gpipe
     # Interleaved: rank 0 holds stages 0 and 2 and reports each.
     assert set(first[("interleaved", "never")][2]) == {0, 2}
+
+
+def test_a_missing_peer_raises_instead_of_hanging(two_ranks):
+    waited, message = two_ranks[0]["stalled"]
+    assert 1.5 < waited < 30 and "Timed out" in message
 
 
 def test_bad_batches_raise_value_errors(two_ranks):
