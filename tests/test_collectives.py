@@ -4,6 +4,7 @@ Each spawned function runs many cases and returns a dict of failures; the parent
 same code paths run on NCCL with CUDA tensors (see test_nccl_matches_native_on_gpus).
 """
 
+import datetime
 import threading
 
 import pytest
@@ -134,7 +135,23 @@ def _world3():
         except ValueError as e:
             errors[label] = str(e)
     out["errors"] = errors
+    # A peer that never joins: the waiter gets the group's timeout error through the future (no
+    # hang), and the broken group fails fast afterwards. Rank 1 of this group stays away.
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 0:
+        handle = C.all_reduce(torch.ones(100), algorithm="ring", group=short, async_op=True)
+        out["timeout"] = _error_of(handle.wait)
+        out["after_timeout"] = _error_of(lambda: C.all_reduce(torch.ones(100), algorithm="tree", group=short))
+    dist.barrier()  # on the world group: rank 1 stays alive (its pair open) until rank 0 is done
     return out
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def test_world_three_matrix_building_blocks_async_and_errors():
@@ -151,6 +168,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
         assert "unknown all-reduce algorithm 'butterfly'" in errors["algorithm"]
         assert "src must be a group rank in [0, 3)" in errors["root"]
         assert "dense" in errors["sparse"]
+    assert "Timed out" in results[0]["timeout"] and results[0]["after_timeout"] != "no error"
 
 
 def _subgroup_and_large():
