@@ -185,7 +185,7 @@ def merge(spec: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_plan(options: dict[str, Any]) -> Plan:
-    """Validate merged options and expand the grid (model x backend x world size x ... x bucket)."""
+    """Validate merged options and expand the grid (model x backend x world size x ... x overlap)."""
     o = options
     scaling = str(o["scaling"]).lower()
     if scaling not in SCALINGS:
@@ -216,8 +216,10 @@ def build_plan(options: dict[str, Any]) -> Plan:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
 
     configs = []
-    for model, backend, world, algo, group, acc, overlap, bucket in itertools.product(
-        models, backends, world_sizes, algorithms, groups, accumulates, overlaps, buckets
+    # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
+    # a drift in machine load between them stays small.
+    for model, backend, world, algo, group, acc, bucket, overlap in itertools.product(
+        models, backends, world_sizes, algorithms, groups, accumulates, buckets, overlaps
     ):
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
