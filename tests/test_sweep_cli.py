@@ -47,6 +47,7 @@ def test_help_lists_the_options():
     (["--model", "nope"], "unknown model 'nope'"),
     (["--model", "no_such_module_xyz:factory"], "cannot import"),
     (["--model-args", "depth=2,colour=3"], "takes sizes"),
+    (["--model", "transformer", "--model-args", "d_model=30,heads=4"], "--model transformer --model-args d_model=30,heads=4"),
     (["--backend", "mpi"], "unknown backend 'mpi'"),
     (["--algorithm", "carrier_pigeon"], "unknown all-reduce algorithm 'carrier_pigeon'"),
     (["--world-size", "0"], "must be a positive integer"),

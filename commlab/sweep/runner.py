@@ -31,11 +31,20 @@ Echo = Callable[[str], None]
 def check_plan(plan: Plan) -> None:
     """Environment checks that need torch (models, algorithms, devices); ValueError on failure."""
     from commlab.collectives import algorithm_names
-    from commlab.models import check_workload
+    from commlab.models import SIZES, build_workload, check_workload
     from commlab.runtime import resolve_backend
 
+    built: set[tuple[str, str]] = set()
     for cfg in plan.configs:
         check_workload(cfg.model, **cfg.model_kwargs())
+        if cfg.model in SIZES and (cfg.model, cfg.model_args) not in built:
+            # Built-in models are cheap to build once here, and sizes that do not fit together
+            # (say d_model not divisible by heads) then fail now rather than on every rank.
+            try:
+                build_workload(cfg.model, **cfg.model_kwargs())
+            except Exception as err:
+                raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
+            built.add((cfg.model, cfg.model_args))
         if cfg.algorithm not in algorithm_names():
             raise ValueError(f"--algorithm: unknown all-reduce algorithm {cfg.algorithm!r}: choose from {', '.join(algorithm_names())}")
         try:
