@@ -30,7 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "scaling": "strong",
     "global_batch": 64,
     "batch_per_rank": None,
-    "iters": 20,
+    "iters": 60,
     "warmup": 3,
     "out": "results",
     "name": None,
