@@ -77,7 +77,7 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
 
     meta = store.read_metadata(run_dir) or {"environment": environment()}
     # The load average says how far to trust the timings (other work shares the CPUs).
-    session = {"command": command_line(), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
+    session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()

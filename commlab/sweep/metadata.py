@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import platform
+import shlex
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import click
 import torch
 import torch.distributed as dist
 
@@ -56,8 +57,25 @@ def git_state(where: Path) -> dict[str, Any] | None:
         return None
 
 
-def command_line() -> str:
-    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+def command_line(ctx: click.Context) -> str:
+    """The command as the user gave it: the command path and the options set on the command line.
+
+    Rebuilt from click's context rather than sys.argv, which names the Python entry point (e.g.
+    pytest's) when the command is invoked programmatically.
+    """
+    words = ctx.command_path.split()
+    words[0] = "commlab"
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[param.name]
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+        elif param.is_flag:
+            words.append(param.opts[0] if value else (param.secondary_opts or param.opts)[0])
+        else:
+            words += [param.opts[0], str(value)]
+    return shlex.join(words)
 
 
 def _cpu_count() -> int | None:
