@@ -51,6 +51,10 @@ def launch(
     ``fn`` must be importable by name (defined at module level) because ranks are spawned.
     Raises :class:`LaunchError` with the first failing rank's traceback, or when the ranks have
     not all finished within ``timeout`` seconds; no child process outlives the call.
+
+    Under torchrun, ``fn`` runs in this process, every rank's result is gathered, and the default
+    process group stays initialised afterwards: the torchrun script owns it (call
+    ``dist.destroy_process_group()`` when done), so several launches can share one job.
     """
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
