@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pandas as pd
 
+from commlab._atomic import write_via
 from commlab.bench.alpha_beta import bandwidths, fit_alpha_beta
 
 COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
@@ -74,19 +74,6 @@ def fit_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=FIT_COLUMNS)
 
 
-def _atomic(path: str, write) -> None:
-    """Write through a temporary file in the same directory, then rename: never a torn file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_outputs(df: pd.DataFrame, fits: pd.DataFrame, out_dir: str) -> dict[str, str]:
     """collectives.csv, alpha_beta.csv and busbw.png under ``out_dir``; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -95,9 +82,9 @@ def write_outputs(df: pd.DataFrame, fits: pd.DataFrame, out_dir: str) -> dict[st
         "alpha_beta": os.path.join(out_dir, "alpha_beta.csv"),
         "figure": os.path.join(out_dir, "busbw.png"),
     }
-    _atomic(paths["results"], lambda p: df.to_csv(p, index=False))
-    _atomic(paths["alpha_beta"], lambda p: fits.to_csv(p, index=False))
-    _atomic(paths["figure"], lambda p: _figure(df, p))
+    write_via(paths["results"], lambda p: df.to_csv(p, index=False))
+    write_via(paths["alpha_beta"], lambda p: fits.to_csv(p, index=False))
+    write_via(paths["figure"], lambda p: _figure(df, p))
     return paths
 
 

@@ -187,12 +187,12 @@ def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size
     import pandas as pd
 
     from commlab.sweep.metadata import environment
-    from commlab.sweep.store import write_atomic
+    from commlab._atomic import write_text
 
     for file, rows in (("summary.csv", summary), ("stages.csv", stages), ("timeline.csv", timeline)):
-        write_atomic(run_dir / file, pd.DataFrame(rows).to_csv(index=False))
+        write_text(run_dir / file, pd.DataFrame(rows).to_csv(index=False))
     meta = {"command": "commlab pipeline bench", **common, "backend": backend, "world_size": world_size, "environment": environment()}
-    write_atomic(run_dir / "metadata.json", json.dumps(meta, indent=2, default=str))
+    write_text(run_dir / "metadata.json", json.dumps(meta, indent=2, default=str))
 
 
 def _print(summary, stages) -> None:

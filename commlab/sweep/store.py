@@ -17,13 +17,12 @@ configuration.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from commlab._atomic import write_text
 from commlab.sweep.spec import CONFIG_COLUMNS
 from commlab.sweep.stats import summarise
 
@@ -35,25 +34,9 @@ ITERATION_COLUMNS = [
 BUCKET_COLUMNS = ["rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_record(run_dir: Path, record: dict[str, Any]) -> Path:
     path = Path(run_dir) / RECORDS / f"{record['config']['config']}.json"
-    write_atomic(path, json.dumps(record))
+    write_text(path, json.dumps(record))
     return path
 
 
@@ -96,7 +79,7 @@ def assemble(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     iterations, buckets, runs = tables(load_records(run_dir))
     for name, df in (("iterations", iterations), ("buckets", buckets), ("runs", runs)):
         # Nine significant digits: nanoseconds for timings up to a second, and half the bytes.
-        write_atomic(Path(run_dir) / f"{name}.csv", df.to_csv(index=False, float_format="%.9g"))
+        write_text(Path(run_dir) / f"{name}.csv", df.to_csv(index=False, float_format="%.9g"))
     return iterations, buckets, runs
 
 
@@ -123,4 +106,4 @@ def read_metadata(run_dir: Path) -> dict[str, Any]:
 
 
 def write_metadata(run_dir: Path, meta: dict[str, Any]) -> None:
-    write_atomic(Path(run_dir) / "metadata.json", json.dumps(meta, indent=2, default=str) + "\n")
+    write_text(Path(run_dir) / "metadata.json", json.dumps(meta, indent=2, default=str) + "\n")

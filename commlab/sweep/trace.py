@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from commlab.sweep.store import write_atomic
+from commlab._atomic import write_text
 
 _US = 1e6  # trace timestamps are microseconds
 
@@ -69,7 +69,7 @@ def write_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, runs: pd.DataFr
     elif config not in set(runs["config"]):
         raise ValueError(f"no configuration {config!r} in {run_dir}; choose from: {', '.join(runs['config'])}")
     path = Path(output) if output else Path(run_dir) / f"trace-{config}.json"
-    write_atomic(path, json.dumps(chrome_trace(iterations, buckets, config)))
+    write_text(path, json.dumps(chrome_trace(iterations, buckets, config)))
     return path
 
 

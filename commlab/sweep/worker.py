@@ -91,7 +91,7 @@ def measure(cfg: Config) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """torchrun entry point: measure on every rank; global rank 0 writes the gathered results."""
-    from commlab.sweep.store import write_atomic
+    from commlab._atomic import write_text
 
     config_path, result_path, timeout = argv[0], argv[1], float(argv[2])
     with open(config_path) as f:
@@ -101,11 +101,11 @@ def main(argv: list[str]) -> int:
         # Every node's local rank 0 writes (all ranks hold the gathered results), so that the
         # sweep driver on each node of a multi-node job sees the configuration finish.
         if commlab.Runtime.current().local_rank == 0:
-            write_atomic(result_path, json.dumps(results))
+            write_text(result_path, json.dumps(results))
     except BaseException:
         # torchrun's own report names the rank but not the error: leave the traceback for the driver.
         rank = os.environ.get("RANK", "?")
-        write_atomic(f"{result_path}.rank{rank}.error", traceback.format_exc())
+        write_text(f"{result_path}.rank{rank}.error", traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():
