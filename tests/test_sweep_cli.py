@@ -151,6 +151,9 @@ def test_resume_after_the_sweep_was_killed(tmp_path):
         assert (configs / name).read_bytes() == content
     runs = pd.read_csv(tmp_path / "killed" / "runs.csv")
     assert len(runs) == 2 and runs["config"].is_unique and (runs["status"] == "ok").all()
+    # World size 1 on this machine would get every core under cpu_count // world_size (local) or
+    # OMP_NUM_THREADS=1 (torchrun): both launchers measure with the configuration's one thread.
+    assert (runs["threads"] == 1).all() and (runs["threads_measured"] == 1).all()
     iterations = pd.read_csv(tmp_path / "killed" / "iterations.csv")
     assert len(iterations) == 2 * 2 and not iterations.duplicated(["config", "rank", "iteration"]).any()
     buckets = pd.read_csv(tmp_path / "killed" / "buckets.csv")

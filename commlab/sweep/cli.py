@@ -33,6 +33,7 @@ _LIST = "comma-separated list"
 @click.option("--overlap", type=click.Choice(["on", "off", "both"]), help="overlap comm with backward [both]")
 @click.option("--accumulate", help=f"{_LIST}: micro-batches per step, all but one under no_sync [1]")
 @click.option("--groups", help=f"{_LIST}: round-robin process groups [1]")
+@click.option("--threads", help=f"{_LIST}: torch threads per rank, the same at every world size [1]")
 @click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")
 @click.option("--global-batch", type=click.IntRange(min=1), help=f"samples per micro-batch over all ranks [{DEFAULTS['global_batch']}]")
 @click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")
@@ -54,7 +55,7 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
     same keys, e.g. sweeps/reference.yaml).
     """
     from commlab.sweep import runner, store
-    from commlab.sweep.metadata import command_line, environment
+    from commlab.runtime.metadata import command_line, dirty_warning, environment
 
     spec = _read_spec(spec_file)
     try:
@@ -76,6 +77,8 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     meta = store.read_metadata(run_dir) or {"environment": environment()}
+    if warning := dirty_warning(meta["environment"]):
+        echo(warning)
     # The load average says how far to trust the timings (other work shares the CPUs).
     session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
@@ -94,6 +97,11 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
         written = draw_all(run_dir)
         pngs = [p.name for p in written if p.suffix == ".png"]
         echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
+    from commlab.sweep.stats import superlinear
+    from commlab.sweep.store import read_tables
+
+    for line in superlinear(read_tables(run_dir)[2]):
+        echo(line)
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:

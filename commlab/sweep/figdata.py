@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pandas as pd
 
+from commlab.sweep import stats
+
 # The axes a sweep can vary, in the order a label names them.
-AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "scaling"]
-# Stacked segments of one step, bottom to top (they add up to the step time; section 5 of the
-# paper splits an iteration the same way: forward, backward compute, exposed communication,
-# optimizer).
-SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
+AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads", "scaling"]
+# Stacked segments of one step, bottom to top; section 5 of the paper splits an iteration the same
+# way (forward, backward compute, exposed communication, optimizer). "other" is the rest of the
+# step, so the stack adds up to the mean step time (see commlab.sweep.stats.step_parts).
+SEGMENTS = [*stats.SEGMENTS, "other"]
 
 
 def ok(runs: pd.DataFrame) -> pd.DataFrame:
@@ -37,6 +39,8 @@ def label(row: pd.Series, columns: list[str]) -> str:
             parts.append(f"w{v}")
         elif c == "bucket_mb":
             parts.append(f"{v:g} MB")
+        elif c == "threads":
+            parts.append(f"{v} thread{'s' if int(v) != 1 else ''}/rank")
         elif c in ("accumulate", "groups"):
             parts.append(f"{c} {v}")
         else:
@@ -44,24 +48,28 @@ def label(row: pd.Series, columns: list[str]) -> str:
     return ", ".join(parts) or "all"
 
 
-def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
-    """Median seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
+def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
 
+    The segments are means over the same iterations (each one's slowest rank) and include
+    ``other``, so they add up to ``step``, the mean step time (:func:`stats.step_parts`).
     Panels split by whatever varies besides bucket size and overlap; bars within a panel are
     bucket size x overlap, so with and without overlap stand next to each other.
     """
     df = ok(runs)
     if df.empty:
         return df
-    for seg in SEGMENTS:
-        df[seg] = df[f"{seg}_median"].fillna(0.0)
+    df = df.drop(columns=[c for c in (*SEGMENTS, "step") if c in df]).join(stats.step_parts(iterations), on="config")
+    df = df.dropna(subset=["step"])
+    if df.empty:
+        return df
     outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
     df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
     both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
     if both.any():  # the figure is about overlap: keep the panels that can compare it
         df = df[both].copy()
     df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
-    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS]]
+    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS, "step"]]
 
 
 def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:

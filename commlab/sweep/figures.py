@@ -25,8 +25,8 @@ import seaborn as sns  # noqa: E402
 from commlab.sweep import figdata  # noqa: E402
 from commlab.sweep.store import read_tables  # noqa: E402
 
-_NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward",
-          "backward_compute": "backward compute", "exposed_comm": "exposed comm", "optimizer": "optimizer"}
+_NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
+          "exposed_comm": "exposed comm", "optimizer": "optimizer", "other": "other (rest of the step)"}
 
 
 def draw_all(run_dir: Path) -> list[Path]:
@@ -37,7 +37,7 @@ def draw_all(run_dir: Path) -> list[Path]:
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
     drawers = [
-        ("breakdown", lambda: _breakdown(figdata.breakdown(runs))),
+        ("breakdown", lambda: _breakdown(figdata.breakdown(runs, iterations))),
         ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket size (MB)", "step latency (ms)", log=True)),
         ("scaling", lambda: _scaling(figdata.scaling(runs))),
         ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)")),
@@ -58,10 +58,10 @@ def draw_all(run_dir: Path) -> list[Path]:
     return written
 
 
-def _panels(n: int, width: float = 4.2, height: float = 3.4):
+def _panels(n: int, width: float = 4.2, height: float = 3.4, sharey: bool = False):
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharey=sharey)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
@@ -70,23 +70,28 @@ def _panels(n: int, width: float = 4.2, height: float = 3.4):
 def _breakdown(df: pd.DataFrame):
     if df.empty:
         return None
-    # A segment too thin to see (e.g. no_sync time without accumulation) stays out of the legend.
-    segments = [s for s in figdata.SEGMENTS if df[s].sum() > 0.005 * df[figdata.SEGMENTS].to_numpy().sum()]
+    # Every segment is stacked, so that a bar is the whole step; one too thin to see (e.g. no_sync
+    # time without accumulation) stays out of the legend.
+    thin = {s for s in figdata.SEGMENTS if df[s].abs().sum() <= 0.005 * df["step"].sum()}
     colors = dict(zip(figdata.SEGMENTS, sns.color_palette("deep", len(figdata.SEGMENTS))))
     panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = _panels(len(panels), width=max(4.2, 0.9 * df.groupby("panel").size().max()))
+    fig, axes = _panels(len(panels), width=max(4.2, 0.9 * df.groupby("panel").size().max()), sharey=True)
     for ax, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
         bottom = pd.Series(0.0, index=part.index)
-        for seg in segments:
-            ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg], label=_NAMES[seg])
+        for seg in figdata.SEGMENTS:
+            ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg],
+                   label="_nolegend_" if seg in thin else _NAMES[seg])
             bottom += part[seg]
         ax.set_title(panel)
-        ax.set_ylabel("median step latency (ms)")
+        ax.set_ylabel("mean step time (ms)")
         ax.tick_params(axis="x", labelsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle("Latency breakdown with and without overlapping communication")
+    fig.suptitle("Step time breakdown with and without overlapping communication")
+    fig.text(0.5, -0.02, "Each bar: means over the measured iterations (each iteration's slowest rank) of every "
+             "phase; 'other' is the rest of the step, so a bar's height is the mean step time.",
+             ha="center", va="top", fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -123,6 +128,11 @@ def _scaling(df: pd.DataFrame):
         left.plot(s["world_size"], s["ideal"], linestyle="--", color=color, alpha=0.6)
         right.plot(s["world_size"], s["scaling_efficiency"], marker="o", color=color, label=series)
     right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    above = df[df["scaling_efficiency"] > 1.0]
+    if not above.empty:  # above linear on one machine is a warning sign, not a result
+        right.scatter(above["world_size"], above["scaling_efficiency"], s=90, facecolors="none",
+                      edgecolors="red", linewidths=1.5, zorder=5, label="> 1: check load / threads")
+        right.legend(fontsize=7)
     ticks = sorted(df["world_size"].unique())
     for ax, ylabel in ((left, "samples / s (dashed: ideal)"), (right, "scaling efficiency")):
         ax.set_xticks(ticks)

@@ -97,6 +97,8 @@ def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, er
         rec["buckets"] += rank_result["buckets"]
     rec["hosts"] = sorted({r["host"] for r in results or []})
     rec["devices"] = sorted({r["device"] for r in results or []})
+    # As measured on each rank (the configuration's `threads` is what was asked for).
+    rec["threads"] = [r.get("threads") for r in results or []]
     return rec
 
 

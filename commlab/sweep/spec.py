@@ -27,6 +27,11 @@ DEFAULTS: dict[str, Any] = {
     "overlap": "both",
     "accumulate": "1",
     "groups": "1",
+    # Threads per rank are fixed, not cpu_count // world_size (commlab.launch's default): that
+    # gave world size 1 twice the compute of world size 2 on a 2-core machine, so strong-scaling
+    # efficiency came out far above 1 (26). One thread per rank keeps compute per rank equal
+    # across world sizes and fits the default grid on a 2-core laptop; --threads 1,2 sweeps it.
+    "threads": "1",
     "scaling": "strong",
     "global_batch": 64,
     "batch_per_rank": None,
@@ -56,6 +61,7 @@ class Config:
     overlap: bool
     accumulate: int  # micro-batches per optimizer step; all but the last under no_sync
     groups: int  # round-robin process groups
+    threads: int  # torch intra-op threads per rank, the same at every world size
     scaling: str
     global_batch: int  # samples per micro-batch across all ranks
     batch_per_rank: int
@@ -70,7 +76,7 @@ class Config:
         overlap = "ov" if self.overlap else "noov"
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:
@@ -202,6 +208,7 @@ def build_plan(options: dict[str, Any]) -> Plan:
     algorithms = parse_list(o["algorithm"], lambda t, _: t, "algorithm")
     accumulates = parse_list(o["accumulate"], positive_int, "accumulate")
     groups = parse_list(o["groups"], positive_int, "groups")
+    threads = parse_list(o["threads"], positive_int, "threads")
     overlaps = overlap_values(o["overlap"])
     iters = positive_int(str(o["iters"]), "iters")
     warmup = int(o["warmup"]) if str(o["warmup"]).lstrip("-").isdigit() else -1
@@ -218,8 +225,8 @@ def build_plan(options: dict[str, Any]) -> Plan:
     configs = []
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small.
-    for model, backend, world, algo, group, acc, bucket, overlap in itertools.product(
-        models, backends, world_sizes, algorithms, groups, accumulates, buckets, overlaps
+    for model, backend, world, thread, algo, group, acc, bucket, overlap in itertools.product(
+        models, backends, world_sizes, threads, algorithms, groups, accumulates, buckets, overlaps
     ):
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
@@ -235,7 +242,7 @@ def build_plan(options: dict[str, Any]) -> Plan:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
             global_batch = per_rank * world
         configs.append(
-            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group,
+            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
                    scaling, global_batch, per_rank, iters, warmup)
         )
     return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,

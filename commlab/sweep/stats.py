@@ -10,6 +10,9 @@ import pandas as pd
 
 from commlab.sweep.spec import CONFIG_COLUMNS
 
+# The parts of one optimizer step, in time order: no_sync micro-batches, then the synchronised
+# micro-batch (DDP's forward, backward compute, exposed communication), then the optimizer.
+SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
 PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time"]
 # Columns that change with the world size inside one scaling series.
 _SCALING_AXIS = ["config", "world_size", "global_batch", "batch_per_rank"]
@@ -49,6 +52,24 @@ def summarise(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
+def step_parts(iterations: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, the mean of each step segment over the same iterations, and ``other``.
+
+    For every iteration the slowest rank's row is taken (it defines the step, see
+    :func:`step_per_iteration`); segments and step are averaged over those rows, and ``other`` is
+    the step minus the named segments (time between them: the optimizer's zero_grad, Python).
+    Means of the same rows add up, so the parts sum exactly to ``step`` (the mean step time),
+    unlike per-segment medians, which come from different iterations and need not add up.
+    """
+    keys = ["config", "repetition"] if "repetition" in iterations else ["config"]
+    columns = [*SEGMENTS, "other", "step"]
+    if iterations.empty:
+        return pd.DataFrame(columns=columns, index=pd.Index([], name="config"), dtype=float)
+    slowest = iterations.loc[iterations.groupby([*keys, "iteration"])["step"].idxmax()].copy()
+    slowest["other"] = slowest["step"] - slowest[SEGMENTS].sum(axis=1)
+    return slowest.groupby("config")[columns].mean()
+
+
 def scaling_efficiency(runs: pd.DataFrame) -> pd.Series:
     """Throughput relative to linear scaling from the smallest world size of the same series.
 
@@ -70,3 +91,20 @@ def scaling_efficiency(runs: pd.DataFrame) -> pd.Series:
 
 def _series_keys(runs: pd.DataFrame) -> list[str]:
     return [c for c in CONFIG_COLUMNS if c not in _SCALING_AXIS and c in runs]
+
+
+def superlinear(runs: pd.DataFrame) -> list[str]:
+    """A warning per configuration whose scaling efficiency is above 1.
+
+    Above-linear scaling on one machine usually means the ranks did not get equal resources (more
+    threads per rank at small world sizes, a cache effect, or load that changed during the sweep),
+    not that communication is free: the number needs checking before it is reported.
+    """
+    if "scaling_efficiency" not in runs:
+        return []
+    high = runs[runs["scaling_efficiency"] > 1.0]
+    return [
+        f"warning: {r['config']}: scaling efficiency {r['scaling_efficiency']:.2f} > 1 (world size "
+        f"{r['world_size']}, {r['threads']} thread(s) per rank): above linear, check machine load and threads"
+        for _, r in high.iterrows()
+    ]

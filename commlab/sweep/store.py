@@ -31,6 +31,9 @@ ITERATION_COLUMNS = [
     "rank", "iteration", "forward", "backward_compute", "comm", "exposed_comm", "total",
     "accumulate_time", "optimizer", "step",
 ]
+# threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
+# `threads` that the configuration asked for.
+RUN_COLUMNS = ["status", "error", "seconds", "threads_measured"]
 BUCKET_COLUMNS = ["rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
 
 
@@ -60,12 +63,14 @@ def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, p
         cfg = rec["config"]
         iter_rows += [{**cfg, **row} for row in rec.get("iterations", [])]
         bucket_rows += [{**cfg, **row} for row in rec.get("buckets", [])]
+        measured = [t["torch"] for t in rec.get("threads") or [] if t]
         run_rows.append({**cfg, "status": rec["status"], "error": rec.get("error", ""),
-                         "seconds": rec.get("ended", 0) - rec.get("started", 0)})
+                         "seconds": rec.get("ended", 0) - rec.get("started", 0),
+                         "threads_measured": max(measured) if measured else None})
     # Typed even when empty (every configuration failed), so that statistics still apply.
     iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS).astype(_dtypes(ITERATION_COLUMNS))
     buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS).astype(_dtypes(BUCKET_COLUMNS))
-    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + ["status", "error", "seconds"]), iterations)
+    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + RUN_COLUMNS), iterations)
     return iterations, buckets, runs
 
 
