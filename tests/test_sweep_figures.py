@@ -117,3 +117,13 @@ def test_breakdown_parts_add_up_to_the_plotted_step():
     bd = figdata.breakdown(runs, iterations)
     assert bd[figdata.SEGMENTS].sum(axis=1).iloc[0] == pytest.approx(bd["step"].iloc[0])
     assert "other" in figdata.SEGMENTS
+
+
+def test_redrawing_gives_the_same_bytes(run_dir):
+    from commlab.sweep.figures import draw_all
+
+    first = {p.name: p.read_bytes() for p in draw_all(run_dir)}
+    second = {p.name: p.read_bytes() for p in draw_all(run_dir)}
+    assert first.keys() == second.keys() and any(n.endswith(".pdf") for n in first)
+    assert first == second  # no creation date: committed reference figures change only with their data
+    assert b"CreationDate" not in first["breakdown.pdf"]

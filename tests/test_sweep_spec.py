@@ -123,7 +123,7 @@ def test_records_are_atomic_and_tables_never_duplicate(tmp_path):
     assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == [f"{cfg.id}.json"]  # no temp files left
     iterations, buckets, runs = store.assemble(tmp_path)
     assert len(iterations) == 2 and len(buckets) == 2 and len(runs) == 1
-    assert store.finished_ids(tmp_path) == {cfg.id}
+    assert store.finished_ids(tmp_path) == {(cfg.id, 0)}
     read = store.read_tables(tmp_path)
     assert read[2].loc[0, "step_median"] == pytest.approx(0.6) and read[2].loc[0, "error"] == ""
 

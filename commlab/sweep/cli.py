@@ -39,6 +39,8 @@ _LIST = "comma-separated list"
 @click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")
 @click.option("--iters", type=click.IntRange(min=1), help=f"measured steps per configuration [{DEFAULTS['iters']}]")
 @click.option("--warmup", type=click.IntRange(min=0), help=f"unmeasured steps first [{DEFAULTS['warmup']}]")
+@click.option("--repeat", type=click.IntRange(min=1), help="run the grid N times, alternating forward and backward order; "
+              "each configuration reports the median of its repetitions and their spread [1]")
 @click.option("--out", type=click.Path(file_okay=False), help="parent directory of results [results]")
 @click.option("--name", help="results go to OUT/NAME [the spec file's name, else sweep-<time>]")
 @click.option("--resume", is_flag=True, help="skip configurations already finished in OUT/NAME [latest run]")
@@ -97,11 +99,13 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
         written = draw_all(run_dir)
         pngs = [p.name for p in written if p.suffix == ".png"]
         echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
-    from commlab.sweep.stats import superlinear
+    from commlab.sweep.stats import fastest, superlinear
     from commlab.sweep.store import read_tables
 
-    for line in superlinear(read_tables(run_dir)[2]):
-        echo(line)
+    table = read_tables(run_dir)[2]
+    for line in [fastest(table), *superlinear(table)]:
+        if line:
+            echo(line)
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:

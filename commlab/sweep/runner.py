@@ -88,9 +88,10 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
         return json.loads(result_path.read_text())
 
 
-def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok") -> dict[str, Any]:
+def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok",
+           repetition: int = 0) -> dict[str, Any]:
     """The per-configuration record saved under configs/ (see :mod:`commlab.sweep.store`)."""
-    rec: dict[str, Any] = {"config": cfg.columns(), "status": status, "error": error,
+    rec: dict[str, Any] = {"config": cfg.columns(), "repetition": repetition, "status": status, "error": error,
                            "started": started, "ended": time.time(), "iterations": [], "buckets": []}
     for rank_result in results or []:
         rec["iterations"] += rank_result["iterations"]
@@ -102,34 +103,47 @@ def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, er
     return rec
 
 
+def order(configs: tuple[Config, ...] | list[Config], repeat: int) -> list[tuple[int, Config]]:
+    """(repetition, configuration) pairs in run order: the grid forward, then backward, ...
+
+    A machine's speed drifts over minutes (20-30% over a grid here), so a single pass turns the
+    drift into a trend across the grid. Alternating the direction puts each configuration early
+    in one repetition and late in the next, so a steady drift raises every configuration's
+    median alike; unlike a shuffle it keeps the pairs a figure compares (overlap on/off,
+    innermost in the grid) back to back in every repetition.
+    """
+    return [(r, cfg) for r in range(repeat) for cfg in (configs if r % 2 == 0 else configs[::-1])]
+
+
 def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = True,
         measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
-    """Run every configuration of ``plan`` not already finished in ``run_dir``; return new records.
+    """Run every (repetition, configuration) of ``plan`` not already finished; return new records.
 
     ``write=False`` (the drivers of nodes other than node 0 in a multi-node sweep) runs the same
     configurations in step with node 0 but leaves the results directory to node 0.
     """
+    runs = order(plan.configs, plan.repeat)
     done = store.finished_ids(run_dir) if resume else set()
-    todo = [c for c in plan.configs if c.id not in done]
+    todo = [(r, c) for r, c in runs if (c.id, r) not in done]
     if done:
-        echo(f"resuming {run_dir}: {len(plan.configs) - len(todo)} of {len(plan.configs)} configurations already finished")
+        echo(f"resuming {run_dir}: {len(runs) - len(todo)} of {len(runs)} configurations already finished")
     progress = Progress(len(todo), echo)
     new = []
-    for cfg in todo:
-        echo(f"  running {cfg.id} ...")
+    for rep, cfg in todo:
+        echo(f"  running {cfg.id}" + (f" (repetition {rep + 1}/{plan.repeat})" if plan.repeat > 1 else "") + " ...")
         started = time.time()
         try:
-            rec = record(cfg, started, measure(cfg, plan))
+            rec = record(cfg, started, measure(cfg, plan), repetition=rep)
         except Exception as err:  # a failed configuration is a result too; the sweep goes on
             status = "timeout" if ("did not finish within" in str(err) or isinstance(err, TimeoutError)) else "failed"
-            rec = record(cfg, started, None, error=_short(err), status=status)
+            rec = record(cfg, started, None, error=_short(err), status=status, repetition=rep)
         if write:
             store.save_record(run_dir, rec)
-            _, _, runs = store.assemble(run_dir)
+            _, _, table = store.assemble(run_dir)
         else:
-            _, _, runs = store.tables([rec])
+            _, _, table = store.tables([rec])
         new.append(rec)
-        progress.advance(summary_line(runs[runs["config"] == cfg.id].iloc[0]))
+        progress.advance(summary_line(table[table["config"] == cfg.id].iloc[0]))
     if write and not todo:
         store.assemble(run_dir)
     return new

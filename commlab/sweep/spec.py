@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "batch_per_rank": None,
     "iters": 60,
     "warmup": 3,
+    "repeat": 1,
     "out": "results",
     "name": None,
     "launcher": "local",
@@ -102,6 +103,7 @@ class Plan:
     timeout: float
     nnodes: int
     rdzv_endpoint: str | None
+    repeat: int = 1  # the grid is run this many times (see commlab.sweep.runner.order)
 
 
 CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]
@@ -215,6 +217,7 @@ def build_plan(options: dict[str, Any]) -> Plan:
     if warmup < 0:
         raise ValueError(f"--warmup: {o['warmup']!r} must be a non-negative integer")
     timeout = positive_float(str(o["timeout"]), "timeout")
+    repeat = positive_int(str(o["repeat"]), "repeat")
     nnodes = positive_int(str(o["nnodes"]), "nnodes")
     model_args = canonical_model_args(o["model_args"])
     if nnodes > 1 and launcher != "torchrun":
@@ -246,7 +249,7 @@ def build_plan(options: dict[str, Any]) -> Plan:
                    scaling, global_batch, per_rank, iters, warmup)
         )
     return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
-                o.get("rdzv_endpoint"))
+                o.get("rdzv_endpoint"), repeat)
 
 
 def _scalar(text: str) -> Any:
