@@ -33,6 +33,7 @@ def check_plan(plan: Plan) -> None:
     from commlab.collectives import algorithm_names
     from commlab.models import SIZES, build_workload, check_workload
     from commlab.runtime import resolve_backend
+    from commlab.runtime.capacity import check_cpu_capacity
 
     built: set[tuple[str, str]] = set()
     for cfg in plan.configs:
@@ -51,6 +52,11 @@ def check_plan(plan: Plan) -> None:
             resolve_backend(cfg.backend, cfg.world_size // plan.nnodes)
         except ValueError as err:
             raise ValueError(f"--backend/--world-size: {err}") from None
+        if cfg.backend == "gloo":  # CPU ranks: each node hosts world_size / nnodes of them
+            try:
+                check_cpu_capacity(cfg.world_size // plan.nnodes, cfg.threads)
+            except ValueError as err:
+                raise ValueError(f"--world-size {cfg.world_size} --threads {cfg.threads}: {err}") from None
 
 
 def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
@@ -81,6 +87,10 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise TimeoutError(f"torchrun did not finish within {plan.timeout:g} s") from None
+        except BaseException:  # Ctrl-C or SIGTERM: torchrun is in its own session, end it too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if proc.returncode != 0 or not result_path.exists():
             errors = sorted(Path(tmp).glob("result.json.rank*.error"))
             detail = "\n".join(f"--- {p.name.split('.')[2]} ---\n{p.read_text()}" for p in errors) or output[-4000:]

@@ -263,3 +263,31 @@ def _scalar(text: str) -> Any:
 
 def _dash(option: str) -> str:
     return option.replace("_", "-")
+
+
+def grid_signature(plan: Plan) -> dict[str, Any]:
+    """What a results directory holds: its configuration ids and repetitions (kept in metadata)."""
+    return {"configs": sorted(c.id for c in plan.configs), "repeat": plan.repeat}
+
+
+def grid_change(old: dict[str, Any] | None, new: dict[str, Any]) -> str | None:
+    """How a resumed grid would change the recorded one, in words; None when it would not.
+
+    Any option in a configuration (bucket sizes, world sizes, --iters, --threads, ...) is part of
+    its id, so a changed grid or fixed option shows as configurations the run does not have.
+    Resuming part of a run's grid adds nothing and is allowed. Results written before the grid
+    was recorded have nothing to compare against.
+    """
+    if not old:
+        return None
+    added = sorted(set(new["configs"]) - set(old["configs"]))
+    parts = [f"{len(added)} configuration(s) that it does not have (e.g. {added[0]})"] if added else []
+    if old.get("repeat", 1) != new["repeat"]:
+        parts.append(f"--repeat {new['repeat']} where the run has {old.get('repeat', 1)}")
+    return "this grid would add " + " and ".join(parts) if parts else None
+
+
+def grid_union(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The grid a results directory holds after ``new`` ran in it (``--resume --force``)."""
+    configs = sorted(set((old or {}).get("configs", [])) | set(new["configs"]))
+    return {"configs": configs, "repeat": new["repeat"]}
