@@ -13,12 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from commlab.runtime import LaunchError, Runtime, init_from_env, launch
-
 __version__ = "0.1.0"
 
-# Heavier parts load on first use so that `commlab --help` and `import commlab` stay quick.
+# Everything loads on first use, so that `import commlab` (and `commlab --help`) does not import
+# torch, which costs seconds.
 _LAZY = {
+    "LaunchError": ("commlab.runtime.launch", "LaunchError"),
+    "Runtime": ("commlab.runtime.context", "Runtime"),
+    "init_from_env": ("commlab.runtime.context", "init_from_env"),
+    "launch": ("commlab.runtime.launch", "launch"),
     "DistributedDataParallel": ("commlab.ddp", "DistributedDataParallel"),
     "Topology": ("commlab.runtime.topology", "Topology"),
     "collectives": ("commlab.collectives", None),

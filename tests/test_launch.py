@@ -80,3 +80,30 @@ def test_bad_input_fails_before_spawning():
         with pytest.raises(ValueError, match="CUDA device"):
             resolve_backend("nccl", 2)
     assert resolve_backend("auto", 2) in ("gloo", "nccl")
+
+
+def _death_signal():
+    import ctypes
+
+    from commlab.runtime import rank_entry
+
+    sig = ctypes.c_int()
+    ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+    return rank_entry.torch_loaded_at_pdeathsig, sig.value
+
+
+def test_a_rank_dies_with_its_parent_and_says_so_before_torch_loads():
+    import signal
+
+    torch_loaded, sig = commlab.launch(_death_signal, world_size=1, backend="gloo", timeout=60)[0]
+    assert sig == signal.SIGKILL
+    assert torch_loaded is False  # the signal was set before the seconds-long torch import
+
+
+def test_a_rank_that_exits_before_reporting_is_explained():
+    from commlab.runtime.launch import exit_reason
+
+    assert "out-of-memory killer" in exit_reason(1, -9)
+    assert "segmentation fault" in exit_reason(0, -11)
+    assert "sys.exit(0) or os._exit(0)" in exit_reason(0, 0)
+    assert "os._exit(3)" in exit_reason(2, 3) and "rank 2 exited with code 3 before reporting" in exit_reason(2, 3)

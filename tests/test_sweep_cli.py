@@ -55,6 +55,12 @@ def test_help_lists_the_options():
     (["--overlap", "maybe"], "Invalid value for '--overlap'"),
     (["--timeout", "0"], "--timeout"),
     (["--scaling", "weak"], "needs --batch-per-rank"),
+    (["--name", "../escape"], "must be a plain directory name inside --out"),
+    (["--name", "/tmp/abs"], "must be a plain directory name inside --out"),
+    (["--name", "a/b"], "must be a plain directory name inside --out"),
+    (["--world-size", "64"], "64 ranks x 1 thread(s)"),
+    (["--world-size", "2", "--threads", "64"], "more than 2 per core"),
+    (["--repeat", "0"], "--repeat"),
 ])
 def test_bad_input_is_a_click_error_before_any_process(tmp_path, args, message):
     result = sweep(*args, "--out", tmp_path / "out")
@@ -127,30 +133,75 @@ def test_tiny_sweep_results_and_a_failing_configuration(tmp_path, monkeypatch):
     assert json.loads(Path(traced.output.strip()).read_text())["traceEvents"]
 
 
-def test_resume_after_the_sweep_was_killed(tmp_path):
+def _session_gone(sid, wait=15.0):
+    """True once no process is left in session ``sid`` (multiprocessing's resource tracker takes
+    a moment to see its parent go)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(sid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_resume_with_a_changed_grid_is_refused(tmp_path):
+    from commlab.sweep.spec import build_plan, grid_signature, merge
+
+    run_dir = tmp_path / "run"
+    (run_dir / "configs").mkdir(parents=True)
+    (run_dir / "configs" / "x.json").write_text("{}")
+    recorded = build_plan(merge({}, {"bucket_mb": "0.01,1", "iters": 2}))
+    (run_dir / "metadata.json").write_text(json.dumps({"grid": grid_signature(recorded)}))
+    for extra, message in ((["--bucket-mb", "0.01,5", "--iters", "2"], "would add 2 configuration(s)"),
+                           (["--bucket-mb", "0.01,1", "--iters", "3"], "would add 4 configuration(s)"),
+                           (["--bucket-mb", "0.01,1", "--iters", "2", "--repeat", "2"], "--repeat 2 where the run has 1")):
+        result = sweep(*extra, "--out", tmp_path, "--name", "run", "--resume")
+        assert result.exit_code == 2 and message in result.output and "--force" in result.output, result.output
+    assert sorted(p.name for p in run_dir.iterdir()) == ["configs", "metadata.json"]  # nothing ran or changed
+
+
+def test_sigterm_then_resume(tmp_path):
     args = ["sweep", "--bucket-mb", "0.01,1", *TINY, "--out", str(tmp_path), "--name", "killed",
             "--no-figures", "--timeout", "120"]
     configs = tmp_path / "killed" / "configs"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "from commlab.cli import main; main()", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
     try:
         deadline = time.monotonic() + 120
         while not list(configs.glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
+        time.sleep(0.5)  # into the second configuration's launch
+        os.kill(proc.pid, signal.SIGTERM)  # the driver only, as a batch system's scancel would
+        _, stderr = proc.communicate(timeout=60)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks, mid-sweep
-        proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert "interrupted: rerun with --resume" in stderr
+    assert _session_gone(proc.pid), subprocess.run(["ps", "-o", "pid,ppid,args", "-s", str(proc.pid)],
+                                                   capture_output=True, text=True).stdout  # no rank outlived it
+    assert not [p for p in scratch.iterdir() if p.name.startswith("commlab-")]  # rendezvous dirs removed
     before = {p.name: p.read_bytes() for p in configs.glob("*.json")}
-    assert len(before) == 1, "the sweep should have been killed after its first configuration"
+    assert len(before) == 1, "the sweep should have been ended during its second configuration"
+    assert json.loads((tmp_path / "killed" / "metadata.json").read_text())["sessions"][0]["interrupted"]
 
     # Resume with the torchrun launcher: same configuration ids, same result format.
-    result = CliRunner().invoke(main, [*args, "--resume", "--launcher", "torchrun"])
+    result = CliRunner().invoke(main, [*args, "--resume", "--launcher", "torchrun"])  # launcher is not part of the grid
     assert result.exit_code == 0, result.output
     assert "1 of 2 configurations already finished" in result.output
     for name, content in before.items():  # finished configurations were not rerun
         assert (configs / name).read_bytes() == content
     runs = pd.read_csv(tmp_path / "killed" / "runs.csv")
     assert len(runs) == 2 and runs["config"].is_unique and (runs["status"] == "ok").all()
+    # World size 1 on this machine would get every core under cpu_count // world_size (local) or
+    # OMP_NUM_THREADS=1 (torchrun): both launchers measure with the configuration's one thread.
+    assert (runs["threads"] == 1).all() and (runs["threads_measured"] == 1).all()
     iterations = pd.read_csv(tmp_path / "killed" / "iterations.csv")
     assert len(iterations) == 2 * 2 and not iterations.duplicated(["config", "rank", "iteration"]).any()
     buckets = pd.read_csv(tmp_path / "killed" / "buckets.csv")

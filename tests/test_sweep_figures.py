@@ -24,11 +24,13 @@ def run_dir(tmp_path):
 
 def test_figure_tables_follow_the_data(run_dir):
     iterations, buckets, runs = read_tables(run_dir)
-    bd = figdata.breakdown(runs)
+    bd = figdata.breakdown(runs, iterations)
     assert set(bd["panel"]) == {"mlp, gloo, w2, accumulate 1, groups 1"}  # the one panel with both overlaps
     assert len(bd) == 6 and bd["bar"].str.contains("no overlap").sum() == 3
     ov, no = bd[~bd["bar"].str.contains("no overlap")], bd[bd["bar"].str.contains("no overlap")]
     assert (ov["exposed_comm"].to_numpy() < no["exposed_comm"].to_numpy()).all()
+
+    assert bd[figdata.SEGMENTS].sum(axis=1).tolist() == pytest.approx(bd["step"].tolist())
 
     bucket = figdata.curve(runs, "bucket_mb")
     assert bucket.groupby("series")["bucket_mb"].apply(list).to_dict() == {
@@ -83,3 +85,45 @@ def test_trace_is_chrome_trace_json(run_dir):
     assert json.loads((run_dir / "t.json").read_text())["otherData"]["config"] == config
     result = CliRunner().invoke(trace, [str(run_dir), "--config", "nope"])
     assert result.exit_code == 2 and "no configuration 'nope'" in result.output
+
+
+def test_breakdown_parts_add_up_to_the_plotted_step():
+    """Per-phase medians of different iterations do not add up to a step; the breakdown's do."""
+    import pandas as pd
+
+    from commlab.sweep.spec import build_plan, merge
+    from commlab.sweep.stats import SEGMENTS, step_parts, summarise
+
+    cfg = build_plan(merge({}, {"overlap": "on"})).configs[0]
+    # Forward is long in one iteration, backward in another: each median misses the long one.
+    rows = []
+    for rank in (0, 1):
+        for i, (fwd, bwd) in enumerate([(0.05, 0.01), (0.01, 0.05), (0.01, 0.01)]):
+            slow = 0.002 * rank  # rank 1 is the slowest in every iteration
+            exposed, opt, acc = 0.004 + slow, 0.003, 0.0
+            step = acc + fwd + bwd + exposed + opt + 0.001  # 1 ms between the named phases
+            rows.append({"config": cfg.id, "rank": rank, "iteration": i, "forward": fwd, "backward_compute": bwd,
+                         "comm": 0.01, "exposed_comm": exposed, "total": fwd + bwd + exposed,
+                         "accumulate_time": acc, "optimizer": opt, "step": step})
+    iterations = pd.DataFrame(rows)
+    parts = step_parts(iterations).loc[cfg.id]
+    slowest = iterations[iterations["rank"] == 1]
+    assert parts["step"] == pytest.approx(slowest["step"].mean())
+    assert parts[SEGMENTS].sum() + parts["other"] == pytest.approx(parts["step"])
+    assert parts["other"] == pytest.approx(0.001) and parts["exposed_comm"] == pytest.approx(0.006)
+    runs = summarise(pd.DataFrame([{**cfg.columns(), "status": "ok", "error": ""}]), iterations)
+    medians = sum(runs.loc[0, f"{s}_median"] for s in SEGMENTS)
+    assert medians < runs.loc[0, "step_median"] - 0.005  # the old stack fell short of its axis
+    bd = figdata.breakdown(runs, iterations)
+    assert bd[figdata.SEGMENTS].sum(axis=1).iloc[0] == pytest.approx(bd["step"].iloc[0])
+    assert "other" in figdata.SEGMENTS
+
+
+def test_redrawing_gives_the_same_bytes(run_dir):
+    from commlab.sweep.figures import draw_all
+
+    first = {p.name: p.read_bytes() for p in draw_all(run_dir)}
+    second = {p.name: p.read_bytes() for p in draw_all(run_dir)}
+    assert first.keys() == second.keys() and any(n.endswith(".pdf") for n in first)
+    assert first == second  # no creation date: committed reference figures change only with their data
+    assert b"CreationDate" not in first["breakdown.pdf"]

@@ -123,7 +123,7 @@ def test_records_are_atomic_and_tables_never_duplicate(tmp_path):
     assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == [f"{cfg.id}.json"]  # no temp files left
     iterations, buckets, runs = store.assemble(tmp_path)
     assert len(iterations) == 2 and len(buckets) == 2 and len(runs) == 1
-    assert store.finished_ids(tmp_path) == {cfg.id}
+    assert store.finished_ids(tmp_path) == {(cfg.id, 0)}
     read = store.read_tables(tmp_path)
     assert read[2].loc[0, "step_median"] == pytest.approx(0.6) and read[2].loc[0, "error"] == ""
 
@@ -141,3 +141,17 @@ def test_shipped_specs_are_valid_here(spec):
     p = build_plan(merge(yaml.safe_load(spec.read_text()), {}))
     check_plan(p)  # models, algorithms and backends all available on a CPU-only machine
     assert len(p.configs) >= 2 and len({c.id for c in p.configs}) == len(p.configs)
+
+
+def test_resuming_compares_grids():
+    from commlab.sweep.spec import grid_change, grid_signature, grid_union
+
+    old = grid_signature(plan(bucket_mb="1,5", overlap="on"))
+    assert grid_change(None, old) is None and grid_change(old, old) is None
+    assert grid_change(old, grid_signature(plan(bucket_mb="1", overlap="on"))) is None  # a part of it
+    wider = grid_signature(plan(bucket_mb="1,5,25", overlap="on"))
+    assert "would add 1 configuration(s)" in grid_change(old, wider)
+    assert "would add 2 configuration(s)" in grid_change(old, grid_signature(plan(bucket_mb="1,5", overlap="on", iters=7)))
+    assert "--repeat 3 where the run has 1" in grid_change(old, grid_signature(plan(bucket_mb="1,5", overlap="on", repeat=3)))
+    both = grid_union(old, wider)
+    assert both["configs"] == wider["configs"] and grid_change(both, old) is None

@@ -110,6 +110,14 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
         backend = resolve_backend(backend, world_size)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--backend") from None
+    if backend == "gloo":  # CPU ranks, each with commlab.launch's cpu_count // world_size threads
+        from commlab.runtime.capacity import check_cpu_capacity
+        from commlab.runtime.metadata import cpu_count
+
+        try:
+            check_cpu_capacity(world_size, max(1, cpu_count() // world_size))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--world-size") from None
     cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
                warmup=warmup, algorithm=algorithm)  # fmt: skip
     per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from commlab._atomic import write_via
 from commlab.pipeline.render import gantt_figure
 from commlab.pipeline.schedules import Action
 from commlab.pipeline.simulate import Timed
@@ -50,9 +51,10 @@ def _throughput(summary: pd.DataFrame, path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per mini-batch")
     ax.set_ylabel("samples / s")
-    ax.set_title("pipeline throughput", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.set_title("Pipeline throughput against micro-batches", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
     return path
 
@@ -66,9 +68,10 @@ def _memory(stages: pd.DataFrame, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     sns.barplot(data=df.assign(MiB=df["saved_bytes"] / 2**20), x="stage", y="MiB", hue="schedule", ax=ax)
     ax.set_ylabel("MiB saved for backward (peak)")
-    ax.set_title(f"per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
+    ax.set_xlabel("pipeline stage")
+    ax.set_title(f"Per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
     return path
 
@@ -84,6 +87,6 @@ def _timelines(summary: pd.DataFrame, timeline: pd.DataFrame, path: Path) -> Pat
             part = rows[rows["source"] == source]
             ms = [Timed(int(r.rank), Action(int(r.stage), r.kind, int(r.microbatch)), r.start * 1e3, r.end * 1e3)
                   for r in part.itertuples()]  # fmt: skip
-            panels.append((f"{config}: {source} (ms)", ms))
-    gantt_figure(panels, ranks, str(path))
+            panels.append((f"{config}: {source}", ms))
+    gantt_figure(panels, ranks, str(path), unit="ms")
     return path

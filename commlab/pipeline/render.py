@@ -7,9 +7,13 @@ each rank does at clock tick t (torchgpipe's clock-cycle view); "." is a bubble.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from commlab.pipeline.schedules import FORWARD, Actions
 from commlab.pipeline.simulate import Timed, simulate
+
+# What a simulated time is measured in: the --forward/--backward/--comm costs it was given.
+SIMULATED_UNIT = "units of the --forward/--backward costs"
 
 
 def grid(actions: Actions) -> str:
@@ -26,7 +30,7 @@ def grid(actions: Actions) -> str:
     return "\n".join([header, *rows])
 
 
-def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "") -> None:
+def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str = SIMULATED_UNIT) -> None:
     """Draw one bar per action on a matplotlib axis: rank on y, time on x, forward light, backward dark.
 
     Micro-batch numbers are written in the bars; the same function draws simulated and measured
@@ -42,21 +46,34 @@ def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "") -> None:
             ax.text((t.start + t.end) / 2, t.rank, str(t.action.microbatch), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({unit})")
     if title:
         ax.set_title(title, fontsize=9)
 
 
-def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path: str) -> None:
-    """Save stacked Gantt panels (e.g. simulated over measured) to ``path`` with the Agg backend."""
+def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path: str, unit: str = SIMULATED_UNIT) -> None:
+    """Save stacked Gantt panels (e.g. simulated over measured) to ``path`` with the Agg backend.
+
+    All panels share the time axis (they are compared); one legend says which shade is forward
+    and which backward. ``unit`` names the time axis's unit.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import seaborn as sns
+    from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.0 + 0.5 * ranks * len(panels)), squeeze=False)
+    from commlab._atomic import write_via
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.0 + 0.5 * ranks * len(panels)), squeeze=False, sharex=True)
     for ax, (title, timeline) in zip(axes[:, 0], panels):
-        gantt(ax, timeline, ranks, title)
+        gantt(ax, timeline, ranks, title, unit)
+        ax.xaxis.set_tick_params(labelbottom=True)
+    palette = sns.color_palette("Paired")
+    legend = [Patch(color=palette[0], label="forward (light)"), Patch(color=palette[1], label="backward (dark)")]
+    axes[0, 0].legend(handles=legend, loc="lower left", bbox_to_anchor=(1.0, 0.0), fontsize=7,
+                      title="colour = stage", title_fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_via(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix[1:] or "png", dpi=120))
     plt.close(fig)

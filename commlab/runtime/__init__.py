@@ -1,6 +1,28 @@
-"""Process groups in one place: launching ranks, the Runtime object, the pp x dp topology."""
+"""Process groups in one place: launching ranks, the Runtime object, the pp x dp topology.
 
-from commlab.runtime.context import Runtime, init_from_env, resolve_backend, under_torchrun
-from commlab.runtime.launch import LaunchError, launch
+Names load on first use (PEP 562), so that importing this package, as a spawned rank does
+before it sets its parent-death signal, does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "LaunchError": "commlab.runtime.launch",
+    "launch": "commlab.runtime.launch",
+    "Runtime": "commlab.runtime.context",
+    "init_from_env": "commlab.runtime.context",
+    "resolve_backend": "commlab.runtime.context",
+    "under_torchrun": "commlab.runtime.context",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'commlab.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
 
 __all__ = ["LaunchError", "Runtime", "init_from_env", "launch", "resolve_backend", "under_torchrun"]

@@ -11,7 +11,7 @@ so multi-node jobs go through torchrun rather than through anything home-made.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commlab.runtime import rank_entry
 from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
 
 
@@ -80,17 +81,16 @@ def _spawn(fn, args, world_size: int, backend: str, timeout: float) -> list[Any]
     with tempfile.TemporaryDirectory(prefix="commlab-") as tmp:
         store_path = os.path.join(tmp, "store")
         q = ctx.Queue()
+        # The work travels as bytes that the rank unpickles (importing torch) only after it has
+        # set its parent-death signal; see commlab.runtime.rank_entry.
+        payload = pickle.dumps((world_size, backend, store_path, timeout, fn, args))
         procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, backend, store_path, timeout, fn, args, q),
-                name=f"commlab-rank{rank}",
-            )
+            ctx.Process(target=rank_entry.main, args=(rank, payload, q), name=f"commlab-rank{rank}")
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        try:
+        try:  # started inside the try: an interrupt between two starts still ends the first
+            for p in procs:
+                p.start()
             _collect(procs, q, results, time.monotonic() + timeout, timeout)
         finally:
             _terminate(procs)
@@ -115,14 +115,57 @@ def _collect(procs, q, results: dict[int, Any], deadline: float, timeout: float)
                 # A clean exit may still have its result in the queue's pipe: give it a moment.
                 exited_at.setdefault(rank, now)
                 if p.exitcode != 0 or now - exited_at[rank] > 5.0:
-                    raise LaunchError(f"rank {rank} exited with code {p.exitcode} without a result", rank)
+                    raise LaunchError(exit_reason(rank, p.exitcode), rank)
             continue
         if not ok:
             raise LaunchError(f"rank {rank} failed", rank, payload)
         results[rank] = pickle.loads(payload)
 
 
+def exit_reason(rank: int, exitcode: int | None) -> str:
+    """Why a rank that never reported may have gone: a signal's name, or what an exit code means."""
+    head = f"rank {rank} exited with code {exitcode} before reporting a result"
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        why = {"SIGKILL": "killed by SIGKILL: often the kernel's out-of-memory killer (see dmesg), or a kill -9",
+               "SIGSEGV": "crashed with SIGSEGV: a segmentation fault in native code (torch, a backend, an extension)",
+               "SIGTERM": "ended by SIGTERM from outside the launcher",
+               "SIGABRT": "aborted (SIGABRT): a native assertion or std::terminate; its message is on stderr"}
+        return f"{head}: {why.get(name, f'ended by {name}')}"
+    if exitcode == 0:
+        return (f"{head}: it exited cleanly without returning from the launched function "
+                "(sys.exit(0) or os._exit(0) inside it?)")
+    return (f"{head}: the process ended without raising a Python exception (os._exit({exitcode}), "
+            "sys.exit in a C extension, or a fatal error printed on stderr)")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) like Ctrl-C.
+
+    A batch system or ``kill`` ends a job with SIGTERM; its default action would kill this
+    process at once, skipping every ``finally``: ranks left running, temporary directories left
+    behind. As an exception it unwinds like Ctrl-C, so :func:`launch` ends its ranks and removes
+    its rendezvous directory. Main thread only (Python delivers signals there).
+    """
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received inside :func:`sigterm_as_interrupt`; exit status 128 + 15 by convention."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
 def _terminate(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # started ones only
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -134,17 +177,8 @@ def _terminate(procs) -> None:
             p.join()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this child if the launching process dies (prctl PR_SET_PDEATHSIG)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)
-    except OSError:  # not Linux: the parent's own cleanup still applies
-        pass
-
-
 def _rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> None:
-    _die_with_parent()
+    """A spawned rank's work, after :func:`commlab.runtime.rank_entry.main` set its death signal."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     # Gloo picks its transport interface from the hostname unless told: keep it on loopback.

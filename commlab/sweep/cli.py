@@ -33,28 +33,34 @@ _LIST = "comma-separated list"
 @click.option("--overlap", type=click.Choice(["on", "off", "both"]), help="overlap comm with backward [both]")
 @click.option("--accumulate", help=f"{_LIST}: micro-batches per step, all but one under no_sync [1]")
 @click.option("--groups", help=f"{_LIST}: round-robin process groups [1]")
+@click.option("--threads", help=f"{_LIST}: torch threads per rank, the same at every world size [1]")
 @click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")
 @click.option("--global-batch", type=click.IntRange(min=1), help=f"samples per micro-batch over all ranks [{DEFAULTS['global_batch']}]")
 @click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")
 @click.option("--iters", type=click.IntRange(min=1), help=f"measured steps per configuration [{DEFAULTS['iters']}]")
 @click.option("--warmup", type=click.IntRange(min=0), help=f"unmeasured steps first [{DEFAULTS['warmup']}]")
+@click.option("--repeat", type=click.IntRange(min=1), help="run the grid N times, alternating forward and backward order; "
+              "each configuration reports the median of its repetitions and their spread [1]")
 @click.option("--out", type=click.Path(file_okay=False), help="parent directory of results [results]")
 @click.option("--name", help="results go to OUT/NAME [the spec file's name, else sweep-<time>]")
 @click.option("--resume", is_flag=True, help="skip configurations already finished in OUT/NAME [latest run]")
+@click.option("--force", is_flag=True, help="with --resume: accept a grid or --repeat that differs from the run's")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), help="spawn local ranks, or one torchrun per configuration [local]")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="seconds per configuration before it is ended [300]")
 @click.option("--nnodes", type=click.IntRange(min=1), help="nodes per torchrun job (multi-node, see scripts/) [1]")
 @click.option("--rdzv-endpoint", help="HOST:PORT of torchrun's rendezvous for --nnodes > 1")
 @click.option("--figures/--no-figures", "draw", default=True, help="draw the figures at the end [on]")
-def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
+def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **options) -> None:
     """Measure commlab's DDP over a grid: bucket size x backend x world size x ...
 
     Every combination of the list options is one configuration, run in a fresh process group;
     results (CSV), metadata and figures go to OUT/NAME. Options override SPEC_FILE (YAML with the
     same keys, e.g. sweeps/reference.yaml).
     """
+    from commlab.runtime.launch import sigterm_as_interrupt
+    from commlab.runtime.metadata import command_line, dirty_warning, environment
     from commlab.sweep import runner, store
-    from commlab.sweep.metadata import command_line, environment
+    from commlab.sweep.spec import grid_change, grid_signature, grid_union
 
     spec = _read_spec(spec_file)
     try:
@@ -73,15 +79,29 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
     if node_rank != 0:
         runner.run(plan, run_dir, resume=resume, echo=echo, write=False)
         return
+    meta = store.read_metadata(run_dir)
+    change = grid_change(meta.get("grid"), grid_signature(plan)) if resume else None
+    if change and not force:
+        raise click.UsageError(f"--resume {run_dir}: {change}. Add --force to add it to that run, "
+                               "or give another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
-
-    meta = store.read_metadata(run_dir) or {"environment": environment()}
+    meta = meta or {"environment": environment()}
+    meta["grid"] = grid_union(meta.get("grid"), grid_signature(plan))
+    if warning := dirty_warning(meta["environment"]):
+        echo(warning)
     # The load average says how far to trust the timings (other work shares the CPUs).
     session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()
-    runner.run(plan, run_dir, resume=resume, echo=echo)
+    try:
+        with sigterm_as_interrupt():  # a batch system's SIGTERM cleans up like Ctrl-C
+            runner.run(plan, run_dir, resume=resume, echo=echo)
+    except KeyboardInterrupt as stop:
+        session["end"], session["interrupted"] = _now(), True
+        store.write_metadata(run_dir, meta)
+        echo(f"interrupted: rerun with --resume to continue {run_dir} (finished configurations are kept)")
+        click.get_current_context().exit(getattr(stop, "exit_code", 130))
     records = store.load_records(run_dir)
     session["end"], session["load_average_end"] = _now(), os.getloadavg()
     meta["hosts"] = sorted({h for r in records for h in r.get("hosts", [])})
@@ -94,6 +114,13 @@ def sweep(spec_file: Path | None, resume: bool, draw: bool, **options) -> None:
         written = draw_all(run_dir)
         pngs = [p.name for p in written if p.suffix == ".png"]
         echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
+    from commlab.sweep.stats import fastest, superlinear
+    from commlab.sweep.store import read_tables
+
+    table = read_tables(run_dir)[2]
+    for line in [fastest(table), *superlinear(table)]:
+        if line:
+            echo(line)
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:
@@ -148,6 +175,8 @@ def _read_spec(path: Path | None) -> dict:
 def _run_dir(out: str, name: str | None, resume: bool, writer: bool = True) -> Path:
     """OUT/NAME; with --resume and no name, the most recent sweep under OUT."""
     out_dir = Path(out)
+    if name is not None and (not name.strip() or name in (".", "..") or Path(name).name != name or "\\" in name):
+        raise click.BadParameter(f"{name!r} must be a plain directory name inside --out (no / or ..)", param_hint="--name")
     if name is None and resume:
         runs = sorted((p for p in out_dir.glob("*/configs") if p.is_dir()), key=lambda p: p.stat().st_mtime)
         if not runs:

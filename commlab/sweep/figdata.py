@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import pandas as pd
 
+from commlab.sweep import stats
+
 # The axes a sweep can vary, in the order a label names them.
-AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "scaling"]
-# Stacked segments of one step, bottom to top (they add up to the step time; section 5 of the
-# paper splits an iteration the same way: forward, backward compute, exposed communication,
-# optimizer).
-SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
+AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads", "scaling"]
+# Settings that are not meant to vary within a figure; when a results directory holds two
+# configurations that differ only in these (say, a grid resumed with other --iters), they become
+# a series of their own rather than two points in one cell.
+SETTINGS = ["global_batch", "batch_per_rank", "iters", "warmup"]
+# Stacked segments of one step, bottom to top; section 5 of the paper splits an iteration the same
+# way (forward, backward compute, exposed communication, optimizer). "other" is the rest of the
+# step, so the stack adds up to the mean step time (see commlab.sweep.stats.step_parts).
+SEGMENTS = [*stats.SEGMENTS, "other"]
 
 
 def ok(runs: pd.DataFrame) -> pd.DataFrame:
-    return runs[(runs["status"] == "ok") & runs["step_median"].notna()].copy()
+    df = runs[(runs["status"] == "ok") & runs["step_median"].notna()].copy()
+    # Results written before --repeat existed: one repetition, no spread across repetitions.
+    for column, default in (("repetitions", 1), ("step_spread_lo", df["step_median"]), ("step_spread_hi", df["step_median"])):
+        if column not in df:
+            df[column] = default
+    return df
 
 
 def varying(df: pd.DataFrame, columns: list[str]) -> list[str]:
@@ -36,32 +47,38 @@ def label(row: pd.Series, columns: list[str]) -> str:
         elif c == "world_size":
             parts.append(f"w{v}")
         elif c == "bucket_mb":
-            parts.append(f"{v:g} MB")
-        elif c in ("accumulate", "groups"):
+            parts.append(f"{v:g} MiB")
+        elif c == "threads":
+            parts.append(f"{v} thread{'s' if int(v) != 1 else ''}/rank")
+        elif c in ("accumulate", "groups", *SETTINGS):
             parts.append(f"{c} {v}")
         else:
             parts.append(str(v))
     return ", ".join(parts) or "all"
 
 
-def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
-    """Median seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
+def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
 
+    The segments are means over the same iterations (each one's slowest rank) and include
+    ``other``, so they add up to ``step``, the mean step time (:func:`stats.step_parts`).
     Panels split by whatever varies besides bucket size and overlap; bars within a panel are
     bucket size x overlap, so with and without overlap stand next to each other.
     """
     df = ok(runs)
     if df.empty:
         return df
-    for seg in SEGMENTS:
-        df[seg] = df[f"{seg}_median"].fillna(0.0)
+    df = df.drop(columns=[c for c in (*SEGMENTS, "step") if c in df]).join(stats.step_parts(iterations), on="config")
+    df = df.dropna(subset=["step"])
+    if df.empty:
+        return df
     outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
     df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
     both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
     if both.any():  # the figure is about overlap: keep the panels that can compare it
         df = df[both].copy()
-    df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
-    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS]]
+    df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MiB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
+    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS, "step", "step_lo", "step_hi"]]
 
 
 def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
@@ -75,14 +92,15 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     if df.empty or df[x].nunique() < 2:
         return df.iloc[0:0]
     scale = df["accumulate"] if x == "accumulate" else 1.0
-    for stat in ("median", "p10", "p90"):
+    for stat in ("median", "p10", "p90", "spread_lo", "spread_hi"):
         df[stat] = df[f"step_{stat}"] / scale * per
     panels = _context(df, [a for a in ("model", "model_args", "backend", "world_size") if a != x])
     series = varying(df, [a for a in AXES if a not in panels and a not in ("model", "model_args", "backend", "world_size", x)])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
-    df["series"] = df.apply(lambda r: label(r, series), axis=1)
+    df["series"] = df.apply(lambda r: label(r, series + _hidden(df, ["panel", x])), axis=1)
     df = _curves_only(df, ["panel", "series"], x)
-    return df.sort_values(["panel", "series", x])[["config", "panel", "series", x, "median", "p10", "p90"]]
+    _one_per_cell(df, ["panel", "series", x])
+    return df.sort_values(["panel", "series", x])[["config", "panel", "series", x, "median", "p10", "p90", "spread_lo", "spread_hi", "repetitions"]]
 
 
 def scaling(runs: pd.DataFrame) -> pd.DataFrame:
@@ -94,18 +112,26 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
     df = ok(runs)
     if df.empty or df["world_size"].nunique() < 2:
         return df.iloc[0:0]
+    # The batch columns follow the world size within a scaling series; the others name series.
     keys = varying(df, [a for a in AXES if a != "world_size"])
-    df["series"] = df.apply(lambda r: label(r, ["scaling", *[k for k in keys if k != "scaling"]]), axis=1)
+    keys = ["scaling", *[k for k in keys if k != "scaling"]]
+    df["series"] = df.apply(lambda r: label(r, keys), axis=1)
+    df["series"] = df.apply(lambda r: label(r, keys + _hidden(df, ["series", "world_size"], ["iters", "warmup"])), axis=1)
     df = _curves_only(df, ["series"], "world_size")
     if df.empty:
         return df
+    _one_per_cell(df, ["series", "world_size"])
+    # Throughput is inverse to step time: the slowest repetition gives the low end.
+    samples = df["global_batch"] * df["accumulate"]
+    df["samples_lo"], df["samples_hi"] = samples / df["step_spread_hi"], samples / df["step_spread_lo"]
     parts = []
     for _, s in df.groupby("series", sort=True):
         base = s.loc[s["world_size"].idxmin()]
         s = s.assign(ideal=base["samples_per_s"] * s["world_size"] / base["world_size"])
         parts.append(s.sort_values("world_size"))
     out = pd.concat(parts)
-    return out[["config", "series", "world_size", "samples_per_s", "ideal", "scaling_efficiency"]]
+    return out[["config", "series", "world_size", "samples_per_s", "samples_lo", "samples_hi", "ideal",
+                "scaling_efficiency", "repetitions"]]
 
 
 def pick_timeline_config(runs: pd.DataFrame, buckets: pd.DataFrame) -> str | None:
@@ -127,7 +153,7 @@ def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank:
     Without ``iteration``, the iteration whose step time is the median of that rank's, so the
     picture is typical rather than the warm-up-like first or an outlier.
     """
-    its = iterations[(iterations["config"] == config) & (iterations["rank"] == rank)]
+    its = first_repetition(iterations[(iterations["config"] == config) & (iterations["rank"] == rank)])
     if its.empty:
         raise ValueError(f"no iterations for configuration {config!r} on rank {rank}")
     if iteration is None:
@@ -136,8 +162,30 @@ def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank:
     row = its[its["iteration"] == iteration]
     if row.empty:
         raise ValueError(f"configuration {config!r} has no iteration {iteration}")
-    bks = buckets[(buckets["config"] == config) & (buckets["rank"] == rank) & (buckets["iteration"] == iteration)]
+    bks = first_repetition(buckets[(buckets["config"] == config) & (buckets["rank"] == rank)])
+    bks = bks[bks["iteration"] == iteration]
     return row.iloc[0], bks.sort_values("bucket")
+
+
+def first_repetition(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the first repetition present (a timeline or trace shows one run, not several)."""
+    if "repetition" not in df or df.empty:
+        return df
+    return df[df["repetition"] == df["repetition"].min()]
+
+
+def _hidden(df: pd.DataFrame, cell: list[str], settings: list[str] = SETTINGS) -> list[str]:
+    """Settings that differ between configurations sharing a figure cell (they facet the series)."""
+    crowded = df[df.duplicated(cell, keep=False)]
+    return [c for c in settings if c in crowded and (crowded.groupby(cell)[c].nunique() > 1).any()]
+
+
+def _one_per_cell(df: pd.DataFrame, keys: list[str]) -> None:
+    """Refuse to draw two configurations as one point (their differences would be hidden)."""
+    dup = df[df.duplicated(keys, keep=False)]
+    if not dup.empty:
+        raise ValueError(f"two configurations in one figure cell ({', '.join(dup['config'].head(2))}): "
+                         "they differ in a setting the figure does not show; redraw from separate results")
 
 
 def _curves_only(df: pd.DataFrame, keys: list[str], x: str) -> pd.DataFrame:

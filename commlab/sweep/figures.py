@@ -12,6 +12,7 @@ The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, sec
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -19,49 +20,68 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
 from commlab.sweep.store import read_tables  # noqa: E402
 
-_NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward",
-          "backward_compute": "backward compute", "exposed_comm": "exposed comm", "optimizer": "optimizer"}
+_NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
+          "exposed_comm": "exposed comm", "optimizer": "optimizer", "other": "other (rest of the step)"}
 
 
-def draw_all(run_dir: Path) -> list[Path]:
-    """Redraw every supported figure under ``run_dir/figures``; return the files written."""
+def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> list[Path]:
+    """Redraw every supported figure under ``run_dir/figures``; return the files written.
+
+    A figure whose data cannot be drawn honestly (two configurations in one cell) is skipped
+    with a line through ``echo`` saying why.
+    """
     run_dir = Path(run_dir)
     iterations, buckets, runs = read_tables(run_dir)
     out = run_dir / "figures"
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
     drawers = [
-        ("breakdown", lambda: _breakdown(figdata.breakdown(runs))),
-        ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket size (MB)", "step latency (ms)", log=True)),
+        ("breakdown", lambda: _breakdown(figdata.breakdown(runs, iterations))),
+        ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket cap (MiB)", "step latency (ms)", "Step latency against bucket size", log=True)),
         ("scaling", lambda: _scaling(figdata.scaling(runs))),
-        ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)")),
-        ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "step latency (ms)")),
+        ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)", "Skipping synchronisation: latency per micro-batch")),
+        ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "step latency (ms)", "Step latency against round-robin process groups")),
         ("timeline", lambda: _timeline(iterations, buckets, figdata.pick_timeline_config(runs, buckets))),
     ]
     for name, draw in drawers:
-        fig = draw()
+        try:
+            fig = draw()
+        except ValueError as err:
+            echo(f"figure {name} not drawn: {err}")
+            fig = None
         if fig is None:  # not supported by this data: drop a stale copy from an earlier draw
             for suffix in (".png", ".pdf"):
                 (out / f"{name}{suffix}").unlink(missing_ok=True)
             continue
         out.mkdir(parents=True, exist_ok=True)
         for suffix in (".png", ".pdf"):
-            fig.savefig(out / f"{name}{suffix}", dpi=130, bbox_inches="tight")
+            save(fig, out / f"{name}{suffix}")
             written.append(out / f"{name}{suffix}")
         plt.close(fig)
     return written
 
 
-def _panels(n: int, width: float = 4.2, height: float = 3.4):
+def save(fig, path: Path) -> None:
+    """Write ``fig`` atomically, with no creation date, so the same data gives the same bytes
+    (committed reference figures then change only when their data does)."""
+    from commlab._atomic import write_via
+
+    meta = {"CreationDate": None} if path.suffix == ".pdf" else {}
+    write_via(path, lambda tmp: fig.savefig(tmp, format=path.suffix[1:], dpi=130, bbox_inches="tight", metadata=meta))
+
+
+def _panels(n: int, width: float = 4.2, height: float = 3.4, sharey: bool = False):
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharey=sharey)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
@@ -70,37 +90,49 @@ def _panels(n: int, width: float = 4.2, height: float = 3.4):
 def _breakdown(df: pd.DataFrame):
     if df.empty:
         return None
-    # A segment too thin to see (e.g. no_sync time without accumulation) stays out of the legend.
-    segments = [s for s in figdata.SEGMENTS if df[s].sum() > 0.005 * df[figdata.SEGMENTS].to_numpy().sum()]
+    # Every segment is stacked, so that a bar is the whole step; one too thin to see (e.g. no_sync
+    # time without accumulation) stays out of the legend.
+    thin = {s for s in figdata.SEGMENTS if df[s].abs().sum() <= 0.005 * df["step"].sum()}
     colors = dict(zip(figdata.SEGMENTS, sns.color_palette("deep", len(figdata.SEGMENTS))))
     panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = _panels(len(panels), width=max(4.2, 0.9 * df.groupby("panel").size().max()))
+    fig, axes = _panels(len(panels), width=max(4.2, 0.9 * df.groupby("panel").size().max()), sharey=True)
     for ax, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
         bottom = pd.Series(0.0, index=part.index)
-        for seg in segments:
-            ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg], label=_NAMES[seg])
+        for seg in figdata.SEGMENTS:
+            ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg],
+                   label="_nolegend_" if seg in thin else _NAMES[seg])
             bottom += part[seg]
+        if (part["step_hi"] > part["step_lo"]).any():  # --repeat: the repetitions' mean steps
+            ax.errorbar(part["bar"], part["step"] * 1e3, yerr=[(part["step"] - part["step_lo"]) * 1e3,
+                        (part["step_hi"] - part["step"]) * 1e3], fmt="none", ecolor="black", capsize=3)
         ax.set_title(panel)
-        ax.set_ylabel("median step latency (ms)")
+        ax.set_ylabel("mean step time (ms)")
         ax.tick_params(axis="x", labelsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle("Latency breakdown with and without overlapping communication")
+    fig.suptitle("Step time breakdown with and without overlapping communication")
+    fig.text(0.5, -0.02, "Each bar: means over the measured iterations (each iteration's slowest rank) of every "
+             "phase; 'other' is the rest of the step, so a bar's height is the mean step time"
+             + (" (error bar: min-max over repetitions)." if (df["step_hi"] > df["step_lo"]).any() else "."),
+             ha="center", va="top", fontsize=7)
     fig.tight_layout()
     return fig
 
 
-def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, log: bool = False):
+def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, log: bool = False):
     if df.empty:
         return None
     panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = _panels(len(panels))
+    fig, axes = _panels(len(panels), sharey=True)
     for ax, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
         for (series, s), color in zip(part.groupby("series", sort=True), sns.color_palette("deep")):
-            ax.plot(s[x], s["median"], marker="o", color=color, label=series)
             ax.fill_between(s[x], s["p10"], s["p90"], color=color, alpha=0.2, linewidth=0)
+            # Error bars: the spread of the repetitions' medians (--repeat), i.e. the drift.
+            yerr = [s["median"] - s["spread_lo"], s["spread_hi"] - s["median"]] if (s["repetitions"] > 1).any() else None
+            ax.errorbar(s[x], s["median"], yerr=yerr, marker="o", color=color, capsize=3,
+                        label=series if part["series"].nunique() > 1 else None)
         if log:
             ax.set_xscale("log")
         ax.set_xticks(sorted(part[x].unique()), labels=[f"{v:g}" for v in sorted(part[x].unique())])
@@ -109,7 +141,14 @@ def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, log: bool = False
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, title="median, p10-p90", title_fontsize=7)
+        ax.yaxis.set_tick_params(labelleft=True)
+        reps = int(part["repetitions"].max())
+        key = "median, band p10-p90" + (f", bars: min-max of {reps} repetitions" if reps > 1 else "")
+        if part["series"].nunique() > 1:
+            ax.legend(fontsize=7, title=key, title_fontsize=7)
+        else:  # one series needs no legend, but the band and bars still need saying
+            ax.text(0.02, 0.02, key, transform=ax.transAxes, fontsize=7, va="bottom")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
@@ -119,10 +158,16 @@ def _scaling(df: pd.DataFrame):
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     for (series, s), color in zip(df.groupby("series", sort=True), sns.color_palette("deep")):
-        left.plot(s["world_size"], s["samples_per_s"], marker="o", color=color, label=series)
+        yerr = [s["samples_per_s"] - s["samples_lo"], s["samples_hi"] - s["samples_per_s"]] if (s["repetitions"] > 1).any() else None
+        left.errorbar(s["world_size"], s["samples_per_s"], yerr=yerr, marker="o", color=color, capsize=3, label=series)
         left.plot(s["world_size"], s["ideal"], linestyle="--", color=color, alpha=0.6)
         right.plot(s["world_size"], s["scaling_efficiency"], marker="o", color=color, label=series)
     right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    above = df[df["scaling_efficiency"] > 1.0]
+    if not above.empty:  # above linear on one machine is a warning sign, not a result
+        right.scatter(above["world_size"], above["scaling_efficiency"], s=90, facecolors="none",
+                      edgecolors="red", linewidths=1.5, zorder=5, label="> 1: check load / threads")
+        right.legend(fontsize=7)
     ticks = sorted(df["world_size"].unique())
     for ax, ylabel in ((left, "samples / s (dashed: ideal)"), (right, "scaling efficiency")):
         ax.set_xticks(ticks)
@@ -153,8 +198,14 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
         ax.plot([b["ready"] * ms], [name], marker="|", color="black", markersize=10)
     ax.axvline(bwd_end * ms, color="gray", linestyle="--", linewidth=1)
     ax.invert_yaxis()
-    ax.set_xlabel("ms since forward start   (| ready, gray: waiting to launch, red: all-reduce)")
-    ax.set_title(f"{config}, rank 0, iteration {int(row['iteration'])}", fontsize=8)
+    ax.set_xlabel("time since forward start (ms)")
+    ax.set_title(f"One iteration's buckets: {config}, rank 0, iteration {int(row['iteration'])} (median step)", fontsize=8)
+    legend = [Patch(color=palette[1], label="forward"), Patch(color=palette[2], label="backward compute"),
+              Patch(color="lightgray", label="bucket ready, waiting to launch"),
+              Patch(color=palette[3], label="all-reduce in flight"),
+              Line2D([], [], color="black", marker="|", linestyle="none", markersize=10, label="bucket ready"),
+              Line2D([], [], color="gray", linestyle="--", label="end of backward compute")]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     return fig
 
 

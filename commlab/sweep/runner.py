@@ -33,6 +33,7 @@ def check_plan(plan: Plan) -> None:
     from commlab.collectives import algorithm_names
     from commlab.models import SIZES, build_workload, check_workload
     from commlab.runtime import resolve_backend
+    from commlab.runtime.capacity import check_cpu_capacity
 
     built: set[tuple[str, str]] = set()
     for cfg in plan.configs:
@@ -51,6 +52,11 @@ def check_plan(plan: Plan) -> None:
             resolve_backend(cfg.backend, cfg.world_size // plan.nnodes)
         except ValueError as err:
             raise ValueError(f"--backend/--world-size: {err}") from None
+        if cfg.backend == "gloo":  # CPU ranks: each node hosts world_size / nnodes of them
+            try:
+                check_cpu_capacity(cfg.world_size // plan.nnodes, cfg.threads)
+            except ValueError as err:
+                raise ValueError(f"--world-size {cfg.world_size} --threads {cfg.threads}: {err}") from None
 
 
 def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
@@ -81,6 +87,10 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise TimeoutError(f"torchrun did not finish within {plan.timeout:g} s") from None
+        except BaseException:  # Ctrl-C or SIGTERM: torchrun is in its own session, end it too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if proc.returncode != 0 or not result_path.exists():
             errors = sorted(Path(tmp).glob("result.json.rank*.error"))
             detail = "\n".join(f"--- {p.name.split('.')[2]} ---\n{p.read_text()}" for p in errors) or output[-4000:]
@@ -88,46 +98,62 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
         return json.loads(result_path.read_text())
 
 
-def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok") -> dict[str, Any]:
+def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok",
+           repetition: int = 0) -> dict[str, Any]:
     """The per-configuration record saved under configs/ (see :mod:`commlab.sweep.store`)."""
-    rec: dict[str, Any] = {"config": cfg.columns(), "status": status, "error": error,
+    rec: dict[str, Any] = {"config": cfg.columns(), "repetition": repetition, "status": status, "error": error,
                            "started": started, "ended": time.time(), "iterations": [], "buckets": []}
     for rank_result in results or []:
         rec["iterations"] += rank_result["iterations"]
         rec["buckets"] += rank_result["buckets"]
     rec["hosts"] = sorted({r["host"] for r in results or []})
     rec["devices"] = sorted({r["device"] for r in results or []})
+    # As measured on each rank (the configuration's `threads` is what was asked for).
+    rec["threads"] = [r.get("threads") for r in results or []]
     return rec
+
+
+def order(configs: tuple[Config, ...] | list[Config], repeat: int) -> list[tuple[int, Config]]:
+    """(repetition, configuration) pairs in run order: the grid forward, then backward, ...
+
+    A machine's speed drifts over minutes (20-30% over a grid here), so a single pass turns the
+    drift into a trend across the grid. Alternating the direction puts each configuration early
+    in one repetition and late in the next, so a steady drift raises every configuration's
+    median alike; unlike a shuffle it keeps the pairs a figure compares (overlap on/off,
+    innermost in the grid) back to back in every repetition.
+    """
+    return [(r, cfg) for r in range(repeat) for cfg in (configs if r % 2 == 0 else configs[::-1])]
 
 
 def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = True,
         measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
-    """Run every configuration of ``plan`` not already finished in ``run_dir``; return new records.
+    """Run every (repetition, configuration) of ``plan`` not already finished; return new records.
 
     ``write=False`` (the drivers of nodes other than node 0 in a multi-node sweep) runs the same
     configurations in step with node 0 but leaves the results directory to node 0.
     """
+    runs = order(plan.configs, plan.repeat)
     done = store.finished_ids(run_dir) if resume else set()
-    todo = [c for c in plan.configs if c.id not in done]
+    todo = [(r, c) for r, c in runs if (c.id, r) not in done]
     if done:
-        echo(f"resuming {run_dir}: {len(plan.configs) - len(todo)} of {len(plan.configs)} configurations already finished")
+        echo(f"resuming {run_dir}: {len(runs) - len(todo)} of {len(runs)} configurations already finished")
     progress = Progress(len(todo), echo)
     new = []
-    for cfg in todo:
-        echo(f"  running {cfg.id} ...")
+    for rep, cfg in todo:
+        echo(f"  running {cfg.id}" + (f" (repetition {rep + 1}/{plan.repeat})" if plan.repeat > 1 else "") + " ...")
         started = time.time()
         try:
-            rec = record(cfg, started, measure(cfg, plan))
+            rec = record(cfg, started, measure(cfg, plan), repetition=rep)
         except Exception as err:  # a failed configuration is a result too; the sweep goes on
             status = "timeout" if ("did not finish within" in str(err) or isinstance(err, TimeoutError)) else "failed"
-            rec = record(cfg, started, None, error=_short(err), status=status)
+            rec = record(cfg, started, None, error=_short(err), status=status, repetition=rep)
         if write:
             store.save_record(run_dir, rec)
-            _, _, runs = store.assemble(run_dir)
+            _, _, table = store.assemble(run_dir)
         else:
-            _, _, runs = store.tables([rec])
+            _, _, table = store.tables([rec])
         new.append(rec)
-        progress.advance(summary_line(runs[runs["config"] == cfg.id].iloc[0]))
+        progress.advance(summary_line(table[table["config"] == cfg.id].iloc[0]))
     if write and not todo:
         store.assemble(run_dir)
     return new

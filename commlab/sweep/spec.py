@@ -27,11 +27,17 @@ DEFAULTS: dict[str, Any] = {
     "overlap": "both",
     "accumulate": "1",
     "groups": "1",
+    # Threads per rank are fixed, not cpu_count // world_size (commlab.launch's default): that
+    # gave world size 1 twice the compute of world size 2 on a 2-core machine, so strong-scaling
+    # efficiency came out far above 1 (26). One thread per rank keeps compute per rank equal
+    # across world sizes and fits the default grid on a 2-core laptop; --threads 1,2 sweeps it.
+    "threads": "1",
     "scaling": "strong",
     "global_batch": 64,
     "batch_per_rank": None,
     "iters": 60,
     "warmup": 3,
+    "repeat": 1,
     "out": "results",
     "name": None,
     "launcher": "local",
@@ -56,6 +62,7 @@ class Config:
     overlap: bool
     accumulate: int  # micro-batches per optimizer step; all but the last under no_sync
     groups: int  # round-robin process groups
+    threads: int  # torch intra-op threads per rank, the same at every world size
     scaling: str
     global_batch: int  # samples per micro-batch across all ranks
     batch_per_rank: int
@@ -70,7 +77,7 @@ class Config:
         overlap = "ov" if self.overlap else "noov"
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:
@@ -96,6 +103,7 @@ class Plan:
     timeout: float
     nnodes: int
     rdzv_endpoint: str | None
+    repeat: int = 1  # the grid is run this many times (see commlab.sweep.runner.order)
 
 
 CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]
@@ -202,12 +210,14 @@ def build_plan(options: dict[str, Any]) -> Plan:
     algorithms = parse_list(o["algorithm"], lambda t, _: t, "algorithm")
     accumulates = parse_list(o["accumulate"], positive_int, "accumulate")
     groups = parse_list(o["groups"], positive_int, "groups")
+    threads = parse_list(o["threads"], positive_int, "threads")
     overlaps = overlap_values(o["overlap"])
     iters = positive_int(str(o["iters"]), "iters")
     warmup = int(o["warmup"]) if str(o["warmup"]).lstrip("-").isdigit() else -1
     if warmup < 0:
         raise ValueError(f"--warmup: {o['warmup']!r} must be a non-negative integer")
     timeout = positive_float(str(o["timeout"]), "timeout")
+    repeat = positive_int(str(o["repeat"]), "repeat")
     nnodes = positive_int(str(o["nnodes"]), "nnodes")
     model_args = canonical_model_args(o["model_args"])
     if nnodes > 1 and launcher != "torchrun":
@@ -218,8 +228,8 @@ def build_plan(options: dict[str, Any]) -> Plan:
     configs = []
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small.
-    for model, backend, world, algo, group, acc, bucket, overlap in itertools.product(
-        models, backends, world_sizes, algorithms, groups, accumulates, buckets, overlaps
+    for model, backend, world, thread, algo, group, acc, bucket, overlap in itertools.product(
+        models, backends, world_sizes, threads, algorithms, groups, accumulates, buckets, overlaps
     ):
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
@@ -235,11 +245,11 @@ def build_plan(options: dict[str, Any]) -> Plan:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
             global_batch = per_rank * world
         configs.append(
-            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group,
+            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
                    scaling, global_batch, per_rank, iters, warmup)
         )
     return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
-                o.get("rdzv_endpoint"))
+                o.get("rdzv_endpoint"), repeat)
 
 
 def _scalar(text: str) -> Any:
@@ -253,3 +263,31 @@ def _scalar(text: str) -> Any:
 
 def _dash(option: str) -> str:
     return option.replace("_", "-")
+
+
+def grid_signature(plan: Plan) -> dict[str, Any]:
+    """What a results directory holds: its configuration ids and repetitions (kept in metadata)."""
+    return {"configs": sorted(c.id for c in plan.configs), "repeat": plan.repeat}
+
+
+def grid_change(old: dict[str, Any] | None, new: dict[str, Any]) -> str | None:
+    """How a resumed grid would change the recorded one, in words; None when it would not.
+
+    Any option in a configuration (bucket sizes, world sizes, --iters, --threads, ...) is part of
+    its id, so a changed grid or fixed option shows as configurations the run does not have.
+    Resuming part of a run's grid adds nothing and is allowed. Results written before the grid
+    was recorded have nothing to compare against.
+    """
+    if not old:
+        return None
+    added = sorted(set(new["configs"]) - set(old["configs"]))
+    parts = [f"{len(added)} configuration(s) that it does not have (e.g. {added[0]})"] if added else []
+    if old.get("repeat", 1) != new["repeat"]:
+        parts.append(f"--repeat {new['repeat']} where the run has {old.get('repeat', 1)}")
+    return "this grid would add " + " and ".join(parts) if parts else None
+
+
+def grid_union(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The grid a results directory holds after ``new`` ran in it (``--resume --force``)."""
+    configs = sorted(set((old or {}).get("configs", [])) | set(new["configs"]))
+    return {"configs": configs, "repeat": new["repeat"]}

@@ -2,10 +2,12 @@
 
 Layout of ``results/<name>/``::
 
-    configs/<config id>.json   one record per finished configuration (the source of truth)
-    iterations.csv             configuration columns + rank, iteration, phase seconds
-    buckets.csv                configuration columns + rank, iteration, bucket timings
-    runs.csv                   one row per configuration: status, error, summary statistics
+    configs/<config id>.json   one record per finished configuration (the source of truth);
+                               <config id>.r<k>.json for repetition k > 0 of ``--repeat``
+    iterations.csv             configuration columns + repetition, rank, iteration, phase seconds
+    buckets.csv                configuration columns + repetition, rank, iteration, bucket timings
+    runs.csv                   one row per configuration: status, error, summary statistics over
+                               its repetitions
     metadata.json              versions, hardware, hosts, git commit, command line, times
 
 A record is written to a temporary file in the same directory and then ``os.replace``-d into
@@ -28,14 +30,18 @@ from commlab.sweep.stats import summarise
 
 RECORDS = "configs"
 ITERATION_COLUMNS = [
-    "rank", "iteration", "forward", "backward_compute", "comm", "exposed_comm", "total",
+    "repetition", "rank", "iteration", "forward", "backward_compute", "comm", "exposed_comm", "total",
     "accumulate_time", "optimizer", "step",
 ]
-BUCKET_COLUMNS = ["rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
+# threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
+# `threads` that the configuration asked for.
+RUN_COLUMNS = ["status", "error", "seconds", "threads_measured"]
+BUCKET_COLUMNS = ["repetition", "rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
 
 
 def save_record(run_dir: Path, record: dict[str, Any]) -> Path:
-    path = Path(run_dir) / RECORDS / f"{record['config']['config']}.json"
+    rep = record.get("repetition", 0)
+    path = Path(run_dir) / RECORDS / f"{record['config']['config']}{f'.r{rep}' if rep else ''}.json"
     write_text(path, json.dumps(record))
     return path
 
@@ -45,32 +51,42 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
     records = []
     for path in sorted((Path(run_dir) / RECORDS).glob("*.json")):
         records.append(json.loads(path.read_text()))
-    return sorted(records, key=lambda r: (r.get("started", 0), r["config"]["config"]))
+    return sorted(records, key=lambda r: (r.get("started", 0), r["config"]["config"], r.get("repetition", 0)))
 
 
-def finished_ids(run_dir: Path) -> set[str]:
-    """Configurations that completed successfully (``--resume`` skips them; failures are retried)."""
-    return {r["config"]["config"] for r in load_records(run_dir) if r["status"] == "ok"}
+def finished_ids(run_dir: Path) -> set[tuple[str, int]]:
+    """(configuration id, repetition) pairs that completed (``--resume`` skips them; failures are retried)."""
+    return {(r["config"]["config"], r.get("repetition", 0)) for r in load_records(run_dir) if r["status"] == "ok"}
 
 
 def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The three tidy tables (iterations, buckets, runs) built from configuration records."""
-    iter_rows, bucket_rows, run_rows = [], [], []
+    iter_rows, bucket_rows, per_config = [], [], {}
     for rec in records:
-        cfg = rec["config"]
-        iter_rows += [{**cfg, **row} for row in rec.get("iterations", [])]
-        bucket_rows += [{**cfg, **row} for row in rec.get("buckets", [])]
-        run_rows.append({**cfg, "status": rec["status"], "error": rec.get("error", ""),
-                         "seconds": rec.get("ended", 0) - rec.get("started", 0)})
+        cfg, rep = rec["config"], {"repetition": rec.get("repetition", 0)}
+        iter_rows += [{**cfg, **rep, **row} for row in rec.get("iterations", [])]
+        bucket_rows += [{**cfg, **rep, **row} for row in rec.get("buckets", [])]
+        per_config.setdefault(cfg["config"], []).append(rec)
+    run_rows = [_run_row(recs) for recs in per_config.values()]
     # Typed even when empty (every configuration failed), so that statistics still apply.
     iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS).astype(_dtypes(ITERATION_COLUMNS))
     buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS).astype(_dtypes(BUCKET_COLUMNS))
-    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + ["status", "error", "seconds"]), iterations)
+    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + RUN_COLUMNS), iterations)
     return iterations, buckets, runs
 
 
+def _run_row(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's row from its repetitions: ok only when every repetition is."""
+    bad = [r for r in records if r["status"] != "ok"]
+    measured = [t["torch"] for r in records for t in r.get("threads") or [] if t]
+    return {**records[0]["config"], "status": bad[0]["status"] if bad else "ok",
+            "error": bad[0].get("error", "") if bad else "",
+            "seconds": sum(r.get("ended", 0) - r.get("started", 0) for r in records),
+            "threads_measured": max(measured) if measured else None}
+
+
 def _dtypes(columns: list[str]) -> dict[str, str]:
-    counts = ("rank", "iteration", "bucket", "nbytes", "num_params")
+    counts = ("repetition", "rank", "iteration", "bucket", "nbytes", "num_params")
     return {c: ("int64" if c in counts else "float64") for c in columns}
 
 

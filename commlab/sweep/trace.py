@@ -14,16 +14,18 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
+from commlab.sweep.figdata import first_repetition
 
 _US = 1e6  # trace timestamps are microseconds
 
 
 def chrome_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str) -> dict[str, Any]:
     """The trace of every measured step of ``config`` on every rank (pure)."""
-    its = iterations[iterations["config"] == config].sort_values(["rank", "iteration"])
+    # One repetition of --repeat: they ran minutes apart, not back to back.
+    its = first_repetition(iterations[iterations["config"] == config]).sort_values(["rank", "iteration"])
     if its.empty:
         raise ValueError(f"no measured iterations for configuration {config!r}")
-    bks = buckets[buckets["config"] == config]
+    bks = first_repetition(buckets[buckets["config"] == config])
     events: list[dict[str, Any]] = []
     for rank, rank_its in its.groupby("rank"):
         rank = int(rank)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab.models import build_workload
+from commlab.runtime.metadata import thread_settings
 from commlab.sweep.spec import Config
 
 
@@ -37,6 +38,10 @@ def measure(cfg: Config) -> dict[str, Any]:
     timed here. The batch is generated once: data loading is not what a sweep measures.
     """
     rt = commlab.Runtime.current()
+    # The configuration's thread count, whatever the launcher chose (commlab.launch gives
+    # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
+    # world size is what makes a scaling efficiency mean something.
+    torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
@@ -86,7 +91,8 @@ def measure(cfg: Config) -> dict[str, Any]:
         ]
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
     return {"rank": rt.rank, "host": socket.gethostname(), "device": device,
-            "iterations": iterations, "buckets": buckets}
+            "threads": thread_settings(), "iterations": iterations, "buckets": buckets}
+
 
 
 def main(argv: list[str]) -> int:

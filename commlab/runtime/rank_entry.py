@@ -1,0 +1,35 @@
+"""The first code a spawned rank runs: die with the parent, then import torch and the work.
+
+A spawned child unpickles its target before running it, and unpickling imports the target's
+module. This module imports nothing heavy, and the rank's function and arguments arrive as bytes
+unpickled only after ``prctl(PR_SET_PDEATHSIG)``: importing torch takes seconds, and a parent
+killed during those seconds would otherwise leave an orphaned rank behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Whether torch was already imported when the parent-death signal was set (the tests read it).
+torch_loaded_at_pdeathsig: bool | None = None
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the process that started it dies."""
+    global torch_loaded_at_pdeathsig
+    torch_loaded_at_pdeathsig = "torch" in sys.modules
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the parent's own cleanup still applies
+        pass
+
+
+def main(rank: int, payload: bytes, q) -> None:
+    die_with_parent()
+    from commlab.runtime.launch import _rank_main
+
+    _rank_main(rank, *pickle.loads(payload), q)
