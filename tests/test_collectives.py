@@ -50,17 +50,23 @@ def _same(got, ref, op, world):
 
 
 def _matrix(numels, group=None, salt=0, dtypes=DTYPES):
-    """Every algorithm x dtype x op x numel, sync and async; returns the failing cases."""
+    """Every algorithm x dtype x op x numel, each algorithm both synchronously and asynchronously
+    (alternating per case); returns the failing cases, and any algorithm not run both ways."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     bad = []
+    covered = set()
+    case = 0
     for numel in numels:
         for dtype in dtypes:
             for op in ("sum", "avg", "max", "min"):
                 x = _input(rank, numel, dtype, salt)
                 ref = _reference(x, op, group)
+                case += 1
                 for i, algo in enumerate(ALGOS):
                     got = x.clone()
-                    if i % 2:  # half the cases async, to cover both paths everywhere
+                    async_op = (case + i) % 2 == 1  # alternate per case: every algorithm both ways
+                    covered.add((algo, async_op))
+                    if async_op:
                         handle = C.all_reduce(got, op, algorithm=algo, group=group, async_op=True)
                         out = handle.get_future().wait()
                         handle.wait()
@@ -69,7 +75,8 @@ def _matrix(numels, group=None, salt=0, dtypes=DTYPES):
                     else:
                         assert C.all_reduce(got, op, algorithm=algo, group=group) is None
                     if not _same(got, ref, op, world):
-                        bad.append((algo, str(dtype), op, numel))
+                        bad.append((algo, str(dtype), op, numel, "async" if async_op else "sync"))
+    bad += [("not run", algo, mode) for algo in ALGOS for mode in (False, True) if (algo, mode) not in covered]
     return bad
 
 

@@ -23,29 +23,38 @@ from commlab.collectives.registry import algorithm_names, get_algorithm, registe
 from commlab.collectives.ring import all_gather_ring, all_reduce_ring, reduce_scatter_ring
 from commlab.collectives.schedules import chunk_bounds
 from commlab.collectives.tree import all_reduce_tree, broadcast_tree, reduce_tree
-from commlab.collectives.worker import CollectiveHandle, run_collective
+from commlab.collectives.worker import (
+    CollectiveHandle,
+    group_timeout,
+    release_groups,
+    run_collective,
+    run_ordered,
+    wait_future,
+)
 
 
-def _p2p_algorithm(body: Callable[[torch.Tensor, str, Comm], None]) -> Callable:
+def _p2p_algorithm(name: str, body: Callable[[torch.Tensor, str, Comm], None]) -> Callable:
     """Wrap ``body(flat, op, comm)`` with the shared checks and the worker (sync or async)."""
 
     def algorithm(tensor: torch.Tensor, op: str = "sum", *, group=None, async_op: bool = False):
         check_op(op)
         check_tensor(tensor, group)
-        return run_collective(lambda flat: body(flat, op, Comm.of(group)), tensor, group, async_op)
+        what = f"{name} all-reduce of {tensor.numel()} x {tensor.dtype}"
+        return run_collective(lambda flat, tag: body(flat, op, Comm.of(group, tag)), tensor, group, async_op, what)
 
     return algorithm
 
 
-register("ring")(_p2p_algorithm(all_reduce_ring))
-register("tree")(_p2p_algorithm(all_reduce_tree))
-register("halving_doubling")(_p2p_algorithm(all_reduce_halving_doubling))
+register("ring")(_p2p_algorithm("ring", all_reduce_ring))
+register("tree")(_p2p_algorithm("tree", all_reduce_tree))
+register("halving_doubling")(_p2p_algorithm("halving_doubling", all_reduce_halving_doubling))
 
 
 def _native(tensor: torch.Tensor, op: str = "sum", *, group=None, async_op: bool = False):
     check_op(op)
     check_tensor(tensor, group)
-    return native_all_reduce(tensor, op, group=group, async_op=async_op)
+    # Issued on the group's one path, so it never lands inside a p2p batch of another thread.
+    return run_ordered(group, lambda: native_all_reduce(tensor, op, group=group, async_op=async_op))
 
 
 register("native")(_native)
@@ -79,7 +88,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, group=None) -> torc
     if not tensor.is_contiguous():
         raise ValueError("reduce_scatter returns a view of its input: pass a contiguous tensor")
     comm = Comm.of(group)
-    run_collective(lambda flat: reduce_scatter_ring(flat, op, comm), tensor, group, False)
+    run_collective(lambda flat, tag: reduce_scatter_ring(flat, op, Comm.of(group, tag)), tensor, group, False)
     lo, hi = chunk_bounds(tensor.numel(), comm.size)[comm.rank]
     return tensor.view(-1)[lo:hi]
 
@@ -88,7 +97,7 @@ def all_gather(tensor: torch.Tensor, *, group=None) -> None:
     """Ring all-gather in place: rank r contributes block r (of ``chunk_bounds``) of the flattened
     tensor, and every rank ends with every block."""
     check_tensor(tensor, group)
-    run_collective(lambda flat: all_gather_ring(flat, Comm.of(group)), tensor, group, False)
+    run_collective(lambda flat, tag: all_gather_ring(flat, Comm.of(group, tag)), tensor, group, False)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, group=None) -> None:
@@ -96,14 +105,14 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, group=None) -
     check_op(op)
     check_tensor(tensor, group)
     _check_peer("dst", dst, group)
-    run_collective(lambda flat: reduce_tree(flat, op, Comm.of(group), dst), tensor, group, False)
+    run_collective(lambda flat, tag: reduce_tree(flat, op, Comm.of(group, tag), dst), tensor, group, False)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None) -> None:
     """Pipelined binary-tree broadcast of group rank ``src``'s tensor to the whole group."""
     check_tensor(tensor, group)
     _check_peer("src", src, group)
-    run_collective(lambda flat: broadcast_tree(flat, Comm.of(group), src), tensor, group, False)
+    run_collective(lambda flat, tag: broadcast_tree(flat, Comm.of(group, tag), src), tensor, group, False)
 
 
 __all__ = [
@@ -116,6 +125,10 @@ __all__ = [
     "broadcast",
     "chunk_bounds",
     "get_algorithm",
+    "group_timeout",
     "reduce",
     "reduce_scatter",
+    "release_groups",
+    "run_ordered",
+    "wait_future",
 ]

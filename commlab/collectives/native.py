@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from commlab.collectives import streams
 from commlab.collectives.reduce_ops import finish_
-from commlab.collectives.worker import CollectiveHandle
+from commlab.collectives.worker import CollectiveHandle, group_timeout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -15,13 +16,15 @@ def native_all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, asyn
     """``dist.all_reduce``; avg is a sum then one division (Gloo has no ReduceOp.AVG).
 
     The async handle's future yields the tensor itself (not torch's one-element list), the same
-    contract as the p2p algorithms.
+    contract as the p2p algorithms. Its ``launched`` stamp is the issue (on CUDA an event on the
+    current stream, which the backend's own stream waits on before the collective).
     """
     n = dist.get_world_size(group)
     if not async_op:
         dist.all_reduce(tensor, _OPS[op], group=group)
         finish_(tensor, op, n)
         return None
+    launched = streams.stamp(torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None)
     work = dist.all_reduce(tensor, _OPS[op], group=group, async_op=True)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
@@ -29,4 +32,6 @@ def native_all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, asyn
         finish_(tensor, op, n)
         return tensor
 
-    return CollectiveHandle(work.get_future().then(done))
+    handle = CollectiveHandle(work.get_future().then(done), group_timeout(group), f"native all-reduce of {tensor.numel()} x {tensor.dtype}")
+    handle.launched = launched
+    return handle

@@ -9,6 +9,10 @@ one NCCL group call: posting a ring's send and receive as separate NCCL calls ca
 (each rank's send waits for a receive that is queued behind it). Gloo cannot coalesce, and
 ``batch_isend_irecv`` would only loop over the same ``isend``/``irecv`` calls, so on Gloo they
 are posted directly. Empty slices are skipped on both sides (both sides know every size).
+
+Every message of one collective carries that collective's tag (the group worker's sequence
+number), so a message a failed collective left in flight is never matched by a later one
+(Gloo matches on tag; NCCL ignores tags, and a failed NCCL communicator must be replaced anyway).
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ class Comm:
     size: int
     global_ranks: tuple[int, ...]
     coalesce: bool  # True on NCCL: post each step as one batch
+    tag: int = 0  # every message of this collective carries it
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None) -> Comm:
+    def of(cls, group: dist.ProcessGroup | None, tag: int = 0) -> Comm:
         size = dist.get_world_size(group)
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
-        return cls(group, dist.get_rank(group), size, ranks, nccl)
+        return cls(group, dist.get_rank(group), size, ranks, nccl, tag)
 
     def post(
         self,
@@ -49,12 +54,12 @@ class Comm:
         recvs = [(t, p) for t, p in recvs if t.numel() > 0]
         sends = [(t, p) for t, p in sends if t.numel() > 0]
         if self.coalesce and (recvs or sends):
-            ops = [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for t, p in recvs]
-            ops += [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for t, p in sends]
+            ops = [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group, self.tag) for t, p in recvs]
+            ops += [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group, self.tag) for t, p in sends]
             works = list(dist.batch_isend_irecv(ops))
             return works, works
-        recv_works = [dist.irecv(t, self.global_ranks[p], group=self.group) for t, p in recvs]
-        send_works = [dist.isend(t, self.global_ranks[p], group=self.group) for t, p in sends]
+        recv_works = [dist.irecv(t, self.global_ranks[p], group=self.group, tag=self.tag) for t, p in recvs]
+        send_works = [dist.isend(t, self.global_ranks[p], group=self.group, tag=self.tag) for t, p in sends]
         return recv_works, send_works
 
 

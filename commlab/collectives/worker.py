@@ -7,15 +7,24 @@ which is exactly the overlap DDP exists to get (Li et al., VLDB 2020, section 3.
 computing while the worker waits on the network (torch releases the GIL in ``Work.wait`` and in
 the reductions' kernels).
 
-Why one thread per group and a FIFO: every rank must issue a group's collectives in the same
-order, and two collectives between the same pair of ranks must not interleave their messages
-(sends and receives are matched in posting order). One queue per group, drained by one thread,
-keeps that order; a blocking call from the caller first waits for the queue to drain, then runs
-under the same lock, so it also stays in program order.
+Why one path per group: every rank must issue a group's collectives in the same order, two
+collectives between the same pair of ranks must not interleave their messages, and on NCCL the
+coalescing state of ``batch_isend_irecv`` is kept per group for the whole process
+(``_world.pg_coalesce_state``): a ``dist.all_reduce`` issued by another thread while a batch is
+open would be swallowed into it. So everything commlab issues on a group goes through that
+group's worker: async jobs on its FIFO queue, blocking ones (:func:`run_ordered`: buffer
+broadcasts, DDP's unused-parameter all-reduce, a native issue) on the caller's thread once the
+queue has drained, under the same lock.
 
-Nothing hangs: every wait inside an algorithm is bounded by the process group's timeout, and a
-failure is delivered through the handle's future. Workers are daemon threads (they cannot keep a
-process alive) and are asked to stop at interpreter exit.
+Re-entrance (a blocking or async collective called from a future callback or a comm hook that
+runs *on* the worker thread) runs inline at once: it is already in program order there, and
+waiting for the queue would wait for itself.
+
+Failures: every wait is bounded by the process group's timeout, and a failure is delivered
+through the handle's future. Each p2p collective gets the next tag of its group (the same on
+every rank, since the order is), so a message left in flight by a failed collective can never be
+received by the next one. Workers are daemon threads, released with :func:`release_groups` (DDP
+calls it for the groups it created) and stopped at interpreter exit.
 
 The per-group worker table below is the package's only process-wide state.
 """
@@ -25,23 +34,38 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from commlab.collectives import streams
+
+_MAX_TAG = 2**31 - 1
 
 
 class CollectiveHandle:
     """What ``async_op=True`` returns, like torch's ``Work``: ``wait()`` and ``get_future()``.
 
     The future's value is the reduced tensor (so a DDP comm hook can return it as is).
+    ``launched`` is the stamp of the moment the collective started on its channel (a
+    ``perf_counter`` float, a CUDA event on the comm stream for CUDA tensors), None until then.
     """
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, future: torch.futures.Future, timeout: float | None = None, what: str = "collective"):
         self._future = future
+        self._timeout = timeout
+        self._what = what
+        self.launched: Any = None
 
-    def wait(self) -> bool:
-        self._future.wait()  # re-raises the collective's exception, if any
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for completion; raises the collective's error, or TimeoutError after ``timeout``
+        (default: twice the group's timeout, a backstop: the backend raises at its timeout first,
+        this bounds a job queued behind a collective that hangs outside the backend)."""
+        if timeout is None and self._timeout is not None:
+            timeout = 2 * self._timeout
+        wait_future(self._future, timeout, self._what)
         return True
 
     def is_completed(self) -> bool:
@@ -51,49 +75,119 @@ class CollectiveHandle:
         return self._future
 
 
+def wait_future(future: torch.futures.Future, timeout: float | None, what: str = "collective") -> Any:
+    """``future.wait()`` bounded by ``timeout`` seconds (None: unbounded); TimeoutError names ``what``."""
+    if timeout is not None and not future.done():
+        finished = threading.Event()
+        future.add_done_callback(lambda _: finished.set())
+        if not finished.wait(timeout):
+            raise TimeoutError(f"{what} did not complete within {timeout:g} s (the process group's timeout)")
+    return future.wait()  # re-raises the collective's exception, if any
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float:
+    """The process group's timeout in seconds (what torch bounds its own waits by)."""
+    pg = dist.group.WORLD if group is None else group
+    backend = str(dist.get_backend(pg)).lower()
+    try:
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # a backend without options: torch's default for it
+        return dist.distributed_c10d._get_default_timeout(backend).total_seconds()
+
+
 class CommWorker:
     """A daemon thread running one process group's collectives, first submitted first run."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, timeout: float):
+        self.timeout = timeout
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._running = threading.Lock()  # held while a collective of this group runs
         self._idle = threading.Condition()
-        self._pending = 0
+        self._pending = 0  # submitted, not yet started
+        self.active = False  # a queued job is running on the worker thread now
+        self._tag = 0
+        self._streams: dict[torch.device, Any] = {}
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], object]) -> torch.futures.Future:
-        future = torch.futures.Future()
+    def on_worker(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def next_tag(self) -> int:
+        """The next p2p tag of this group; callers take it in program order, so it agrees on every rank."""
+        with self._idle:
+            self._tag = self._tag % (_MAX_TAG - 1) + 1
+            return self._tag
+
+    def stream(self, device: torch.device) -> Any:
+        """This channel's dedicated CUDA stream on ``device`` (created on first use)."""
+        if device not in self._streams:
+            self._streams[device] = streams.new_comm_stream(device)
+        return self._streams[device]
+
+    def submit(self, job: Callable[[], object], stream: Any = None) -> torch.futures.Future:
+        """Queue ``job``; its future is completed with ``stream`` (a comm stream or None) current."""
+        future = torch.futures.Future(devices=[stream.device]) if stream is not None else torch.futures.Future()
+        if self.on_worker():  # re-entrant: run now, in place (see the module docstring)
+            _complete(future, job, stream)
+            return future
         with self._idle:
             self._pending += 1
-        self._jobs.put((job, future))
+        self._jobs.put((job, future, stream))
         return future
 
     def run_inline(self, job: Callable[[], object]) -> object:
         """Run ``job`` on the calling thread after every job submitted before it."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
-        with self._running:
+        if self.on_worker():
             return job()
+        limit = 2 * self.timeout  # a backstop, as CollectiveHandle.wait's
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, limit):
+                raise TimeoutError(f"{self._thread.name}: earlier collectives did not finish within {limit:g} s")
+        if not self._running.acquire(timeout=limit):
+            raise TimeoutError(f"{self._thread.name}: the running collective did not finish within {limit:g} s")
+        try:
+            return job()
+        finally:
+            self._running.release()
 
     def stop(self, timeout: float = 1.0) -> None:
         self._jobs.put(None)
-        self._thread.join(timeout)
+        if not self.on_worker():
+            self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing running on the worker thread."""
+        return self._pending == 0 and not self.active
 
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, future = item
-            try:
-                with self._running:
-                    result = job()
-            except BaseException as exc:  # delivered to whoever waits on the handle
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            finally:
+            job, future, stream = item
+            with self._running:
                 with self._idle:
+                    # Counted done before the future completes: its callbacks may run a blocking
+                    # collective from another thread, which waits for this count.
                     self._pending -= 1
                     self._idle.notify_all()
+                self.active = True
+                try:
+                    _complete(future, job, stream)
+                finally:
+                    self.active = False
+
+
+def _complete(future: torch.futures.Future, job: Callable[[], object], stream: Any) -> None:
+    with streams.on_stream(stream):  # a CUDA future records its completion event on this stream
+        try:
+            result = job()
+        except BaseException as exc:  # delivered to whoever waits on the handle
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 # group -> its worker. Keyed by the ProcessGroup object (the world group for None), so a group
@@ -106,8 +200,28 @@ def worker_for(group: dist.ProcessGroup | None) -> CommWorker:
     key = dist.group.WORLD if group is None else group
     with _WORKERS_LOCK:
         if key not in _WORKERS:
-            _WORKERS[key] = CommWorker(f"commlab-comm-{len(_WORKERS)}")
+            _WORKERS[key] = CommWorker(f"commlab-comm-{len(_WORKERS)}", group_timeout(key))
         return _WORKERS[key]
+
+
+def run_ordered(group: dist.ProcessGroup | None, fn: Callable[[], object]) -> object:
+    """Run ``fn`` (which issues collectives on ``group``) on this thread, in the group's order:
+    after every collective queued on the group's worker, never concurrently with one."""
+    return worker_for(group).run_inline(fn)
+
+
+def release_groups(groups: Sequence[dist.ProcessGroup], *, destroy: bool = True) -> None:
+    """Stop the workers of ``groups`` and (``destroy``) destroy the groups themselves."""
+    with _WORKERS_LOCK:
+        workers = [_WORKERS.pop(g) for g in groups if g in _WORKERS]
+    for w in workers:
+        w.stop()
+    if destroy and dist.is_initialized():
+        for g in groups:
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):  # already destroyed (e.g. with the default group)
+                pass
 
 
 @atexit.register
@@ -120,33 +234,46 @@ def _stop_workers() -> None:
 
 
 def run_collective(
-    body: Callable[[torch.Tensor], None], tensor: torch.Tensor, group, async_op: bool
+    body: Callable[[torch.Tensor, int], None], tensor: torch.Tensor, group, async_op: bool, what: str = "collective"
 ) -> CollectiveHandle | None:
-    """Run ``body(flat)`` on a flat view of ``tensor`` on the group's worker, in order.
+    """Run ``body(flat, tag)`` on a flat view of ``tensor`` on the group's worker, in order.
 
-    A non-contiguous tensor is reduced through a contiguous copy that is written back.
+    ``tag`` is the collective's p2p tag. A non-contiguous tensor is reduced through a contiguous
+    copy that is written back. On CUDA the body runs on the worker's comm stream, which first
+    waits for the caller's stream (an event), and the future is completed on that stream, so
+    waiting on it makes the waiter's stream wait instead of blocking the host.
     Returns a :class:`CollectiveHandle` when ``async_op``, else None once the tensor is reduced.
     """
-    ready = None
-    if tensor.is_cuda:
-        # The worker's stream must not read the tensor before the caller's stream produced it.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(tensor.device))
+    worker = worker_for(group)
+    tag = worker.next_tag()
+    handle = CollectiveHandle(None, worker.timeout, what)  # type: ignore[arg-type]
+    stream = worker.stream(tensor.device)
+    ready = streams.record_ready(tensor.device)
 
     def job() -> torch.Tensor:
-        if ready is not None:
-            torch.cuda.set_device(tensor.device)
-            torch.cuda.current_stream(tensor.device).wait_event(ready)
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        body(flat)
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
-        if ready is not None:  # complete the future only once the result is really there
-            torch.cuda.current_stream(tensor.device).synchronize()
+        with streams.on_stream(stream, ready):
+            handle.launched = streams.stamp(stream)
+            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            body(flat, tag)
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
+            streams.keep_alive(tensor, stream)
         return tensor
 
-    worker = worker_for(group)
     if async_op:
-        return CollectiveHandle(worker.submit(job))
+        handle._future = worker.submit(job, stream)
+        return handle
     worker.run_inline(job)
+    streams.join(stream)
     return None
+
+
+__all__ = [
+    "CollectiveHandle",
+    "group_timeout",
+    "release_groups",
+    "run_collective",
+    "run_ordered",
+    "wait_future",
+    "worker_for",
+]

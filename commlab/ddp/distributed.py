@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -84,6 +85,8 @@ class DistributedDataParallel(nn.Module):
         initial = [p.data for p in module.parameters()] + (self._module_buffers if broadcast_buffers else [])
         broadcast_coalesced(initial, self.process_group)
         self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
+        if isinstance(round_robin_groups, int) and round_robin_groups > 1:  # groups made here die with it
+            weakref.finalize(self, collectives.release_groups, list(self.comm_groups))
         self.reducer = Reducer(
             params,
             names,

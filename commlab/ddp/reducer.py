@@ -18,6 +18,7 @@ docs/design.md, and the C++ original is torch/csrc/distributed/c10d/reducer.cpp)
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -35,7 +36,7 @@ from commlab.ddp.assignment import (
 )
 from commlab.ddp.bucket import Bucket, GradBucket
 from commlab.ddp.graph import grad_accumulators, unreachable
-from commlab.ddp.timing import IterationTiming, RawIteration, make_clock, resolve
+from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, make_clock, resolve
 
 
 class Reducer:
@@ -88,8 +89,10 @@ class Reducer:
         self._ready_order: list[int] = []
         self._start: Any = None
         self._forward_end: Any = None
-        self._raw: list[RawIteration] = []
-        self._timings: list[IterationTiming] = []
+        # Bounded (timing.MAX_ITERATIONS): a long run does not grow without limit.
+        self._raw: deque[RawIteration] = deque(maxlen=MAX_ITERATIONS)
+        self._timings: deque[IterationTiming] = deque(maxlen=MAX_ITERATIONS)
+        self._timeout = collectives.group_timeout(group)
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
@@ -117,7 +120,8 @@ class Reducer:
             return False
         order = torch.tensor(self._ready_order, dtype=torch.int64, device=self.device)
         # torch syncs the rebuilt indices from rank 0 (Reducer::sync_bucket_indices).
-        dist.broadcast(order, dist.get_global_rank(self.group, 0), group=self.group)
+        src = dist.get_global_rank(self.group, 0)
+        collectives.run_ordered(self.group, lambda: dist.broadcast(order, src, group=self.group))
         self._install(buckets_from_ready_order(self.params, order.tolist(), self.first_cap, self.cap))
         self.rebuild_pending = False
         self._ready_order = []
@@ -219,15 +223,33 @@ class Reducer:
         # "done" is stamped when the collective completes (on the thread completing it), not when
         # the end of backward gets round to waiting; waiting on the chained future also makes the
         # stamp visible before the iteration is recorded.
-        bucket.future = future.then(partial(self._done, bucket))
+        handle = work if self.comm_hook is None else None
+        bucket.future = future.then(partial(self._done, bucket, handle))
 
-    def _done(self, bucket: Bucket, future: torch.futures.Future) -> Any:
+    def _done(self, bucket: Bucket, handle: Any, future: torch.futures.Future) -> Any:
         value = future.value()  # re-raises a failed collective into the chained future
         bucket.done_at = self.clock.stamp()
+        if handle is not None and handle.launched is not None:  # when it really started (timing.py)
+            bucket.launched_at = handle.launched
         return value
+
+    def _wait(self, bucket: Bucket) -> torch.Tensor:
+        """Wait for a bucket (bounded); a failure names the bucket and the algorithm on every rank."""
+        how = "its comm hook" if self.comm_hook is not None else f"all-reduce algorithm {self.algorithm!r}"
+        try:
+            return collectives.wait_future(bucket.future, 2 * self._timeout, f"bucket {bucket.position}")
+        except Exception as exc:
+            raise RuntimeError(
+                f"DistributedDataParallel: bucket {bucket.position} of {len(self.buckets)} "
+                f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) failed on rank "
+                f"{dist.get_rank(self.group)} in {how}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _finalize(self) -> None:
         """Step 4: runs on the autograd engine once the whole backward graph has executed."""
+        self._backward_end = self.clock.stamp()
+        self._write_back_spans: list[tuple[Any, Any]] = []
+        self._unused_span: tuple[Any, Any] | None = None
         self.expect_hooks = False
         if 0 in self._marked:
             missing = [self.names[i] for i in range(len(self.params)) if not self._marked[i]]
@@ -240,10 +262,12 @@ class Reducer:
         globally_unused = self._globally_unused() if self.find_unused else None
         with torch.no_grad():
             for bucket in self.buckets:
-                result = bucket.future.wait()
+                result = self._wait(bucket)
+                start = self.clock.stamp()
                 if self.comm_hook is not None and result.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(result.view(-1))
                 self._write_back(bucket, globally_unused)
+                self._write_back_spans.append((start, self.clock.stamp()))
         self._record()
 
     def _globally_unused(self) -> list[bool]:
@@ -251,8 +275,12 @@ class Reducer:
         issued after every bucket so the collective order is the same on all ranks."""
         used = torch.ones(len(self.params), dtype=torch.int32, device=self.device)
         used[self._unused] = 0
-        dist.all_reduce(used, group=self.group)
-        return (used == 0).tolist()
+        start = self.clock.stamp()
+        # On the group's one path: never inside another thread's p2p batch (collectives/worker.py).
+        collectives.run_ordered(self.group, lambda: dist.all_reduce(used, group=self.group))
+        unused = (used == 0).tolist()
+        self._unused_span = (start, self.clock.stamp())
+        return unused
 
     def _write_back(self, bucket: Bucket, globally_unused: list[bool] | None) -> None:
         if globally_unused is None and not self.as_view and all(p.grad is not None for p in bucket.params):
@@ -273,14 +301,17 @@ class Reducer:
     def _record(self) -> None:
         end = self.clock.stamp()
         buckets = [(b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at) for b in self.buckets]
-        self._raw.append(RawIteration(self._start, self._forward_end, end, buckets))
+        self._raw.append(
+            RawIteration(self._start, self._forward_end, end, buckets, self._backward_end,
+                         self._unused_span, self._write_back_spans)
+        )
 
     @property
     def timings(self) -> list[IterationTiming]:
         # Resolved lazily: on CUDA this waits for the events, which must not happen in backward.
         while self._raw:
-            self._timings.append(resolve(self.clock, self._raw.pop(0)))
-        return self._timings
+            self._timings.append(resolve(self.clock, self._raw.popleft()))
+        return list(self._timings)
 
     def reset_timings(self) -> None:
         self._raw.clear()

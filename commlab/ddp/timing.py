@@ -1,15 +1,31 @@
 """Per-iteration timings that DDP records: forward, backward compute, each bucket, exposed comm.
 
-All times are seconds relative to the start of the iteration's forward (``t0``). On CPU they come
-from ``time.perf_counter``; on CUDA from events, resolved after the iteration.
+All times are seconds relative to the start of the iteration's forward (``t0``). On CPU stamps are
+``time.perf_counter`` floats; on CUDA they are events recorded on the stream where the moment
+happens, resolved after the iteration (never during backward). One definition per column, the
+same on CPU and CUDA (the DDP paper's latency breakdown, Li et al. VLDB 2020, section 5):
 
-Definitions (the DDP paper's latency breakdown, Li et al. VLDB 2020, section 5):
+Per bucket:
+- ``ready``: its last gradient was copied into it (compute stream on CUDA);
+- ``launched``: its collective actually started on its channel: when the group's comm worker
+  began running it (commlab's p2p algorithms), when the backend call was issued (``native``; the
+  backend's own queue is not observable on Gloo), when the comm hook was called (a hook), on CUDA
+  an event on the comm stream just before the collective. Not when it was queued;
+- ``done``: the collective completed (on CUDA: an event on the comm stream after it).
+
+Per iteration:
 - ``forward``: forward start -> forward end;
-- ``backward_compute``: forward end -> the last gradient becomes ready;
+- ``backward_compute``: forward end -> end of backward compute (the autograd engine has run the
+  whole graph; on CPU the moment the end-of-backward callback starts);
 - ``comm``: the first bucket launched -> the last bucket done (wall span of communication);
-- ``exposed_comm``: the last gradient ready -> all buckets done and written back, i.e. the part of
-  communication that backward did not hide;
-- ``total``: forward start -> gradients synchronised (end of backward).
+- ``exposed_comm``: end of backward compute -> the last bucket done, 0 if every bucket finished
+  before backward did: the communication backward did not hide;
+- ``unused_allreduce``: the all-reduce of "used locally" flags (``find_unused_parameters``), 0
+  without it;
+- ``write_back``: copying the reduced buckets into ``.grad`` (waiting for a bucket not included);
+- ``total``: forward start -> gradients synchronised and written back (end of backward).
+
+Memory is bounded: a reducer keeps the last :data:`MAX_ITERATIONS` iterations.
 """
 
 from __future__ import annotations
@@ -20,6 +36,8 @@ from typing import Any
 
 import torch
 
+MAX_ITERATIONS = 10_000  # iterations kept; older ones are dropped (deque maxlen)
+
 
 @dataclass
 class BucketTiming:
@@ -27,8 +45,8 @@ class BucketTiming:
     nbytes: int
     num_params: int
     ready: float  # its last gradient arrived
-    launched: float  # its all-reduce was started
-    done: float  # its all-reduce completed
+    launched: float  # its collective started on its channel
+    done: float  # its collective completed
 
 
 @dataclass
@@ -39,6 +57,8 @@ class IterationTiming:
     exposed_comm: float
     total: float
     buckets: list[BucketTiming] = field(default_factory=list)
+    write_back: float = 0.0
+    unused_allreduce: float = 0.0
 
     def as_row(self) -> dict[str, float]:
         """The scalar columns, for a tidy table (per-bucket rows come from ``buckets``)."""
@@ -50,7 +70,7 @@ class IterationTiming:
 class CpuClock:
     """Stamps are ``time.perf_counter()`` floats; cheap enough to take inside autograd hooks."""
 
-    def stamp(self) -> float:
+    def stamp(self, stream: Any = None) -> float:
         return time.perf_counter()
 
     def seconds(self, start: float, stamp: float) -> float:
@@ -58,15 +78,17 @@ class CpuClock:
 
 
 class CudaClock:
-    """Stamps are CUDA events recorded on the current stream, resolved once the iteration is over.
+    """Stamps are CUDA events recorded on a stream, resolved once the iteration is over.
 
     An event marks when the GPU reaches that point of the stream, which is what the breakdown needs
     (the host thread runs ahead of the device); resolving waits for the events, so it is deferred.
+    ``stamp(stream)`` records on ``stream`` (a comm stream for launched/done), else on the current
+    (compute) stream.
     """
 
-    def stamp(self) -> torch.cuda.Event:
+    def stamp(self, stream: Any = None) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(stream)
         return event
 
     def seconds(self, start: torch.cuda.Event, stamp: torch.cuda.Event) -> float:
@@ -87,6 +109,11 @@ class RawIteration:
     end: Any
     # (nbytes, num_params, ready, launched, done) per bucket in reduction order
     buckets: list[tuple[int, int, Any, Any, Any]]
+    backward_end: Any = None  # end of backward compute; None: the last bucket's ready
+    # (start, end) stamps of the unused-parameter all-reduce (None without one) and of each
+    # bucket's write-back
+    unused: tuple[Any, Any] | None = None
+    write_back: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 def resolve(clock: CpuClock | CudaClock, raw: RawIteration) -> IterationTiming:
@@ -100,13 +127,20 @@ def resolve(clock: CpuClock | CudaClock, raw: RawIteration) -> IterationTiming:
     forward = s(t0, raw.forward_end)
     total = s(t0, raw.end)
     last_ready = max((b.ready for b in buckets), default=forward)
-    first_launch = min((b.launched for b in buckets), default=last_ready)
-    last_done = max((b.done for b in buckets), default=last_ready)
+    backward_end = last_ready if raw.backward_end is None else s(t0, raw.backward_end)
+    first_launch = min((b.launched for b in buckets), default=backward_end)
+    last_done = max((b.done for b in buckets), default=backward_end)
+
+    def span(pair: tuple[Any, Any] | None) -> float:
+        return 0.0 if pair is None else s(t0, pair[1]) - s(t0, pair[0])
+
     return IterationTiming(
         forward=forward,
-        backward_compute=last_ready - forward,
+        backward_compute=backward_end - forward,
         comm=last_done - first_launch,
-        exposed_comm=total - last_ready,
+        exposed_comm=max(0.0, last_done - backward_end),
         total=total,
         buckets=buckets,
+        write_back=sum(span(pair) for pair in raw.write_back),
+        unused_allreduce=span(raw.unused),
     )

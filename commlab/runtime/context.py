@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from commlab.runtime import devices
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -36,8 +38,8 @@ class Runtime:
     def current(cls, group: dist.ProcessGroup | None = None) -> Runtime:
         """Describe this process from the initialised torch.distributed state.
 
-        With NCCL each rank computes on the CUDA device of its local rank (as torchrun users
-        expect); with Gloo on the CPU.
+        With NCCL each rank computes on the current CUDA device, its own GPU (set by
+        :func:`commlab.launch` / :func:`init_from_env` from the local rank); with Gloo on the CPU.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -46,8 +48,8 @@ class Runtime:
             )
         backend = str(dist.get_backend(group)).lower()
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        if backend == "nccl":
-            device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        if backend == "nccl":  # the current device, which launch / init_from_env set (as torch)
+            device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
         return cls(
@@ -61,23 +63,16 @@ class Runtime:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """Map "auto" to NCCL when every local rank can have its own GPU, else Gloo.
+    """Map "auto" to NCCL when every local rank can have its own GPU, else Gloo (with a warning
+    that says why when a GPU is visible; rules in :mod:`commlab.runtime.devices`).
 
-    Raises ValueError for unknown names and for NCCL without enough CUDA devices, so that bad
-    input fails before any process starts.
+    Raises ValueError for unknown names and for NCCL without a GPU per rank, so that bad input
+    fails before any process starts.
     """
     backend = backend.lower()
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if n_gpus >= world_size and dist.is_nccl_available() else "gloo"
-    if backend not in BACKENDS:
+    if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose from auto, {', '.join(BACKENDS)}")
-    if backend == "nccl" and (n_gpus < world_size or not dist.is_nccl_available()):
-        raise ValueError(
-            f"backend 'nccl' needs one CUDA device per local rank: world size {world_size}, "
-            f"{n_gpus} CUDA device(s) visible"
-        )
-    return backend
+    return devices.resolve(backend, world_size)
 
 
 def under_torchrun() -> bool:
@@ -93,9 +88,11 @@ def init_from_env(backend: str = "auto", timeout: float = 300.0) -> Runtime:
     if not dist.is_initialized():
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        chosen = resolve_backend(backend, local_world)
+        if backend.lower() != "auto" and backend.lower() not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}: choose from auto, {', '.join(BACKENDS)}")
+        chosen = devices.resolve(backend.lower(), local_world, per_rank_env=True)
         if chosen == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(devices.rank_device(chosen, int(os.environ.get("LOCAL_RANK", 0))))
         dist.init_process_group(
             chosen, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
         )

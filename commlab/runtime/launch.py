@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from commlab.runtime import rank_entry
 from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
+from commlab.runtime.devices import rank_device
 
 
 class LaunchError(RuntimeError):
@@ -188,7 +189,7 @@ def _rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> N
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank_device(backend, rank))
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend,
