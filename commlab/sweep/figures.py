@@ -23,7 +23,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
-from commlab.sweep.store import read_tables  # noqa: E402
+from commlab.sweep.store import read_metadata, read_tables  # noqa: E402
 
 _NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward",
           "backward_compute": "backward compute", "exposed_comm": "exposed comm", "optimizer": "optimizer"}
@@ -33,6 +33,8 @@ def draw_all(run_dir: Path) -> list[Path]:
     """Redraw every supported figure under ``run_dir/figures``; return the files written."""
     run_dir = Path(run_dir)
     iterations, buckets, runs = read_tables(run_dir)
+    # A prediction (commlab predict) says so under every figure, with its assumptions.
+    note = read_metadata(run_dir).get("figure_note")
     out = run_dir / "figures"
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
@@ -51,6 +53,8 @@ def draw_all(run_dir: Path) -> list[Path]:
                 (out / f"{name}{suffix}").unlink(missing_ok=True)
             continue
         out.mkdir(parents=True, exist_ok=True)
+        if note:
+            fig.text(0.01, -0.02, note, fontsize=6, va="top", wrap=True)
         for suffix in (".png", ".pdf"):
             fig.savefig(out / f"{name}{suffix}", dpi=130, bbox_inches="tight")
             written.append(out / f"{name}{suffix}")
