@@ -27,15 +27,16 @@ WORKLOAD = ["model", "model_args", "backend", "world_size", "batch_per_rank"]
 
 
 def kendall_tau(a, b) -> float:
-    """Kendall's tau-a of two equally long sequences (NaN for fewer than two items)."""
+    """Kendall's tau-b of two equally long sequences: ties (two bucket caps that give the same
+    buckets) count for neither order. NaN for fewer than two items or a constant sequence."""
     a, b = np.asarray(a, float), np.asarray(b, float)
-    n = len(a)
-    if n < 2:
-        return float("nan")
-    s = 0.0
-    for i in range(n):
-        s += float(np.sum(np.sign(a[i] - a[i + 1:]) * np.sign(b[i] - b[i + 1:])))
-    return 2.0 * s / (n * (n - 1))
+    s = pairs_a = pairs_b = 0.0
+    for i in range(len(a)):
+        da, db = np.sign(a[i] - a[i + 1:]), np.sign(b[i] - b[i + 1:])
+        s += float(np.sum(da * db))
+        pairs_a += float(np.count_nonzero(da))
+        pairs_b += float(np.count_nonzero(db))
+    return s / np.sqrt(pairs_a * pairs_b) if pairs_a and pairs_b else float("nan")
 
 
 def join(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:

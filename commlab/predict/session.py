@@ -18,10 +18,15 @@ Key = tuple[str, str, int, str, int, int]
 
 
 def group_key(cfg: Config, world_size: int | None = None) -> Key:
-    """What one calibration covers: workload, backend, world size, threads per rank."""
+    """What one calibration covers: workload, backend, world size, threads per rank.
+
+    ``world_size`` overrides the configuration's (hardware presets take only the compute of a
+    one-rank calibration, which is this machine's CPU: gloo).
+    """
     world = cfg.world_size if world_size is None else world_size
+    backend = cfg.backend if world_size is None else "gloo"
     threads = getattr(cfg, "threads", None) or default_threads(world)
-    return (cfg.model, cfg.model_args, cfg.batch_per_rank, cfg.backend, world, int(threads))
+    return (cfg.model, cfg.model_args, cfg.batch_per_rank, backend, world, int(threads))
 
 
 def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
