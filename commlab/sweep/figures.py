@@ -26,7 +26,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
-from commlab.sweep.store import read_tables  # noqa: E402
+from commlab.sweep.store import read_metadata, read_tables  # noqa: E402
 
 _NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
           "exposed_comm": "exposed comm", "optimizer": "optimizer", "other": "other (rest of the step)"}
@@ -40,6 +40,8 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
     """
     run_dir = Path(run_dir)
     iterations, buckets, runs = read_tables(run_dir)
+    # A prediction (commlab predict) says so under every figure, with its assumptions.
+    note = read_metadata(run_dir).get("figure_note")
     out = run_dir / "figures"
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
@@ -62,6 +64,8 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
                 (out / f"{name}{suffix}").unlink(missing_ok=True)
             continue
         out.mkdir(parents=True, exist_ok=True)
+        if note:
+            fig.text(0.01, -0.02, note, fontsize=6, va="top", wrap=True)
         for suffix in (".png", ".pdf"):
             save(fig, out / f"{name}{suffix}")
             written.append(out / f"{name}{suffix}")

@@ -1,0 +1,148 @@
+"""Calibration: measure the model's terms once (commlab/predict/measure.py), cache them as a profile.
+
+    entry = profile_for(workload, backend="gloo", world_size=2, path=PROFILE)   # cached or fresh
+
+One launch at the calibrated world size does everything (see measure.py for what and why); it
+never runs a multi-rank DDP iteration. The entry is keyed as commlab/predict/profile.py says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from commlab.predict import profile as prof
+from commlab.predict.costs import fit_table, solve_contention
+
+DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
+DEFAULT_ALGORITHMS = ("native", "ring")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a profile is measured for (the workload columns of a sweep configuration)."""
+
+    model: str
+    model_args: str  # canonical "key=value,..."
+    batch_per_rank: int
+
+    def kwargs(self) -> dict[str, Any]:
+        from commlab.sweep.spec import parse_model_args
+
+        return parse_model_args(self.model_args)
+
+
+def default_threads(world_size: int) -> int:
+    """What commlab.launch gives each local rank when OMP_NUM_THREADS is not set."""
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def parameter_sizes(workload: Workload) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Bytes and shapes of the trainable parameters, in module order (builds the model once)."""
+    import torch
+
+    from commlab.models import build_workload
+
+    torch.manual_seed(0)
+    model = build_workload(workload.model, **workload.kwargs()).model
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [p.numel() * p.element_size() for p in params], [tuple(p.shape) for p in params]
+
+
+def table_sizes(total_bytes: int, smallest: int = 64 << 10, factor: int = 4) -> list[int]:
+    """Bucket sizes that can occur: x4 steps from 64 KiB up to (and including) the whole model."""
+    sizes, size = [], smallest
+    while size < total_bytes:
+        sizes.append(size)
+        size *= factor
+    return sorted(set(sizes + [max(total_bytes, smallest * 2)]))
+
+
+def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
+              algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 3, iters: int = 3,
+              timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
+    """Measure and return a profile entry (does not write it)."""
+    import commlab
+
+    threads = threads or default_threads(world_size)
+    nbytes, shapes = parameter_sizes(workload)
+    sizes = table_sizes(sum(nbytes))
+    spec = {"model": workload.model, "model_kwargs": workload.kwargs(), "batch_per_rank": workload.batch_per_rank,
+            "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
+            "warmup": 2}
+    begin = time.monotonic()
+    from commlab.predict.measure import calibrate_rank
+
+    echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
+         f"world size {world_size}, {threads} thread(s) per rank ...")
+    results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
+    entry = assemble(results, spec, nbytes, shapes,
+                     prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+                                   model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
+    entry["calibration_s"] = time.monotonic() - begin
+    echo(f"calibrated in {entry['calibration_s']:.1f} s")
+    return entry
+
+
+def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
+    """Turn the ranks' raw measurements into a profile entry (pure)."""
+    ddp = results[0]["ddp"]
+    collectives = {}
+    for algorithm in spec["algorithms"]:
+        # The slowest rank's time: a collective ends for everyone when the last rank is through.
+        seconds = [max(r["collectives"][algorithm][i] for r in results) for i in range(len(spec["sizes"]))]
+        collectives[algorithm] = fit_table(spec["sizes"], seconds)
+    contention = {}
+    for algorithm, c in results[0]["contention"].items():
+        kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
+        contention[algorithm] = {"kc": kc, "km": km, "raw": c}
+    corun = results[0]["corun"]
+    factor = corun["together_s"] / corun["alone_s"] if corun["alone_s"] > 0 and len(results) > 1 else 1.0
+    return {
+        "key": key,
+        "created": time.time(),
+        "params": {"nbytes": nbytes, "ready_order": ddp["ready_order"],
+                   "signature": prof.param_signature(nbytes, shapes)},
+        "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
+                    "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
+                    "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
+                    "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
+                                                              "many_buckets": ddp["small_run"]}},
+        "contention": contention,
+        "collectives": collectives,
+    }
+
+
+def profile_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
+                path: Path = DEFAULT_PROFILE, recalibrate: bool = False, algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS,
+                max_age_s: float = prof.DEFAULT_MAX_AGE_S, echo: Callable[[str], None] = lambda _l: None) -> dict:
+    """The cached entry for this workload and setting, calibrating (and caching) when needed.
+
+    Missing, stale (too old, model changed) or lacking an algorithm -> calibrate; broken or
+    foreign (other machine, other torch) -> ProfileError, unless ``recalibrate``.
+    """
+    threads = threads or default_threads(world_size)
+    key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+                        model_args=workload.model_args, batch_per_rank=workload.batch_per_rank)
+    if not recalibrate:
+        nbytes, shapes = parameter_sizes(workload)
+        try:
+            entry = prof.lookup(path, key, signature=prof.param_signature(nbytes, shapes), max_age_s=max_age_s)
+            missing = [a for a in algorithms if a not in entry["collectives"]]
+            if not missing:
+                return entry
+            echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
+        except KeyError:
+            pass
+        except prof.StaleProfile as stale:
+            echo(f"{stale}: recalibrating")
+    entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo)
+    prof.store(path, entry)
+    return entry

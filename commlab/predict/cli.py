@@ -1,0 +1,179 @@
+"""The `commlab calibrate`, `commlab predict` and `commlab tune` commands.
+
+\b
+    commlab calibrate --model mlp --world-size 2            measure the model's terms, cache them
+    commlab predict sweeps/bucket_size.yaml                 a sweep's results, without running it
+    commlab predict SPEC --against results/bucket_size      ... and how far off it is
+    commlab predict --hardware dgx-a100-hdr --world-size 8,16,32,64,128,256 --bucket-mb 25
+    commlab tune --model mlp --json                         the bucket to use, no sweep
+
+All three take the sweep's spec file and options (commlab/sweep/cli.py), so a prediction has the
+same configurations, ids, files and columns as the measured sweep of the same spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+
+from commlab.sweep import cli as sweep_cli
+
+_RUN_ONLY = {"resume", "launcher", "timeout", "nnodes", "rdzv_endpoint"}
+_GRID_ONLY = {"bucket_mb", "overlap", "accumulate", "groups", "iters", "warmup", "out", "name", "draw"}
+
+
+def _sweep_params(drop: set[str]) -> list[click.Parameter]:
+    """The sweep's own options (whatever it grows), minus those that mean nothing here."""
+    return [p for p in sweep_cli.sweep.params if p.name not in drop]
+
+
+_PROFILE = click.Option(["--profile", "profile_path"], type=click.Path(dir_okay=False, path_type=Path),
+                        help="calibration profile (JSON) [~/.cache/commlab/profile.json]")
+_RECAL = click.Option(["--recalibrate"], is_flag=True, help="measure again even if the profile holds a fresh entry")
+_ECHO = lambda line: click.echo(line, err=True)  # noqa: E731
+
+
+def _plan(spec_file, options, *, hardware: str | None = None):
+    from commlab.sweep import runner
+    from commlab.sweep.spec import build_plan, merge
+
+    spec = sweep_cli._read_spec(spec_file)
+    try:
+        plan = build_plan(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
+        if hardware is None:
+            runner.check_plan(plan)
+        else:
+            from commlab.models import check_workload
+
+            for cfg in plan.configs:
+                check_workload(cfg.model, **cfg.model_kwargs())
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    return plan
+
+
+def _entries(plan, profile_path, recalibrate, *, world_size=None):
+    """One profile entry per (workload, backend, world size, threads) of the plan."""
+    from commlab.predict import session
+
+    try:
+        return session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
+                                   world_size=world_size, echo=_ECHO)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+
+
+def _calibrate(spec_file, profile_path, recalibrate, **options):
+    """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
+    plan = _plan(spec_file, {**options, "bucket_mb": None})
+    entries = _entries(plan, profile_path, recalibrate)
+    from commlab.predict.profile import key_id
+
+    for entry in entries.values():
+        c = entry["compute"]
+        click.echo(f"{key_id(entry['key'])}: forward {c['forward_s'] * 1e3:.1f} ms, backward "
+                   f"{c['ready_s'][-1] * 1e3:.1f} ms, optimizer {c['optimizer_s'] * 1e3:.1f} ms, co-run x{c['corun']:.2f}, "
+                   f"write-back {c['writeback_s_per_byte'] * 2**30:.1f} s/GiB, bucket {c['bucket_fixed_s'] * 1e3:.2f} ms")
+        for algorithm, fit in entry["collectives"].items():
+            k = entry["contention"].get(algorithm, {})
+            worst = max(abs(r) for r in fit["line_residuals"])
+            click.echo(f"  {algorithm}: alpha {fit['alpha_s'] * 1e3:.2f} ms, beta {fit['beta_bytes_per_s'] / 1e9:.2f} GB/s "
+                       f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
+
+
+def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resume, **options):
+    """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
+    and figures as `commlab sweep`, with a `source` column saying `predicted`."""
+    from commlab.predict import session
+
+    begin = time.monotonic()
+    preset = None
+    if hardware is not None:
+        from commlab.predict.hardware import load_preset
+
+        try:
+            preset = load_preset(hardware)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+    plan = _plan(spec_file, options, hardware=hardware)
+    measured = None
+    if against is not None:
+        from commlab.sweep.store import read_tables
+
+        try:
+            measured = read_tables(against)[2]
+        except FileNotFoundError as err:
+            raise click.UsageError(f"--against: {err}") from None
+    run_dir = Path(plan.out) / (plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S")))
+    session.check_run_dir(run_dir)
+    try:
+        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
+                                      world_size=1 if preset else None, echo=_ECHO)
+        records, meta = session.predict(plan, entries, preset)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    from commlab.predict.predict import write_prediction
+
+    write_prediction(run_dir, records, meta)
+    _ECHO(f"commlab predict: {len(records)} configuration(s) -> {run_dir} ({time.monotonic() - begin:.1f} s)")
+    if draw:
+        from commlab.sweep.figures import draw_all
+
+        written = draw_all(run_dir)
+        _ECHO(f"figures in {run_dir / 'figures'}: {', '.join(p.name for p in written if p.suffix == '.png')}")
+    if measured is not None:
+        from commlab.predict import compare
+        from commlab.sweep.store import read_tables
+
+        both = compare.join(read_tables(run_dir)[2], measured)
+        if both.empty:
+            raise click.ClickException(f"--against {against}: no configuration in common with the prediction")
+        taus = compare.series_taus(both)
+        click.echo(compare.report(both, taus))
+        from commlab._atomic import write_text
+
+        write_text(run_dir / "comparison.csv", both.to_csv(index=False, float_format="%.9g"))
+        write_text(run_dir / "comparison.json", json.dumps(compare.summary(both, taus), indent=1) + "\n")
+        paths = compare.draw(both, run_dir / "figures" / "predicted_vs_measured")
+        _ECHO(f"comparison: {run_dir / 'comparison.csv'}, {paths[0]}")
+
+
+def _tune(spec_file, profile_path, recalibrate, as_json, **options):
+    """Recommend bucket_cap_mb (and first bucket, algorithm, overlap) by simulation: no sweep."""
+    from commlab.predict import session
+
+    plan = _plan(spec_file, {**options, "bucket_mb": None})
+    entries = _entries(plan, profile_path, recalibrate)
+    results = [session.tune_entry(entry) for entry in entries.values()]
+    if as_json:
+        click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+        return
+    for entry, r in zip(entries.values(), results):
+        k, ddp, extra = entry["key"], r["ddp_kwargs"], r["commlab_kwargs"]
+        click.echo(f"{k['model']} {k['model_args']} on {k['backend']}, world size {k['world_size']}: "
+                   f"bucket_cap_mb={ddp['bucket_cap_mb']:g}, first bucket "
+                   f"{'as the others' if extra['first_bucket_mb'] is None else str(extra['first_bucket_mb']) + ' MB'}, "
+                   f"algorithm {extra['algorithm']}, overlap {'on' if extra['overlap'] else 'off'}: predicted step "
+                   f"{r['predicted_step_s'] * 1e3:.1f} ms vs {r['default_step_s'] * 1e3:.1f} ms for torch's default "
+                   f"(25 MB, native, overlap): {r['gain'] * 100:+.1f}%")
+
+
+_CTX = {"help_option_names": ["-h", "--help"]}
+
+calibrate = click.Command("calibrate", callback=_calibrate, context_settings=_CTX, help=_calibrate.__doc__,
+                          params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL])
+predict = click.Command("predict", callback=_predict, context_settings=_CTX, help=_predict.__doc__, params=[
+    *_sweep_params(set()),
+    click.Option(["--against"], type=click.Path(exists=True, file_okay=False, path_type=Path),
+                 help="a measured sweep's results directory: print measured, predicted, error, rank order"),
+    _PROFILE, _RECAL,
+    click.Option(["--hardware"], help="a hardware preset (commlab/predict/hardware.yaml) instead of this machine's collectives"),
+])
+tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL,
+    click.Option(["--json", "as_json"], is_flag=True, help="print one JSON object (ddp_kwargs, commlab_kwargs, ...)"),
+])

@@ -1,0 +1,107 @@
+"""Cost terms of the DDP model: collective time tables, alpha-beta fits, contention factors.
+
+Pure functions over numbers that calibration measured (commlab/predict/calibrate.py) or that a
+hardware preset states (commlab/predict/hardware.py); nothing here touches torch.
+
+- A collective's time over the sizes that occur is the measured table, interpolated linearly in
+  size between neighbouring points (and extrapolated from the last two points above the table):
+  on this machine one alpha-beta line misses small sizes by up to 31% (issue 13), the table does
+  not. The alpha-beta fit (:func:`commlab.bench.alpha_beta.fit_alpha_beta`) is kept beside it,
+  with its residuals, to say how far the straight line is from what was measured.
+- Contention: while compute and communication run at once on one host, compute advances at
+  1 / (1 + kc) and communication at 1 / (1 + km) (on a CPU they share cores and memory
+  bandwidth). :func:`solve_contention` recovers (kc, km) from one run of each alone and one run
+  of both started together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from commlab.bench.alpha_beta import fit_alpha_beta
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Time of one all-reduce of ``nbytes`` for one algorithm on one world size."""
+
+    sizes: tuple[int, ...]  # bytes, increasing
+    seconds: tuple[float, ...]
+    alpha_s: float = math.nan  # the alpha-beta line, kept for reports and presets
+    beta_bytes_per_s: float = math.nan
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.seconds) or len(self.sizes) < 2:
+            raise ValueError("a collective cost table needs one time per size and at least two sizes")
+        if list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError("collective cost table sizes must be distinct and increasing")
+
+    def __call__(self, nbytes: float) -> float:
+        x, y = self.sizes, self.seconds
+        if nbytes <= x[0]:
+            # Below the table the time cannot fall under the smallest measured one by much:
+            # latency dominates there, so hold the first point rather than extrapolate to zero.
+            return float(y[0])
+        if nbytes >= x[-1]:
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+            return float(y[-1] + max(slope, 0.0) * (nbytes - x[-1]))
+        return float(np.interp(nbytes, x, y))
+
+    @classmethod
+    def line(cls, alpha_s: float, beta_bytes_per_s: float) -> CollectiveCost:
+        """A pure alpha-beta cost (hardware presets): a two-point table on the line."""
+        sizes = (1, 1 << 40)
+        return cls(sizes, tuple(alpha_s + s / beta_bytes_per_s for s in sizes), alpha_s, beta_bytes_per_s)
+
+
+def fit_table(sizes: Sequence[int], seconds: Sequence[float]) -> dict:
+    """The table plus its alpha-beta line and the line's relative residual at every size."""
+    order = np.argsort(sizes)
+    x = [int(sizes[i]) for i in order]
+    y = [float(seconds[i]) for i in order]
+    alpha_us, beta_gbps, r2 = fit_alpha_beta(x, y)
+    alpha, beta = alpha_us * 1e-6, beta_gbps * 1e9
+    residuals = [((alpha + s / beta) - t) / t if beta > 0 else math.nan for s, t in zip(x, y)]
+    return {"sizes": x, "seconds": y, "alpha_s": alpha, "beta_bytes_per_s": beta, "r2": r2,
+            "line_residuals": residuals}
+
+
+def cost_from_entry(entry: dict) -> CollectiveCost:
+    return CollectiveCost(tuple(int(s) for s in entry["sizes"]), tuple(float(t) for t in entry["seconds"]),
+                          float(entry.get("alpha_s", math.nan)), float(entry.get("beta_bytes_per_s", math.nan)))
+
+
+def solve_contention(compute_alone: float, comm_alone: float, compute_both: float, comm_both: float) -> tuple[float, float]:
+    """(kc, km) of the fluid model from a compute and a collective run alone and started together.
+
+    Whichever of the two ends first ran slowed down for its whole life, so its own factor is
+    its stretch: k = t_both / t_alone - 1. The other ran slowed only until then: it did
+    t_first / (1 + k) of its work in t_first and the rest at full speed, so
+    t_both = t_first + (t_alone - t_first / (1 + k)), which gives its k. Factors below zero
+    (noise: the pair ran faster than either alone) are clipped to zero.
+    """
+    for name, value in (("compute_alone", compute_alone), ("comm_alone", comm_alone),
+                        ("compute_both", compute_both), ("comm_both", comm_both)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive time, got {value}")
+    if comm_both <= compute_both:
+        km = max(comm_both / comm_alone - 1.0, 0.0)
+        kc = _other(compute_alone, compute_both, comm_both)
+    else:
+        kc = max(compute_both / compute_alone - 1.0, 0.0)
+        km = _other(comm_alone, comm_both, compute_both)
+    return kc, km
+
+
+def _other(alone: float, both: float, first_end: float) -> float:
+    # Work done while slowed: first_end * r, with r = 1 / (1 + k); the rest, alone - first_end * r,
+    # at full speed: both = first_end + alone - first_end * r  =>  r = 1 - (both - alone) / first_end.
+    rate = 1.0 - (both - alone) / first_end
+    if rate >= 1.0:
+        return 0.0
+    rate = max(rate, 0.05)  # a 20x slow-down is already absurd; beyond it the run was disturbed
+    return 1.0 / rate - 1.0

@@ -1,0 +1,156 @@
+"""The DDP bucket life cycle lowered onto the simulator core (commlab/sim): one optimizer step.
+
+One representative rank (ranks are symmetric; the all-reduce couples them, and its calibrated cost
+already includes waiting for the slowest) is a host with a ``compute`` resource and one resource
+per communication channel (``chan0``, ``chan1``, ...: the round-robin process groups). In the
+order the real DDP (commlab/ddp/reducer.py) does things, the compute resource runs::
+
+    [no_sync micro-batches] forward grad(p) ... [launch(k)] ... grad(p) ... writeback(k) ... optimizer
+
+- buckets come from :func:`commlab.ddp.assignment.buckets_from_ready_order`, the function the
+  real DDP rebuilds its buckets with after the first iteration, fed the calibrated ready order;
+- a gradient's time includes its copy into the bucket (it was profiled inside DDP);
+- bucket k is launched (a compute task of the reducer's fixed cost per bucket) as soon as its last
+  gradient is ready and bucket k-1 was launched; with overlap off, all launches follow backward;
+- its all-reduce runs on channel k mod groups, after the previous bucket of that channel;
+- the end of backward writes buckets back in order, each once its all-reduce is done;
+- while compute and communication run at once, compute advances at 1/(1+kc) and communication
+  at 1/(1+km); concurrent channels share one link (no aggregate gain is assumed);
+- the model's compute is stretched by the co-run factor when more than one rank computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from commlab.sim import SimResult, Task, simulate
+
+COMPUTE = "compute"
+COMM_KINDS = ("allreduce",)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Every cost the lowering needs for one workload on one setting, in seconds."""
+
+    forward_s: float
+    ready_s: tuple[float, ...]  # per parameter in ready order: ready time after forward's end
+    ready_order: tuple[int, ...]  # parameter indices (module order) in the order grads are ready
+    param_nbytes: tuple[int, ...]  # module order
+    optimizer_s: float
+    nosync_s: float  # one no_sync micro-batch (forward + backward)
+    writeback_s_per_byte: float
+    bucket_fixed_s: float
+    corun: float  # compute stretch when every rank computes at once (1 on one rank)
+    kc: float
+    km: float
+    allreduce: Callable[[int], float]  # bytes -> seconds, for this algorithm and world size
+
+
+@dataclass(frozen=True)
+class DDPSetting:
+    """The knobs of one configuration that change the timeline."""
+
+    bucket_cap_mb: float | None = None  # None: torch's 25 MiB and its 1 MiB first bucket
+    first_bucket_mb: float | None = None
+    overlap: bool = True
+    accumulate: int = 1
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.accumulate < 1 or self.groups < 1:
+            raise ValueError(f"accumulate and groups must be >= 1, got {self.accumulate}, {self.groups}")
+
+
+def assign_buckets(costs: StepCosts, setting: DDPSetting) -> list[list[int]]:
+    """The rebuilt buckets (reduction order), from the same function the real DDP uses."""
+    import torch
+
+    from commlab.ddp.assignment import TensorSpec, bucket_caps, buckets_from_ready_order
+
+    first, cap = bucket_caps(setting.bucket_cap_mb, setting.first_bucket_mb)
+    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in costs.param_nbytes]
+    return buckets_from_ready_order(specs, list(costs.ready_order), first, cap)
+
+
+def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:
+    """The task graph of one optimizer step (see the module docstring)."""
+    if len(costs.ready_s) != len(costs.ready_order):
+        raise ValueError("ready_s and ready_order must have one entry per parameter")
+    host, stretch = "rank", costs.corun
+    tasks: list[Task] = []
+
+    def compute(name: str, seconds: float, kind: str, deps: tuple[str, ...] = (), stretched: bool = True, **meta) -> None:
+        # Launch and write-back were timed inside DDP on one rank and are memory copies; the
+        # co-run factor was measured on forward+backward, so it stretches only the model's work.
+        tasks.append(Task(name, COMPUTE, max(seconds, 0.0) * (stretch if stretched else 1.0), deps, kind, host, meta=meta))
+
+    if setting.accumulate > 1:
+        compute("nosync", (setting.accumulate - 1) * costs.nosync_s, "nosync")
+    compute("forward", costs.forward_s, "forward")
+    position = {p: j for j, p in enumerate(costs.ready_order)}
+    nbytes = [sum(costs.param_nbytes[p] for p in b) for b in buckets]
+    # Launch point of bucket k: after the gradient that completes it, and not before bucket k-1.
+    launch_after: list[int] = []
+    for b in buckets:
+        last = max(position[p] for p in b)
+        launch_after.append(max(last, launch_after[-1]) if launch_after else last)
+    if not setting.overlap:
+        launch_after = [len(costs.ready_order) - 1] * len(buckets)
+    k = 0
+    previous = 0.0
+    for j, p in enumerate(costs.ready_order):
+        compute(f"grad{p}", costs.ready_s[j] - previous, "backward", param=p)
+        previous = costs.ready_s[j]
+        while k < len(buckets) and launch_after[k] == j:
+            compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
+            tasks.append(Task(f"allreduce{k}", f"chan{k % setting.groups}", costs.allreduce(nbytes[k]),
+                              (f"launch{k}",), "allreduce", host, meta={"bucket": k, "nbytes": nbytes[k]}))
+            k += 1
+    for k, size in enumerate(nbytes):
+        compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",), stretched=False, bucket=k)
+    compute("optimizer", costs.optimizer_s, "optimizer")
+    return tasks
+
+
+def contention_rate(kc: float, km: float) -> Callable[[Task, Sequence[Task]], float]:
+    """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
+    beside compute and 1/n among n concurrent channels."""
+
+    def rate(task: Task, others: Sequence[Task]) -> float:
+        comm = [o for o in others if o.kind in COMM_KINDS]
+        if task.kind in COMM_KINDS:
+            slow = (1.0 + km) if len(comm) < len(others) else 1.0
+            return 1.0 / (slow * (1 + len(comm)))
+        return 1.0 / (1.0 + kc) if comm else 1.0
+
+    return rate
+
+
+def simulate_step(costs: StepCosts, setting: DDPSetting) -> tuple[SimResult, list[list[int]]]:
+    buckets = assign_buckets(costs, setting)
+    tasks = lower(costs, setting, buckets)
+    return simulate(tasks, contention_rate(costs.kc, costs.km)), buckets
+
+
+def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCosts) -> tuple[dict, list[dict]]:
+    """The sweep's iteration columns and bucket rows (commlab/ddp/timing.py's definitions),
+    relative to the synchronised forward's start as a measured run records them."""
+    s = result.spans
+    t0 = s["forward"].start
+    position = {p: j for j, p in enumerate(costs.ready_order)}
+    rows = []
+    for k, b in enumerate(buckets):
+        last = max(b, key=lambda p: position[p])
+        rows.append({"bucket": k, "nbytes": s[f"allreduce{k}"].meta["nbytes"], "num_params": len(b),
+                     "ready": s[f"grad{last}"].end - t0, "launched": s[f"launch{k}"].start - t0,
+                     "done": s[f"allreduce{k}"].end - t0})
+    forward = s["forward"].end - t0
+    last_ready = max(r["ready"] for r in rows)
+    total = s[f"writeback{len(buckets) - 1}"].end - t0  # write-backs run in order: the last ends last
+    row = {"forward": forward, "backward_compute": last_ready - forward,
+           "comm": max(r["done"] for r in rows) - min(r["launched"] for r in rows),
+           "exposed_comm": total - last_ready, "total": total, "accumulate_time": t0,
+           "optimizer": s["optimizer"].length, "step": s["optimizer"].end}
+    return row, rows

@@ -1,0 +1,188 @@
+"""The rank side of calibration: small measurements that never run a multi-rank DDP iteration.
+
+:func:`calibrate_rank` runs on every rank of one launch at the world size being calibrated:
+
+1. the DDP loop itself at world size 1 (a one-rank process group per rank, only rank 0 timed,
+   the others waiting): forward, each parameter's gradient-ready time in backward order (taken
+   after DDP's own hook has copied it into its bucket, so the copy-in is included), the no_sync
+   micro-batch, the optimizer, and, from two bucket caps with overlap off, the reducer's fixed
+   cost per bucket and the write-back per byte. The DDP loop profiles better than the bare model:
+   the gradients are copied from memory not in cache, and the allocator state is a DDP process's
+   (issue 13's prototype: the bare model came out ~40% fast on overlap-on configurations);
+2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
+3. compute/communication interference: the model's forward+backward and one all-reduce of about
+   the same duration, alone and started together (-> kc, km of the fluid model);
+4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab import collectives
+from commlab.models import build_workload
+
+
+def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
+    out: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
+    workload = build_workload(spec["model"], **spec["model_kwargs"])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batch = workload.make_batch(spec["batch_per_rank"], gen)
+    if rank == 0:
+        out["ddp"] = _profile_ddp(spec, workload.loss_fn, batch, solo[0])
+    dist.barrier()
+    out["collectives"] = {a: _time_collective(a, spec["sizes"], spec["iters"]) for a in spec["algorithms"]}
+    model = _fresh_model(spec)
+    compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
+    # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the
+    # compute, so that the two overlap for most of their lives.
+    sizes = [_matched_size(spec["sizes"], out["collectives"][a], compute_s) for a in spec["algorithms"]]
+    dist.broadcast_object_list(sizes, src=0)
+    out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
+                         for a, n in zip(spec["algorithms"], sizes)}
+    out["corun"] = _corun(model, workload, batch, spec["reps"])
+    return out
+
+
+def _fresh_model(spec: dict[str, Any]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_workload(spec["model"], **spec["model_kwargs"]).model
+
+
+def _matched_size(sizes: list[int], seconds: list[float], target_s: float) -> int:
+    """The table size whose all-reduce time is nearest ``target_s`` (at least 64 KiB)."""
+    best = min(range(len(sizes)), key=lambda i: abs(seconds[i] - target_s))
+    return max(int(sizes[best]), 1 << 16)
+
+
+def _profile_ddp(spec: dict[str, Any], loss_fn, batch, group) -> dict[str, Any]:
+    """Step 1: two one-rank DDP runs with overlap off, one bucket and many buckets."""
+    total = sum(p.numel() * p.element_size() for p in _fresh_model(spec).parameters() if p.requires_grad)
+    big = _ddp_run(spec, loss_fn, batch, group, bucket_mb=2 * total / 2**20 + 1)
+    small_mb = max(total / 2**20 / 16, 0.01)  # about 16 buckets (fewer where parameters are large)
+    small = _ddp_run(spec, loss_fn, batch, group, bucket_mb=small_mb)
+    extra = small["buckets"] - big["buckets"]
+    fixed = max((small["exposed_s"] - big["exposed_s"]) / extra, 0.0) if extra > 0 else 0.0
+    writeback = max(big["exposed_s"] - fixed * big["buckets"], 0.0) / total
+    return {**big, "bucket_fixed_s": fixed, "writeback_s_per_byte": writeback, "total_bytes": total,
+            "small_run": {k: small[k] for k in ("buckets", "exposed_s")}}
+
+
+def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> dict[str, Any]:
+    model = _fresh_model(spec)
+    ddp = commlab.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb, overlap=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    stamps: dict[int, float] = {}
+    # Registered after DDP's hooks, so they run after the gradient was copied into its bucket.
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+               for i, p in enumerate(params)]
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    inputs, target = batch
+    rows = []
+    for step in range(spec["warmup"] + spec["reps"]):
+        stamps.clear()
+        start = time.perf_counter()
+        with ddp.no_sync():
+            loss_fn(ddp(inputs), target).backward()
+        nosync = time.perf_counter() - start
+        stamps.clear()
+        loss_fn(ddp(inputs), target).backward()
+        opt_start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        opt = time.perf_counter() - opt_start
+        timing = ddp.iteration_timings[-1]
+        t0 = opt_start - timing.total  # DDP's t0: the synchronised forward's start
+        order = sorted(stamps, key=stamps.get)
+        rows.append({"forward": timing.forward, "ready": {i: stamps[i] - t0 - timing.forward for i in order},
+                     "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt})
+    for h in handles:
+        h.remove()
+    rows = rows[spec["warmup"]:]
+    order = rows[0]["order"]
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    return {
+        "forward_s": med([r["forward"] for r in rows]),
+        "ready_order": order,
+        # cumulative time from the end of forward at which each parameter (in ready order) is ready
+        "ready_s": [med([r["ready"][i] for r in rows]) for i in order],
+        "exposed_s": med([r["exposed"] for r in rows]),
+        "nosync_s": med([r["nosync"] for r in rows]),
+        "optimizer_s": med([r["optimizer"] for r in rows]),
+        "buckets": len(ddp.bucket_sizes),
+    }
+
+
+def _time_collective(algorithm: str, sizes: list[int], iters: int) -> list[float]:
+    """Median seconds of one all-reduce per size (each after a barrier), on this rank."""
+    times = []
+    for nbytes in sizes:
+        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+        samples = []
+        for it in range(iters + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            collectives.all_reduce(buf, "sum", algorithm=algorithm)
+            if it:
+                samples.append(time.perf_counter() - start)
+        times.append(float(statistics.median(samples)))
+    return times
+
+
+def _compute(model, workload, batch) -> float:
+    start = time.perf_counter()
+    workload.loss_fn(model(batch[0]), batch[1]).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) -> dict[str, float]:
+    """Step 3: forward+backward and an all-reduce of a matched length, alone and together."""
+    alone_c, alone_m, both_c, both_m = [], [], [], []
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    for _ in range(reps):
+        dist.barrier()
+        alone_c.append(_compute(model, workload, batch))
+        dist.barrier()
+        start = time.perf_counter()
+        collectives.all_reduce(buf, "sum", algorithm=algorithm)
+        alone_m.append(time.perf_counter() - start)
+        dist.barrier()
+        done: list[float] = []
+        start = time.perf_counter()
+        handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
+        handle.get_future().then(lambda _f: done.append(time.perf_counter()))
+        compute_end = start + _compute(model, workload, batch)
+        handle.wait()
+        deadline = time.monotonic() + 60
+        while not done and time.monotonic() < deadline:  # the callback runs on the worker thread
+            time.sleep(0.0005)
+        both_c.append(compute_end - start)
+        both_m.append((done[0] if done else time.perf_counter()) - start)
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
+            "comm_both_s": med(both_m), "nbytes": nbytes}
+
+
+def _corun(model, workload, batch, reps: int) -> dict[str, float]:
+    """Step 4: rank 0 computing alone, then every rank computing at once."""
+    rank = dist.get_rank()
+    alone, together = [], []
+    for _ in range(reps):
+        dist.barrier()
+        if rank == 0:
+            alone.append(_compute(model, workload, batch))
+        dist.barrier()
+        together.append(_compute(model, workload, batch))
+    return {"alone_s": float(statistics.median(alone)) if alone else 0.0,
+            "together_s": float(statistics.median(together))}

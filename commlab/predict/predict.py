@@ -1,0 +1,95 @@
+"""Predicting a sweep: each configuration of a plan simulated from a calibration profile.
+
+    records = predict_plan(plan, costs_for)     # one sweep record per configuration, no process
+
+A prediction is written exactly as a measured sweep writes its results (commlab/sweep/store.py:
+the same records, CSVs, columns and configuration ids), plus a ``source`` column saying
+``predicted``, so that every figure and ``commlab trace`` work on it unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from commlab._atomic import write_text
+from commlab.predict.costs import cost_from_entry, solve_contention
+from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.sweep.spec import Config
+
+SOURCE = "predicted"
+
+
+class UnpriceableConfig(ValueError):
+    """A configuration the model has no cost for (say, an algorithm or backend never calibrated)."""
+
+
+def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
+    """The lowering's costs from one calibration profile entry (commlab/predict/profile.py)."""
+    if algorithm not in entry["collectives"]:
+        raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
+                                f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
+    if algorithm in entry["contention"]:
+        kc, km = entry["contention"][algorithm]["kc"], entry["contention"][algorithm]["km"]
+    else:
+        kc = km = 0.0
+    c, p = entry["compute"], entry["params"]
+    return StepCosts(
+        forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
+        param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"],
+        writeback_s_per_byte=c["writeback_s_per_byte"], bucket_fixed_s=c["bucket_fixed_s"],
+        corun=c["corun"] if world_size > 1 else 1.0, kc=kc, km=km,
+        allreduce=cost_from_entry(entry["collectives"][algorithm]))
+
+
+def setting_of(cfg: Config) -> DDPSetting:
+    return DDPSetting(bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, accumulate=cfg.accumulate, groups=cfg.groups)
+
+
+def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = None) -> dict[str, Any]:
+    """The sweep record (commlab/sweep/runner.py:record) of one simulated configuration: every
+    rank gets the same rows (ranks are symmetric in the model), one iteration each."""
+    from commlab.sweep.runner import record
+
+    started = time.time()
+    result, buckets = simulate_step(costs, setting or setting_of(cfg))
+    row, bucket_rows = breakdown(result, buckets, costs)
+    results = [{"rank": r, "host": "predicted", "device": "predicted",
+                "iterations": [{"rank": r, "iteration": 0, **row}],
+                "buckets": [{"rank": r, "iteration": 0, **b} for b in bucket_rows]}
+               for r in range(cfg.world_size)]
+    rec = record(cfg, started, results)
+    rec["source"] = SOURCE
+    return rec
+
+
+def predict_plan(configs, costs_for: Callable[[Config], StepCosts]) -> list[dict[str, Any]]:
+    """Records for every configuration; one that cannot be priced is an error before any is written."""
+    priced = [(cfg, costs_for(cfg)) for cfg in configs]
+    return [predict_config(cfg, costs) for cfg, costs in priced]
+
+
+def write_prediction(run_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Records and CSVs as a sweep writes them, then the ``source`` column on every table."""
+    from commlab.sweep import store
+
+    run_dir = Path(run_dir)
+    for rec in records:
+        store.save_record(run_dir, rec)
+    store.assemble(run_dir)
+    for name in ("iterations", "buckets", "runs"):
+        path = run_dir / f"{name}.csv"
+        df = pd.read_csv(path, dtype={"model_args": str, "error": str}, keep_default_na=False)
+        df.insert(1, "source", SOURCE)
+        write_text(path, df.to_csv(index=False, float_format="%.9g"))
+    store.write_metadata(run_dir, meta)
+
+
+def contention_of(entry: dict, algorithm: str) -> tuple[float, float]:
+    """(kc, km) re-solved from the raw times kept in the profile (for reports)."""
+    raw = entry["contention"][algorithm]["raw"]
+    return solve_contention(raw["compute_alone_s"], raw["comm_alone_s"], raw["compute_both_s"], raw["comm_both_s"])

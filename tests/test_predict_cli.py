@@ -1,0 +1,138 @@
+"""`commlab predict`, `tune` and `calibrate` on a synthetic profile: files, ids, columns, errors.
+
+No process is spawned: the profile is written by hand for this machine, so nothing calibrates.
+"""
+
+import json
+import shutil
+import time
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from commlab.cli import main
+from commlab.predict import profile as prof
+from commlab.predict.calibrate import Workload, default_threads, parameter_sizes
+from commlab.predict.costs import fit_table
+from commlab.sweep.spec import build_plan, merge
+from commlab.sweep.store import read_tables, tables
+
+ARGS = ["--model", "mlp", "--model-args", "depth=2,width=64", "--bucket-mb", "0.01,0.02,1", "--algorithm", "native"]
+
+
+def synthetic_entry(**over):
+    nbytes, shapes = parameter_sizes(Workload("mlp", "depth=2,width=64", 32))
+    n = len(nbytes)
+    key = prof.make_key(backend="gloo", world_size=2, threads=default_threads(2), model="mlp",
+                        model_args="depth=2,width=64", batch_per_rank=32)
+    e = {"key": key, "created": time.time(),
+         "params": {"nbytes": nbytes, "ready_order": list(reversed(range(n))),
+                    "signature": prof.param_signature(nbytes, shapes)},
+         "compute": {"forward_s": 0.002, "ready_s": [0.001 * (j + 1) for j in range(n)], "optimizer_s": 0.0005,
+                     "nosync_s": 0.008, "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
+         "contention": {"native": {"kc": 0.5, "km": 0.2}},
+         "collectives": {"native": fit_table([1 << 10, 1 << 16, 1 << 20], [2e-4, 4e-4, 3e-3])}}
+    e.update(over)
+    return e
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "profile.json"
+    prof.store(path, synthetic_entry())
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
+    r = invoke("predict", *ARGS, "--out", str(tmp_path), "--name", "p", "--profile", str(profile))
+    assert r.exit_code == 0, r.output
+    run_dir = tmp_path / "p"
+    iterations, buckets, runs = read_tables(run_dir)
+    plan = build_plan(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01,0.02,1"}))
+    assert list(runs["config"]) == [c.id for c in plan.configs]  # the measured sweep's ids
+    empty = tables([])
+    for got, want in zip((iterations, buckets, runs), empty):
+        assert list(got.columns) == [want.columns[0], "source", *want.columns[1:]]
+        assert set(got["source"]) == {"predicted"}
+    assert (runs["status"] == "ok").all() and (runs["step_median"] > 0).all()
+    # per-bucket rows: ready <= launched <= done, and bigger caps give fewer buckets
+    assert (buckets["launched"] >= buckets["ready"] - 1e-12).all() and (buckets["done"] > buckets["launched"]).all()
+    counts = buckets[buckets["rank"] == 0].groupby("bucket_mb")["bucket"].nunique()
+    assert counts[0.01] > counts[1.0] == 1
+    assert (run_dir / "figures" / "bucket_size.png").exists()
+    assert json.loads((run_dir / "metadata.json").read_text())["source"] == "predicted"
+
+
+def test_against_a_measurement_reports_errors_shape_and_order(tmp_path, profile):
+    assert invoke("predict", *ARGS, "--out", str(tmp_path), "--name", "p", "--profile", str(profile),
+                  "--no-figures").exit_code == 0
+    # A "measurement" 25% slower than the prediction in every configuration: abs error -20%,
+    # shape error 0 (one common factor), and the same order of bucket sizes (tau 1).
+    shutil.copytree(tmp_path / "p", tmp_path / "m")
+    runs = pd.read_csv(tmp_path / "m" / "runs.csv").drop(columns=["source"])
+    for c in ("step_median", "step_p10", "step_p90"):
+        runs[c] *= 1.25
+    runs.to_csv(tmp_path / "m" / "runs.csv", index=False)
+    r = invoke("predict", *ARGS, "--out", str(tmp_path), "--name", "p2", "--profile", str(profile),
+               "--no-figures", "--against", str(tmp_path / "m"))
+    assert r.exit_code == 0, r.output
+    summary = json.loads((tmp_path / "p2" / "comparison.json").read_text())
+    assert summary["median_abs_error"] == pytest.approx(0.2)
+    assert summary["worst_shape_error"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["mean_tau"] == pytest.approx(1.0)
+    assert "Kendall tau" in r.output and (tmp_path / "p2" / "figures" / "predicted_vs_measured.png").exists()
+
+
+def test_tune_json_holds_only_torch_keywords_in_ddp_kwargs(profile):
+    r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert set(out) >= {"ddp_kwargs", "commlab_kwargs", "predicted_step_s", "default_step_s"}
+    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"}
+    assert out["predicted_step_s"] <= out["default_step_s"] + 1e-12
+    assert out["commlab_kwargs"]["algorithm"] == "native"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--hardware", "dgx-z9000"], "unknown preset"),
+    (["--backend", "nccl"], "nccl"),
+    (["--model", "nosuchmodel"], "unknown model"),
+    (["--bucket-mb", "-1"], "positive"),
+])
+def test_bad_input_fails_before_anything_runs(tmp_path, profile, extra, message):
+    r = invoke("predict", *ARGS, *extra, "--out", str(tmp_path), "--name", "bad", "--profile", str(profile))
+    assert r.exit_code == 2 and message in r.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_broken_or_foreign_profiles_are_errors_not_silently_used(tmp_path):
+    broken = synthetic_entry()
+    del broken["compute"]["forward_s"]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps({"format": prof.FORMAT, "entries": {prof.key_id(broken["key"]): broken}}))
+    r = invoke("predict", *ARGS, "--out", str(tmp_path), "--profile", str(path))
+    assert r.exit_code == 2 and "compute.forward_s" in r.output
+    foreign = tmp_path / "foreign.json"
+    prof.store(foreign, synthetic_entry(key={**synthetic_entry()["key"], "torch": "0.1"}))
+    r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(foreign))
+    assert r.exit_code == 2 and "torch 0.1" in r.output
+
+
+def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
+    path = tmp_path / "profile.json"
+    e = synthetic_entry()
+    e["key"] = {**e["key"], "world_size": 1, "threads": default_threads(1)}  # compute only, gloo
+    prof.store(path, e)
+    r = invoke("predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
+               "--backend", "nccl", "--world-size", "8,16,64", "--scaling", "weak", "--batch-per-rank", "32",
+               "--bucket-mb", "25", "--overlap", "on", "--out", str(tmp_path), "--name", "hw", "--profile", str(path))
+    assert r.exit_code == 0, r.output
+    runs = read_tables(tmp_path / "hw")[2]
+    assert list(runs["world_size"]) == [8, 16, 64]
+    assert runs["step_median"].is_monotonic_increasing  # crossing nodes at 16 costs
+    assert "dgx-a100-hdr200" in json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]

@@ -1,0 +1,118 @@
+"""Calibration profiles, cost tables, contention factors and hardware presets (pure, no processes)."""
+
+import json
+import math
+
+import pytest
+
+from commlab.predict import profile as prof
+from commlab.predict.costs import CollectiveCost, fit_table, solve_contention
+from commlab.predict.hardware import allreduce_cost, load_preset, preset_names
+
+
+def entry(**key_over):
+    key = prof.make_key(backend="gloo", world_size=2, threads=1, model="mlp", model_args="", batch_per_rank=32)
+    key.update(key_over)
+    return {"key": key, "created": 1000.0,
+            "params": {"nbytes": [4, 4], "ready_order": [1, 0], "signature": "abc"},
+            "compute": {"forward_s": .1, "ready_s": [.1, .2], "optimizer_s": .01, "nosync_s": .3,
+                        "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
+            "contention": {}, "collectives": {"native": fit_table([1, 2, 4], [1.0, 2.0, 4.0])}}
+
+
+def test_profile_round_trip_and_lookup(tmp_path):
+    path = tmp_path / "p.json"
+    e = entry()
+    prof.store(path, e)
+    assert json.loads(path.read_text())["format"] == prof.FORMAT
+    got = prof.lookup(path, e["key"], signature="abc", now=1000.0 + 60)
+    assert got["compute"]["corun"] == 1.1
+    with pytest.raises(KeyError):
+        prof.lookup(path, {**e["key"], "world_size": 4}, now=1060.0)
+
+
+def test_stale_and_changed_profiles_are_detected(tmp_path):
+    path = tmp_path / "p.json"
+    e = entry()
+    prof.store(path, e)
+    with pytest.raises(prof.StaleProfile, match="old"):
+        prof.lookup(path, e["key"], now=1000.0 + prof.DEFAULT_MAX_AGE_S + 1)
+    with pytest.raises(prof.StaleProfile, match="changed"):
+        prof.lookup(path, e["key"], signature="other", now=1001.0)
+
+
+def test_foreign_or_broken_profiles_are_errors(tmp_path):
+    path = tmp_path / "p.json"
+    prof.store(path, entry(machine="elsewhere|cpu|64"))
+    here = entry()["key"]
+    with pytest.raises(prof.ProfileError, match="another machine"):
+        prof.lookup(path, here)
+    path2 = tmp_path / "q.json"
+    prof.store(path2, entry(torch="1.0.0"))
+    with pytest.raises(prof.ProfileError, match="torch 1.0.0"):
+        prof.lookup(path2, here)
+    broken = entry()
+    del broken["compute"]["corun"]
+    with pytest.raises(prof.ProfileError, match="compute.corun"):
+        prof.store(tmp_path / "r.json", broken)
+    (tmp_path / "s.json").write_text("{not json")
+    with pytest.raises(prof.ProfileError, match="not a readable profile"):
+        prof.lookup(tmp_path / "s.json", here)
+
+
+def test_collective_table_interpolates_and_keeps_the_line():
+    fit = fit_table([4 << 20, 1 << 20, 16 << 20], [0.005, 0.002, 0.017])
+    assert fit["sizes"] == [1 << 20, 4 << 20, 16 << 20]  # sorted
+    assert len(fit["line_residuals"]) == 3 and fit["r2"] > 0.9
+    cost = CollectiveCost(tuple(fit["sizes"]), tuple(fit["seconds"]))
+    assert cost(1 << 20) == pytest.approx(0.002)
+    assert cost(10 << 20) == pytest.approx(0.005 + 0.012 * 6 / 12)  # linear between 4 and 16 MiB
+    assert cost(1 << 10) == pytest.approx(0.002)  # latency-bound below the table: held
+    assert cost(32 << 20) == pytest.approx(0.017 + 0.001 * 16)  # last segment's slope above
+    line = CollectiveCost.line(1e-3, 1e9)
+    assert line(1e9) == pytest.approx(1.001)
+    with pytest.raises(ValueError):
+        CollectiveCost((2, 1), (1.0, 1.0))
+
+
+def test_contention_factors_invert_the_fluid_model():
+    # compute 1.0 s alone, comm 0.4 s alone; kc = 0.5, km = 0.25 -> comm ends at 0.5 (slowed all
+    # its life); compute did 0.5 / 1.5 by then and the rest at full speed: 0.5 + 2/3.
+    kc, km = solve_contention(1.0, 0.4, 0.5 + (1 - 0.5 / 1.5), 0.5)
+    assert (kc, km) == pytest.approx((0.5, 0.25))
+    # the other way round: compute ends first
+    kc, km = solve_contention(0.2, 1.0, 0.3, 0.3 + (1 - 0.3 / 2.0))
+    assert (kc, km) == pytest.approx((0.5, 1.0))
+    assert solve_contention(1.0, 1.0, 0.9, 0.9) == (0.0, 0.0)  # faster together: noise, clipped
+    with pytest.raises(ValueError):
+        solve_contention(0.0, 1.0, 1.0, 1.0)
+
+
+def test_hardware_presets():
+    assert "dgx-a100-hdr200" in preset_names()
+    p = load_preset("dgx-a100-hdr200")
+    assert "assumed" in p["assumptions"]
+    # inside a node: 2 (n-1) hops + S * 2 (n-1) / n / busbw
+    assert allreduce_cost(p, 8)(1e9) == pytest.approx(14 * 2e-6 + 1e9 * 14 / 8 / 230e9)
+    assert allreduce_cost(p, 16)(1e9) == pytest.approx(30 * 5e-6 + 1e9 * 30 / 16 / 22.5e9)
+    assert allreduce_cost(p, 1)(1e9) == 0.0
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_preset("dgx-z9000")
+
+
+def test_hardware_preset_file_missing_a_field(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("mine: {gpus_per_node: 4, intra_busbw_gbps: 100}\n")
+    with pytest.raises(ValueError, match="missing field"):
+        load_preset(str(path))
+    assert math.isfinite(allreduce_cost(load_preset("dgx-h100-ndr400"), 256)(25 << 20))
+
+
+def test_kendall_tau_b():
+    from commlab.predict.compare import kendall_tau
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 1, 2], [5, 5, 7]) == pytest.approx(1.0)  # ties on both sides
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert math.isnan(kendall_tau([1], [1]))
