@@ -37,6 +37,7 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
 
     from commlab.models import mlp
     from commlab.pipeline.executor import PipelineSchedule
+    from commlab.pipeline.schedules import REGISTRY
     from commlab.pipeline.stage import Stage
 
     def model():
@@ -47,11 +48,15 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(common["batch"], common["width"], generator=gen).to(rt.device)
     y = torch.randint(0, 10, (common["batch"],), generator=gen).to(rt.device)
     ours_model = model()
-    stage = Stage(ours_model, cfg["balance"], device=rt.device)
-    ours = PipelineSchedule(stage, cfg["schedule"], microbatches=cfg["microbatches"], loss_fn=F.cross_entropy,
-                            checkpoint=cfg["checkpoint"], timeout=common.get("timeout", 300.0), measure=True)  # fmt: skip
+    found = REGISTRY[cfg["schedule"]]
+    placement = found.placement(rt.world_size, len(cfg["balance"]))
+    stage = Stage(ours_model, cfg["balance"], placement, device=rt.device)
+    options = dict(microbatches=cfg["microbatches"], loss_fn=F.cross_entropy, checkpoint=cfg["checkpoint"],
+                   timeout=common.get("timeout", 300.0))  # fmt: skip
+    # Timing runs as a user would: no memory hooks, no per-action device synchronisation.
+    ours = PipelineSchedule(stage, cfg["schedule"], track_memory=False, measure=False, **options)
     runs = {"commlab": (ours_model, lambda: ours.step(x if stage.is_first else None, target=y if stage.is_last else None))}
-    if cfg["checkpoint"] == "never":
+    if cfg["checkpoint"] == "never" and found.torch is not None:
         ref_model = model()
         runs["torch"] = (ref_model, _torch_step(ref_model, cfg, rt, x, y))
     cuda = rt.device.type == "cuda"
@@ -80,26 +85,35 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
                 origins.append(start)
                 if cuda:
                     cuda_peak = torch.cuda.max_memory_allocated(rt.device) - base
-    return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "saved_bytes": dict(ours.peak_saved_bytes), "cuda_peak": cuda_peak}
+    # Memory from one more, untimed step with the accounting on.
+    counted = PipelineSchedule(stage, cfg["schedule"], **options)
+    counted.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    ours_model.zero_grad(set_to_none=True)
+    return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "cuda_peak": cuda_peak,
+            "saved_bytes": dict(counted.peak_saved_bytes), "rank_peak_bytes": counted.memory.peak}  # fmt: skip
 
 
 def _torch_step(net, cfg: dict[str, Any], rt, x, y):
     """The same split under torch.distributed.pipelining; returns a closure running one step."""
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from commlab.pipeline.schedules import REGISTRY
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     from commlab.pipeline.partition import split
 
+    found = REGISTRY[cfg["schedule"]]
     parts = split(net, cfg["balance"])
     p, total = rt.world_size, len(parts)
-    stages = [PipelineStage(parts[s].to(rt.device), s, total, rt.device) for s in range(rt.rank, total, p)]
+    placement = found.placement(p, total)
+    stages = [PipelineStage(parts[s].to(rt.device), s, total, rt.device) for s in range(total) if placement[s] == rt.rank]
     m = cfg["microbatches"]
-    if cfg["schedule"] == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=F.cross_entropy)
-    else:
-        kind = ScheduleGPipe if cfg["schedule"] == "gpipe" else Schedule1F1B
+    kind = getattr(schedules, found.torch)
+    if issubclass(kind, schedules.PipelineScheduleSingle):
         schedule = kind(stages[0], m, loss_fn=F.cross_entropy)
-    first, last = rt.rank == 0, rt.rank == (total - 1) % p
+    else:
+        schedule = kind(stages, m, loss_fn=F.cross_entropy)
+    first, last = rt.rank == placement[0], rt.rank == placement[-1]
 
     def step():
         args = (x,) if first else ()
@@ -127,10 +141,11 @@ def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
     for k in range(len(per_rank[0]["timelines"])):
         timeline = aligned(per_rank, k)
         where = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+        split = frozenset(s for s, kind, _ in where if kind == "I")
         for r, acts in timeline.items():
             free = 0.0
             for s, kind, i, a, b in acts:
-                for d in dependencies(Action(s, kind, i), stages):
+                for d in dependencies(Action(s, kind, i), stages, split):
                     rank, done = where[(d.stage, d.kind, d.microbatch)]
                     if rank != r and done > free:
                         delays.append(max(0.0, a - done))
@@ -148,11 +163,12 @@ def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: flo
     from commlab.pipeline.simulate import dependencies
 
     ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+    split = frozenset(s for s, kind, _ in ends if kind == "I")
     waiting = ready = 0.0
     for r, acts in timeline.items():
         free = 0.0
         for s, kind, i, start, end in sorted(acts, key=lambda a: a[3]):
-            arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages)
+            arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages, split)
                                     if ends[(d.stage, d.kind, d.microbatch)][0] != r])  # fmt: skip
             waiting += max(0.0, min(arrived, start) - free)
             ready += max(0.0, start - max(arrived, free))
@@ -203,8 +219,13 @@ def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float
             for stage, kind, _, start, end in timeline:
                 durations.setdefault((stage, kind), []).append(end - start)
     stages = 1 + max(s for s, _ in durations)
-    return ([statistics.median(durations[(s, "F")]) for s in range(stages)],
-            [statistics.median(durations[(s, "B")]) for s in range(stages)])  # fmt: skip
+
+    def backward(s: int) -> float:  # a split backward's B is its I plus its W
+        if (s, "B") in durations:
+            return statistics.median(durations[(s, "B")])
+        return statistics.median(durations[(s, "I")]) + statistics.median(durations[(s, "W")])
+
+    return [statistics.median(durations[(s, "F")]) for s in range(stages)], [backward(s) for s in range(stages)]
 
 
 def stage_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

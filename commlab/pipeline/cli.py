@@ -13,7 +13,9 @@ from pathlib import Path
 
 import click
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+from commlab.pipeline.schedules import REGISTRY
+
+SCHEDULE_NAMES = tuple(REGISTRY)  # the registry is the one list of schedules
 BALANCE_MODES = ("uniform", "time", "size")
 
 
@@ -35,11 +37,21 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     return names
 
 
+def _schedule_names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def _virtual(schedule: str, virtual: int) -> int:
+    """Stages per rank for ``schedule``: its own if the registry fixes one, else ``--virtual``."""
+    allowed = REGISTRY[schedule].virtual
+    return virtual if allowed is None else allowed[0]
+
+
 def _actions(schedule: str, ranks: int, microbatches: int, virtual: int):
     from commlab.pipeline import build, validate
 
     try:
-        actions = build(schedule, ranks, microbatches, virtual if schedule == "interleaved" else 1)
+        actions = build(schedule, ranks, microbatches, _virtual(schedule, virtual))
         validate(actions)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
@@ -53,15 +65,24 @@ def pipeline() -> None:
 
 @pipeline.command()
 @click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(SCHEDULE_NAMES))
+@click.option("--csv", "csv_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="show a schedule read from torch.distributed.pipelining's compute-only CSV instead")
 @click.option("--ranks", "-p", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved)")
+@click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
-def show(schedule: str, ranks: int, microbatches: int, virtual: int, as_actions: bool) -> None:
-    """Print a schedule's step x rank grid (unit forward and backward times; '.' is idle)."""
-    from commlab.pipeline import format_actions, grid
+def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool) -> None:
+    """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
+    from commlab.pipeline import format_actions, from_csv, grid, validate
 
-    actions = _actions(schedule, ranks, microbatches, virtual)
+    if csv_path is not None:
+        try:
+            actions = from_csv(csv_path.read_text())
+            validate(actions)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+    else:
+        actions = _actions(schedule, ranks, microbatches, virtual)
     if as_actions:
         for r, line in enumerate(format_actions(actions)):
             click.echo(f"rank {r}: {line}")
@@ -88,8 +109,8 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
     panels = []
     click.echo(f"{'schedule':<12} {'m':>4} {'step':>9} {'bubble':>8} {'formula':>8}  peak in flight per stage")
     for m in _ints(microbatches, "--microbatches"):
-        for name in _names(schedules, SCHEDULE_NAMES, "--schedules"):
-            v = virtual if name == "interleaved" else 1
+        for name in _names(schedules, _schedule_names(), "--schedules"):
+            v = _virtual(name, virtual)
             sim = run(_actions(name, ranks, m, v), forward / v, backward / v, comm)
             formula = bubble_formula(ranks, m, v)
             click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula:>8.3f}  {list(sim.peak_in_flight)}")
@@ -108,7 +129,7 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 @click.option("--checkpoint", "checkpoints", default="never", show_default=True, help="never,except_last,always")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=2))
 @click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
-@click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved)")
+@click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
@@ -132,16 +153,22 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
         raise click.BadParameter(str(e), param_hint="--backend") from None
     common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
     configs = []
-    for schedule in _names(schedules, SCHEDULE_NAMES, "--schedules"):
-        v = virtual if schedule == "interleaved" else 1
+    balances: dict[tuple[str, int], list[int]] = {}  # one balance per mode and stage count, shared by all schedules
+    for schedule in _names(schedules, _schedule_names(), "--schedules"):
+        v = _virtual(schedule, virtual)
         for mode in _names(balance_modes, BALANCE_MODES, "--balance"):
-            balance = _balance(mode, depth, width, batch, world_size * v)
+            if (mode, world_size * v) not in balances:
+                # Profiled at the micro-batch size the pipeline runs (the smallest asked for).
+                mb = max(1, batch // max(_ints(microbatches, "--microbatches")))
+                balances[(mode, world_size * v)] = _balance(mode, depth, width, mb, world_size * v)
+            balance = balances[(mode, world_size * v)]
             for m in _ints(microbatches, "--microbatches"):
                 if m > batch:
                     raise click.BadParameter(f"{m} micro-batches need a batch of at least {m}, got {batch}", param_hint="--microbatches")
                 for ck in _names(checkpoints, CHECKPOINT_MODES, "--checkpoint"):
                     try:
-                        check_plan(schedule, world_size * v, world_size, m, ck)
+                        check_plan(schedule, world_size * v, world_size, m, ck,
+                                   REGISTRY[schedule].placement(world_size, world_size * v))
                     except ValueError as err:
                         raise click.UsageError(f"{schedule}, m={m}: {err}") from None
                     cid = f"{schedule}-m{m}-{mode}-{ck}"

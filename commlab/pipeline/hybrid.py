@@ -32,18 +32,23 @@ class DataParallelStage(Stage):
     ``ddp_options`` go to :class:`commlab.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
+    # DDP's reducer is armed for one backward call; a split I/W backward is two calls per
+    # micro-batch, so zero-bubble schedules are refused here (PipelineSchedule raises).
+    supports_split_backward = False
+
     def __init__(
         self,
         model: nn.Sequential,
         balance: Sequence[int],
         topology: Topology,
         *,
+        placement: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         **ddp_options: Any,
     ):
         if topology.pp_group is None or topology.dp_group is None:
             raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
-        super().__init__(model, balance, group=topology.pp_group, device=device)
+        super().__init__(model, balance, placement, group=topology.pp_group, device=device)
         self.topology = topology
         # Wrap in stage order: DDP's constructor is collective over the data-parallel group.
         self.modules = {

@@ -1,57 +1,40 @@
-"""Pipeline schedules as data: each rank's ordered list of forward and backward actions.
+"""Pipeline schedules as data, and the registry that names them.
 
-A schedule is a pure function of the number of ranks ``p``, micro-batches ``m`` and (for the
-interleaved schedule) virtual stages per rank ``v``. It returns one tuple of :class:`Action` per
-rank; nothing here touches a process group, so every schedule is tested as literal lists.
+A schedule is a pure function of the number of ranks ``p``, micro-batches ``m`` and virtual
+stages per rank ``v``. It returns one tuple of :class:`Action` per rank; nothing here touches a
+process group, so every schedule is tested as literal lists. :data:`REGISTRY` is the one place a
+schedule is declared (:class:`ScheduleSpec`: builder, placement, action kinds, what it accepts);
+the executor, the CLI, the validator and the benchmark all read it.
 
-Stage ``s`` of ``p * v`` lives on rank ``s % p`` (Megatron-LM's "looping" placement; with
-``v = 1`` stage s is simply rank s). An action names a stage, not a rank, so the executor and the
-simulator both find the rank holding a stage with :func:`stage_rank`.
+gpipe, 1f1b and interleaved use the looping placement (stage s on rank s % p); the zero-bubble
+schedules are in :mod:`commlab.pipeline.zero_bubble`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-FORWARD = "F"
-BACKWARD = "B"
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from commlab.pipeline.actions import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Actions,
+    format_actions,
+    looping,
+    num_stages,
+    v_shape,
+)
+from commlab.pipeline.zero_bubble import zb_h1, zb_v
 
-Actions = tuple[tuple["Action", ...], ...]  # indexed by rank
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of work: run ``stage``'s forward or backward on micro-batch ``microbatch``."""
-
-    stage: int
-    kind: str  # FORWARD or BACKWARD
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise ValueError(f"action kind must be 'F' or 'B', got {self.kind!r}")
-
-    def __str__(self) -> str:
-        # The compact form torch.distributed.pipelining prints: stage, kind, micro-batch ("1F0").
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        for kind in (FORWARD, BACKWARD):
-            stage, sep, mb = text.partition(kind)
-            if sep and stage.isdigit() and mb.isdigit():
-                return cls(int(stage), kind, int(mb))
-        raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0' or '0B3'")
+__all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 
 
 def stage_rank(stage: int, ranks: int) -> int:
     """The rank that holds ``stage`` under the looping placement."""
     return stage % ranks
-
-
-def num_stages(actions: Actions) -> int:
-    return 1 + max(a.stage for rank in actions for a in rank)
 
 
 def _check(ranks: int, microbatches: int, virtual: int) -> None:
@@ -111,7 +94,7 @@ def interleaved(ranks: int, microbatches: int, virtual: int = 2) -> Actions:
     _check(ranks, microbatches, virtual)
     if microbatches % ranks:
         raise ValueError(
-            f"the interleaved schedule needs micro-batches to be a multiple of the ranks: "
+            f"schedule 'interleaved' needs micro-batches to be a multiple of the ranks: "
             f"{microbatches} micro-batches, {ranks} ranks"
         )
     return tuple(_interleaved_rank(r, ranks, microbatches, virtual) for r in range(ranks))
@@ -138,17 +121,66 @@ def _interleaved_rank(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     return tuple(warm + steady + cool)
 
 
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A registered schedule: everything the executor, CLI, validator and benchmark need to know.
+
+    ``build(ranks, microbatches, virtual)`` returns the actions; ``placement(ranks, stages)`` the
+    rank of each stage; ``kinds`` the action kinds it uses; ``virtual`` the stages per rank it
+    accepts (None: any); ``multiple``: micro-batches must be a multiple of the ranks; ``torch``:
+    the torch.distributed.pipelining class running the same order (for the benchmark), or None.
+    """
+
+    name: str
+    build: Callable[[int, int, int], Actions]
+    placement: Callable[[int, int], tuple[int, ...]] = looping
+    kinds: frozenset[str] = frozenset({FORWARD, BACKWARD})
+    virtual: tuple[int, ...] | None = (1,)
+    multiple: bool = False
+    torch: str | None = None
+    doc: str = ""
+
+    def check(self, ranks: int, microbatches: int, virtual: int) -> None:
+        """ValueError naming what this schedule does not accept."""
+        _check(ranks, microbatches, virtual)
+        if self.virtual is not None and virtual not in self.virtual:
+            allowed = " or ".join(map(str, self.virtual))
+            raise ValueError(f"schedule {self.name!r} runs {allowed} stage(s) per rank, not {virtual} "
+                             f"({ranks * virtual} stages on {ranks} ranks)")  # fmt: skip
+        if self.multiple and microbatches % ranks:
+            raise ValueError(f"schedule {self.name!r} needs micro-batches to be a multiple of the ranks: "
+                             f"{microbatches} micro-batches, {ranks} ranks")  # fmt: skip
+
+
+REGISTRY: dict[str, ScheduleSpec] = {}
+
+
+def register(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add a schedule: the one place a new schedule is declared."""
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+register(ScheduleSpec("gpipe", lambda p, m, v: gpipe(p, m), torch="ScheduleGPipe", doc="fill-drain"))
+register(ScheduleSpec("1f1b", lambda p, m, v: one_f_one_b(p, m), torch="Schedule1F1B", doc="PipeDream-Flush"))
+register(ScheduleSpec("interleaved", interleaved, virtual=None, multiple=True, torch="ScheduleInterleaved1F1B",
+                      doc="Megatron interleaved 1F1B, looping placement"))  # fmt: skip
+register(ScheduleSpec("zb-h1", lambda p, m, v: zb_h1(p, m), kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}),
+                      doc="zero bubble H1, 1F1B memory"))  # fmt: skip
+register(ScheduleSpec("zb-v", lambda p, m, v: zb_v(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
+                      kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleZBVZeroBubble",
+                      doc="zero bubble V, two stages per rank"))  # fmt: skip
+SCHEDULES = tuple(REGISTRY)  # the built-in names; REGISTRY also holds any registered later
+
+
+def spec(name: str) -> ScheduleSpec:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown schedule {name!r}: choose from {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
 def build(name: str, ranks: int, microbatches: int, virtual: int = 1) -> Actions:
-    """The named schedule; ``virtual`` is used (and must be > 1 to matter) by ``interleaved`` only."""
-    if name == "gpipe":
-        return gpipe(ranks, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(ranks, microbatches)
-    if name == "interleaved":
-        return interleaved(ranks, microbatches, virtual)
-    raise ValueError(f"unknown schedule {name!r}: choose from {', '.join(SCHEDULES)}")
-
-
-def format_actions(actions: Actions) -> list[str]:
-    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]``."""
-    return [" ".join(str(a) for a in rank) for rank in actions]
+    """The named schedule's actions, after checking the schedule accepts this shape."""
+    found = spec(name)
+    found.check(ranks, microbatches, virtual)
+    return found.build(ranks, microbatches, virtual)

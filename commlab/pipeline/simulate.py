@@ -1,8 +1,7 @@
 """Dry-run simulation of a schedule: when each action runs, step time, idle time and the bubble.
 
 Each rank runs its actions strictly in order; an action starts when its rank is free and its
-inputs exist: forward ``(s, i)`` needs forward ``(s-1, i)``, backward ``(s, i)`` needs forward
-``(s, i)`` and backward ``(s+1, i)``. Sends never block (the executor's sends are asynchronous), so
+inputs exist (:func:`dependencies`). Sends never block (the executor's sends are asynchronous), so
 the only waits are receives, and a schedule deadlocks exactly when no rank can start its next
 action. The same engine with unit times is the validator's deadlock check and the text grid.
 """
@@ -12,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from commlab.pipeline.schedules import BACKWARD, FORWARD, Action, Actions, num_stages, stage_rank
+from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_stages
 
 
 class DeadlockError(ValueError):
@@ -43,11 +42,23 @@ class Simulation:
         return sum(self.idle) / (len(self.idle) * self.step_time) if self.step_time else 0.0
 
 
-def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
+def split_stages(actions: Actions) -> frozenset[int]:
+    """Stages whose backward is split into I and W (their input gradient comes from I, not B)."""
+    return frozenset(a.stage for rank in actions for a in rank if a.kind == INPUT_GRAD)
+
+
+def dependencies(action: Action, stages: int, split: frozenset[int] = frozenset()) -> tuple[Action, ...]:
+    """The actions whose results ``action`` consumes (``split``: stages that run I/W, not B).
+
+    F(s, i) needs F(s-1, i); B(s, i) and I(s, i) need F(s, i) and the input gradient of stage s+1
+    (its B or its I); W(s, i) needs I(s, i), which leaves the weights' gradients to compute.
+    """
     s, i = action.stage, action.microbatch
     if action.kind == FORWARD:
         return (Action(s - 1, FORWARD, i),) if s > 0 else ()
-    later = (Action(s + 1, BACKWARD, i),) if s + 1 < stages else ()
+    if action.kind == WEIGHT_GRAD:
+        return (Action(s, INPUT_GRAD, i),)
+    later = (Action(s + 1, INPUT_GRAD if s + 1 in split else BACKWARD, i),) if s + 1 < stages else ()
     return (Action(s, FORWARD, i), *later)
 
 
@@ -69,20 +80,29 @@ def simulate(
     backward: float | Sequence[float] = 2.0,
     comm: float = 0.0,
     durations: Mapping[Action, float] | None = None,
+    *,
+    weight_share: float = 0.5,
+    after: Mapping[Action, Sequence[Action]] | None = None,
 ) -> Simulation:
     """Run the schedule on a virtual clock; raise :class:`DeadlockError` if it cannot finish.
 
     ``forward`` and ``backward`` are per-stage times (one number for all stages, or a list);
     ``comm`` is added to every dependency that crosses ranks. The default backward = 2 x forward
-    is the usual estimate (a backward computes gradients for both inputs and weights).
-    ``durations`` overrides the time of individual actions: replaying one measured step's own
-    compute times shows what the schedule would have cost with zero executor overhead.
+    is the usual estimate (a backward computes gradients for both inputs and weights); a split
+    backward gives ``weight_share`` of it to W and the rest to I. ``durations`` overrides the time
+    of individual actions: replaying one measured step's own compute times shows what the schedule
+    would have cost with zero executor overhead. ``after`` adds waits: an action starts only after
+    the listed actions ended (the executor's waits on its own sends).
     """
     ranks = len(actions)
     stages = num_stages(actions)
+    split = split_stages(actions)
     f = _per_stage(forward, stages, "forward")
     b = _per_stage(backward, stages, "backward")
+    cost_of = {FORWARD: f, BACKWARD: b, INPUT_GRAD: [x * (1 - weight_share) for x in b], WEIGHT_GRAD: [x * weight_share for x in b]}
+    after = after or {}
     end: dict[Action, float] = {}
+    where: dict[Action, int] = {}
     clock = [0.0] * ranks
     busy = [0.0] * ranks
     nxt = [0] * ranks
@@ -93,17 +113,20 @@ def simulate(
         for r in range(ranks):
             while nxt[r] < len(actions[r]):
                 act = actions[r][nxt[r]]
-                deps = dependencies(act, stages)
-                if any(d not in end for d in deps):
+                deps = dependencies(act, stages, split)
+                extra = after.get(act, ())
+                if any(d not in end for d in deps) or any(d not in end for d in extra):
                     break
                 ready = max(
                     [clock[r]]
-                    + [end[d] + (comm if stage_rank(d.stage, ranks) != r else 0.0) for d in deps]
+                    + [end[d] + (comm if where[d] != r else 0.0) for d in deps]
+                    + [end[d] for d in extra]
                 )
-                cost = f[act.stage] if act.kind == FORWARD else b[act.stage]
+                cost = cost_of[act.kind][act.stage]
                 if durations is not None and act in durations:
                     cost = durations[act]
                 end[act] = ready + cost
+                where[act] = r
                 clock[r] = ready + cost
                 busy[r] += cost
                 timeline.append(Timed(r, act, ready, ready + cost))
@@ -137,7 +160,8 @@ def peak_in_flight(actions: Actions) -> tuple[int, ...]:
     peak = [0] * stages
     for rank in actions:
         for a in rank:
-            live[a.stage] += 1 if a.kind == FORWARD else -1
+            # A split backward frees the stage's activations only at W, which still needs them.
+            live[a.stage] += 1 if a.kind == FORWARD else (-1 if a.kind in (BACKWARD, WEIGHT_GRAD) else 0)
             peak[a.stage] = max(peak[a.stage], live[a.stage])
     return tuple(peak)
 

@@ -1,7 +1,8 @@
 """A pipeline stage: the part of a partitioned nn.Sequential that this rank holds, and its neighbours.
 
-With the looping placement (stage s on rank s % p) a rank holds ``v = stages / p`` stages; for
-GPipe and 1F1B v = 1. The stage object owns no schedule: the executor asks it for the module of
+``placement`` lists the rank of each stage. The default is the looping placement (stage s on rank
+s % p), under which a rank holds ``v = stages / p`` stages (v = 1 for GPipe and 1F1B); ZB-V uses
+the V placement [0, 1, ..., p-1, p-1, ..., 0] (:func:`commlab.pipeline.actions.v_shape`). The stage object owns no schedule: the executor asks it for the module of
 a stage and for the global rank of the rank holding another stage. Subclasses hook the forward
 and backward of each stage module (hybrid pipeline x data parallel uses this to control DDP's
 gradient synchronisation).
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.pipeline.partition import split
-from commlab.pipeline.schedules import stage_rank
+from commlab.pipeline.actions import check_placement, looping
 
 
 def check_stages(stages: int, ranks: int) -> int:
@@ -31,17 +32,21 @@ def check_stages(stages: int, ranks: int) -> int:
 
 
 class Stage:
-    """This rank's stage modules of ``model`` split by ``balance`` over the ranks of ``group``.
+    """This rank's stage modules of ``model`` split by ``balance`` and placed by ``placement``
+    (default: looping) over the ranks of ``group``.
 
     ``group`` is the pipeline group (``Topology.pp_group`` in a hybrid run; None: all ranks). The
     modules are moved to ``device`` (default: the CPU for Gloo, this rank's GPU for NCCL) and share
     parameters with ``model``.
     """
 
+    supports_split_backward = True  # may run I and W actions (a subclass may refuse)
+
     def __init__(
         self,
         model: nn.Sequential,
         balance: Sequence[int],
+        placement: Sequence[int] | None = None,
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
@@ -51,13 +56,17 @@ class Stage:
         self.ranks = dist.get_world_size(group)
         parts = split(model, balance)
         self.num_stages = len(parts)
-        self.virtual = check_stages(self.num_stages, self.ranks)
+        if placement is None:
+            check_stages(self.num_stages, self.ranks)
+            placement = looping(self.ranks, self.num_stages)
+        self.placement = check_placement(placement, self.ranks, self.num_stages)
+        self.virtual = self.num_stages // self.ranks
         if device is None:
             backend = str(dist.get_backend(group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
         self.modules: dict[int, nn.Module] = {
-            s: parts[s].to(self.device) for s in range(self.rank, self.num_stages, self.ranks)
+            s: parts[s].to(self.device) for s in range(self.num_stages) if self.placement[s] == self.rank
         }
         self._global_ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.ranks)
@@ -73,7 +82,7 @@ class Stage:
 
     def rank_of(self, stage: int) -> int:
         """The rank (in the pipeline group) holding ``stage``."""
-        return stage_rank(stage, self.ranks)
+        return self.placement[stage]
 
     def global_rank_of(self, stage: int) -> int:
         """The global rank holding ``stage``, for point-to-point calls."""

@@ -1,48 +1,87 @@
 """Checks that a schedule can run: complete, ordered, placed on the right ranks, deadlock-free.
 
-:func:`validate` raises ValueError naming every problem it finds, before any process starts.
-:func:`message_order` checks the stricter property that NCCL needs: on every pair of ranks, the
-receiver consumes messages in the order the sender produced them (NCCL matches point-to-point
-operations by issue order, not by tag).
+:func:`validate` raises ValueError naming every problem it finds, before any process starts; it
+accepts any per-rank action lists (made here, by hand, or by torch.distributed.pipelining) and
+checks them against the micro-batches, stages and placement the caller expects.
 """
 
 from __future__ import annotations
 
-from commlab.pipeline.schedules import BACKWARD, FORWARD, Action, Actions, num_stages, stage_rank
-from commlab.pipeline.simulate import DeadlockError, dependencies, simulate
+from collections.abc import Sequence
+
+from commlab.pipeline.actions import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Actions,
+    check_placement,
+    num_microbatches,
+    num_stages,
+    placement_of,
+)
+from commlab.pipeline.messages import message_order
+from commlab.pipeline.simulate import DeadlockError, dependencies, simulate, split_stages
+
+__all__ = ["message_order", "problems", "validate"]
 
 
-def problems(actions: Actions) -> list[str]:
+def problems(
+    actions: Actions,
+    microbatches: int | None = None,
+    stages: int | None = None,
+    placement: Sequence[int] | None = None,
+) -> list[str]:
     """Every rule the schedule breaks, as sentences (empty when it is valid)."""
     if not actions or not any(actions):
         return ["the schedule has no actions"]
     ranks = len(actions)
-    stages = num_stages(actions)
     found: list[str] = []
-    if stages % ranks:
-        found.append(f"{stages} stages do not divide evenly over {ranks} ranks")
-    seen: dict[Action, int] = {}
+    have_stages, have_mb = num_stages(actions), num_microbatches(actions)
+    if stages is not None and have_stages != stages:
+        found.append(f"the schedule has {have_stages} stages, expected {stages}")
+    if microbatches is not None and have_mb != microbatches:
+        found.append(f"the schedule has {have_mb} micro-batches, expected {microbatches}")
+    stages = max(have_stages, stages or 0)
+    microbatches = max(have_mb, microbatches or 0)
+    if placement is None:
+        placement = placement_of(actions)
+    else:
+        try:
+            placement = check_placement(placement, ranks, stages)
+        except ValueError as err:
+            return found + [str(err)]
+    idle = [r for r, rank in enumerate(actions) if not rank]
+    if idle:
+        found.append(f"ranks {idle} have no actions")
+    split = split_stages(actions)
+    seen: set[Action] = set()
     for r, rank_actions in enumerate(actions):
         position: dict[Action, int] = {}
         for k, a in enumerate(rank_actions):
-            if stage_rank(a.stage, ranks) != r:
-                found.append(f"rank {r} runs {a}, but stage {a.stage} lives on rank {stage_rank(a.stage, ranks)}")
+            if a.stage < len(placement) and placement[a.stage] != r:
+                found.append(f"rank {r} runs {a}, but stage {a.stage} lives on rank {placement[a.stage]}")
             if a in seen:
                 found.append(f"{a} appears twice")
-            seen[a] = r
+            seen.add(a)
             position[a] = k
         for a, k in position.items():
-            for d in dependencies(a, stages):
+            for d in dependencies(a, stages, split):
                 # A dependency on this rank must already have run, or the rank waits on itself.
                 if d in position and position[d] > k:
-                    why = "forward before its backward" if a.kind == BACKWARD and d.stage == a.stage else "stage order"
+                    why = "stage order" if d.stage != a.stage else "forward before its backward" if d.kind == FORWARD else "I before its W"
                     found.append(f"rank {r} runs {a} before {d} ({why}): it would wait on itself")
-    microbatches = 1 + max(a.microbatch for a in seen)
     for s in range(stages):
         for i in range(microbatches):
-            for kind in (FORWARD, BACKWARD):
-                if Action(s, kind, i) not in seen:
-                    found.append(f"{Action(s, kind, i)} is missing")
+            if Action(s, FORWARD, i) not in seen:
+                found.append(f"{Action(s, FORWARD, i)} is missing")
+            full, inp, wgt = (Action(s, k, i) in seen for k in (BACKWARD, INPUT_GRAD, WEIGHT_GRAD))
+            if full and (inp or wgt):
+                found.append(f"stage {s} micro-batch {i} has both B and I/W: run B, or I then W")
+            elif not full and not (inp and wgt):
+                missing = Action(s, BACKWARD, i) if not (inp or wgt) else Action(s, WEIGHT_GRAD if inp else INPUT_GRAD, i)
+                found.append(f"{missing} is missing")
     if not found:
         try:
             simulate(actions, 1.0, 1.0)
@@ -51,34 +90,13 @@ def problems(actions: Actions) -> list[str]:
     return found
 
 
-def validate(actions: Actions) -> None:
+def validate(
+    actions: Actions,
+    microbatches: int | None = None,
+    stages: int | None = None,
+    placement: Sequence[int] | None = None,
+) -> None:
     """Raise ValueError listing every problem; return None for a runnable schedule."""
-    found = problems(actions)
+    found = problems(actions, microbatches, stages, placement)
     if found:
         raise ValueError("invalid pipeline schedule:\n  " + "\n  ".join(found))
-
-
-def message_order(actions: Actions) -> list[str]:
-    """Pairs of ranks whose messages would be received in a different order than sent.
-
-    A forward of stage s sends its activation to stage s+1; a backward of stage s sends the input
-    gradient to stage s-1. Returns one sentence per mismatched (sender, receiver) pair.
-    """
-    ranks = len(actions)
-    stages = num_stages(actions)
-    sent: dict[tuple[int, int], list[str]] = {}
-    received: dict[tuple[int, int], list[str]] = {}
-    for r, rank_actions in enumerate(actions):
-        for a in rank_actions:
-            src = a.stage - 1 if a.kind == FORWARD else a.stage + 1
-            dst = a.stage + 1 if a.kind == FORWARD else a.stage - 1
-            tag = f"{a.kind}{a.microbatch}"
-            if 0 <= src < stages and stage_rank(src, ranks) != r:
-                received.setdefault((stage_rank(src, ranks), r), []).append(f"{src}->{a.stage}:{tag}")
-            if 0 <= dst < stages and stage_rank(dst, ranks) != r:
-                sent.setdefault((r, stage_rank(dst, ranks)), []).append(f"{a.stage}->{dst}:{tag}")
-    return [
-        f"rank {src} sends {sent.get((src, dst))} but rank {dst} receives {received.get((src, dst))}"
-        for src, dst in sorted(set(sent) | set(received))
-        if sent.get((src, dst)) != received.get((src, dst))
-    ]

@@ -1,0 +1,142 @@
+"""Actions and placements: the data a schedule is made of, and its CSV form.
+
+An :class:`Action` names a stage, a kind and a micro-batch. The kinds are torch.distributed.
+pipelining's compute kinds (``_ComputationType``): ``F`` forward, ``B`` full backward, and the
+zero-bubble split of ``B`` into ``I`` (gradient of the stage's input, which the previous stage is
+waiting for) and ``W`` (gradient of the stage's weights, which nobody waits for; Qi et al.,
+"Zero Bubble Pipeline Parallelism", ICLR 2024). A stage runs either ``B`` or ``I`` then ``W`` for
+each micro-batch.
+
+A placement lists the rank of each stage. The looping placement (stage s on rank s % p) is
+Megatron-LM's and torch's default; the V placement [0, 1, ..., p-1, p-1, ..., 0] puts the first
+and last stages on rank 0, which ZB-V needs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
+KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+_PATTERN = re.compile(r"^(\d+)([FBIW])(\d+)$")
+# Non-compute entries torch writes into its compute-only orders; they carry no work here (commlab
+# reduces gradients in DataParallelStage and keeps parameters unsharded).
+_TORCH_NO_OPS = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
+
+Actions = tuple[tuple["Action", ...], ...]  # indexed by rank
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of work: run ``stage``'s ``kind`` (F, B, I or W) on micro-batch ``microbatch``."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"stage and micro-batch must be >= 0, got {self.stage}, {self.microbatch}")
+
+    def __str__(self) -> str:
+        # The compact form torch.distributed.pipelining prints: stage, kind, micro-batch ("1F0").
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        found = _PATTERN.match(text.strip())
+        if not found:
+            raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0', '0B3', '2I1' or '2W1'")
+        return cls(int(found[1]), found[2], int(found[3]))
+
+
+def as_actions(lists: Sequence[Iterable[Action | str]]) -> Actions:
+    """Per-rank lists of :class:`Action` or their strings ("0F1") as a schedule."""
+    if isinstance(lists, str) or not isinstance(lists, Sequence):
+        raise ValueError("a schedule is a registered name or one list of actions per rank")
+    out = []
+    for r, rank in enumerate(lists):
+        if isinstance(rank, str):
+            raise ValueError(f"rank {r}: expected a list of actions, got the string {rank!r}")
+        out.append(tuple(a if isinstance(a, Action) else Action.parse(str(a)) for a in rank))
+    return tuple(out)
+
+
+def num_stages(actions: Actions) -> int:
+    return 1 + max((a.stage for rank in actions for a in rank), default=-1)
+
+
+def num_microbatches(actions: Actions) -> int:
+    return 1 + max((a.microbatch for rank in actions for a in rank), default=-1)
+
+
+def looping(ranks: int, stages: int) -> tuple[int, ...]:
+    """Stage s on rank s % p (Megatron-LM's interleaved placement; s itself when stages == ranks)."""
+    return tuple(s % ranks for s in range(stages))
+
+
+def v_shape(ranks: int, stages: int | None = None) -> tuple[int, ...]:
+    """[0, 1, ..., p-1, p-1, ..., 0]: two stages per rank, the first and last on rank 0 (ZB-V)."""
+    if stages is not None and stages != 2 * ranks:
+        raise ValueError(f"the V placement has two stages per rank: {2 * ranks} stages for {ranks} ranks, not {stages}")
+    return tuple(range(ranks)) + tuple(reversed(range(ranks)))
+
+
+def placement_of(actions: Actions) -> tuple[int, ...]:
+    """The placement a schedule implies: the rank that runs each stage's first action."""
+    found: dict[int, int] = {}
+    for r, rank in enumerate(actions):
+        for a in rank:
+            found.setdefault(a.stage, r)
+    return tuple(found.get(s, -1) for s in range(num_stages(actions)))
+
+
+def check_placement(placement: Sequence[int], ranks: int, stages: int) -> tuple[int, ...]:
+    """``placement`` as a tuple; ValueError unless it maps every stage to a rank and uses every rank."""
+    placement = tuple(int(r) for r in placement)
+    if len(placement) != stages:
+        raise ValueError(f"placement {list(placement)} lists {len(placement)} stages, the model has {stages}")
+    bad = [r for r in placement if not 0 <= r < ranks]
+    if bad:
+        raise ValueError(f"placement {list(placement)} names ranks {bad} outside 0..{ranks - 1}")
+    idle = sorted(set(range(ranks)) - set(placement))
+    if idle:
+        raise ValueError(f"placement {list(placement)} gives no stage to ranks {idle}")
+    return placement
+
+
+def format_actions(actions: Actions) -> list[str]:
+    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]``."""
+    return [" ".join(str(a) for a in rank) for rank in actions]
+
+
+def to_csv(actions: Actions) -> str:
+    """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for rank in actions:
+        writer.writerow([str(a) for a in rank])
+    return out.getvalue()
+
+
+def from_csv(text: str) -> Actions:
+    """Read a compute-only CSV as written by torch's ``_dump_csv`` (``PipelineScheduleMulti``).
+
+    Empty cells are torch's idle steps (None) and are dropped: here a rank simply waits for its
+    next action's input. ``REDUCE_GRAD``/``UNSHARD``/``RESHARD`` carry no work in commlab and are
+    dropped too; communication actions (``SEND_F``...) mean the compute+comms format, refused.
+    """
+    rows = []
+    for r, row in enumerate(csv.reader(io.StringIO(text))):
+        cells = [c.strip() for c in row if c.strip() and not any(c.strip().endswith(n) for n in _TORCH_NO_OPS)]
+        comms = [c for c in cells if "SEND" in c or "RECV" in c]
+        if comms:
+            raise ValueError(f"rank {r}: {comms[0]!r} is a communication action; only the compute-only format is read")
+        rows.append(tuple(Action.parse(c) for c in cells))
+    return tuple(rows)

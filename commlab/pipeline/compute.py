@@ -1,0 +1,109 @@
+"""One stage's compute for one micro-batch: forward, full backward, and the zero-bubble split I / W.
+
+A split backward (Qi et al., ICLR 2024) needs the gradient of the stage's input first (I) and the
+weights' gradients later (W). The stage's forward is run layer by layer, each layer on a detached
+copy of its input (:func:`forward_layers`), so each layer's backward is its own small graph.
+I walks the layers from the last to the first asking autograd only for each layer input's
+gradient (``torch.autograd.grad(out, inp)``: the engine skips the weight-gradient kernels, e.g.
+the ``x^T g`` of a Linear), keeping each layer's output gradient. W then asks only for the
+weights (``backward(out, g, inputs=params)``), which runs just the skipped kernels. A layer that
+is itself a composite (a transformer block) re-traverses its own graph in W; its result is exact.
+
+:func:`recompute` replays a checkpointed forward with the first run's RNG state and restores the
+stage's buffers afterwards, so BatchNorm's running statistics are updated once per micro-batch
+(by the first forward), not again by the recomputation (torchgpipe guards the same way with its
+``is_recomputing`` flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Layer:
+    """One layer's forward as its own graph: a detached input, the output, its trainable weights."""
+
+    inp: torch.Tensor
+    out: torch.Tensor
+    params: list[torch.Tensor]
+    grad: torch.Tensor | None = None  # the output's gradient, kept by I for W
+
+
+@dataclass
+class Stashed:
+    """What a micro-batch leaves on a stage between its forward and its backward."""
+
+    x: torch.Tensor
+    rng: tuple | None = None  # set when checkpointed: only x is kept, the forward is recomputed
+    y: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    layers: list[Layer] = field(default_factory=list)  # split backward only
+    nbytes: int = 0
+
+
+def forward_layers(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[Layer]]:
+    """Run an nn.Sequential one layer at a time, each layer's graph cut at its input."""
+    layers: list[Layer] = []
+    h = x
+    for k, layer in enumerate(module.children()):
+        inp = h if k == 0 or not h.is_floating_point() else h.detach().requires_grad_(True)
+        out = layer(inp)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        layers.append(Layer(inp, out, params))
+        h = out
+    return h, layers
+
+
+def input_grad(layers: list[Layer], grad: torch.Tensor | None, root: torch.Tensor | None = None) -> torch.Tensor | None:
+    """I: the gradient of the first layer's input; each layer's output gradient kept for W.
+
+    ``root`` is the loss on the last stage (then ``grad`` is None)."""
+    if root is not None:
+        grad = torch.autograd.grad(root, layers[-1].out)[0] if layers[-1].out.requires_grad else None
+    for layer in reversed(layers):
+        layer.grad = grad
+        if grad is None or not layer.out.requires_grad or not layer.inp.requires_grad:
+            return None
+        (grad,) = torch.autograd.grad(layer.out, layer.inp, grad, retain_graph=True, allow_unused=True)
+        if grad is None:
+            grad = torch.zeros_like(layer.inp)
+    return grad
+
+
+def weight_grad(layers: list[Layer]) -> None:
+    """W: accumulate every layer's weight gradients from the output gradients I kept."""
+    for layer in layers:
+        if layer.params and layer.grad is not None and layer.out.requires_grad:
+            torch.autograd.backward(layer.out, layer.grad, inputs=layer.params)
+        layer.grad = None
+
+
+def recompute(module: nn.Module, device: torch.device, rng: tuple, run: Callable[[], tuple]) -> tuple:
+    """``run()`` again under the RNG state of the first forward, with grad, buffers left untouched."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            set_rng_state(rng, device)
+            with torch.enable_grad():
+                return run()
+    finally:
+        with torch.no_grad():
+            for b, value in zip(module.buffers(), saved):
+                b.copy_(value)
+
+
+def rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return (torch.get_rng_state(), cuda)
+
+
+def set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,94 @@
+"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+
+The backward of a stage is split in two: ``I`` computes the gradient of the stage's input, which
+the previous stage waits for, and ``W`` the gradient of its weights, which nobody waits for. Moving
+W out of the critical path lets the gradient travel back through the pipeline at the speed of I,
+and W fills the bubbles that remain.
+
+``zb_h1``: one stage per rank. Same warm-up as 1F1B; in steady state rank r runs F, I and the W
+of the micro-batch r places earlier, so at most p micro-batches are alive on any rank (1F1B's peak
+on rank 0: "ZB-H1 ... the same peak memory as 1F1B", section 3.1). The deferred W's run in the
+cool-down, where 1F1B's ranks idle waiting for gradients. Bubble about (p-1)(F+I-W) instead of
+(p-1)(F+I+W).
+
+``zb_v``: two stages per rank in the V placement [0, 1, ..., p-1, p-1, ..., 0] (section 6), built
+by a greedy list scheduler on unit-time actions: a free rank runs a ready I first (it unblocks a
+peer), then a ready F (the later stage first, and a new micro-batch only while the rank holds
+fewer than 2p stage-activations, 1F1B's peak), then the oldest ready W.
+"""
+
+from __future__ import annotations
+
+from commlab.pipeline.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+
+
+def zb_h1(ranks: int, microbatches: int) -> Actions:
+    """ZB-H1: 1F1B with the backward split into I and W, rank r's W held back by r micro-batches."""
+    return tuple(_zb_h1_rank(r, ranks, microbatches) for r in range(ranks))
+
+
+def _zb_h1_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
+    warmup = min(p - r - 1, m)
+    out = [Action(r, FORWARD, i) for i in range(warmup)]
+    done_w = 0
+    for k in range(m):
+        if warmup + k < m:
+            out.append(Action(r, FORWARD, warmup + k))
+        out.append(Action(r, INPUT_GRAD, k))
+        # Keep r weight gradients pending: they fill the cool-down, when gradients come slowly.
+        if k - done_w >= r:
+            out.append(Action(r, WEIGHT_GRAD, done_w))
+            done_w += 1
+    out += [Action(r, WEIGHT_GRAD, i) for i in range(done_w, m)]
+    return tuple(out)
+
+
+def zb_v(ranks: int, microbatches: int) -> Actions:
+    """ZB-V: 2p stages in the V placement, ordered by the greedy list scheduler (module docstring)."""
+    p, m = ranks, microbatches
+    placement = v_shape(p)
+    stages = 2 * p
+    local = [[s for s in range(stages) if placement[s] == r] for r in range(p)]
+    nxt = {(s, k): 0 for s in range(stages) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}  # next micro-batch
+    end: dict[tuple[int, str, int], int] = {}
+    held = [0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    t, total = 0, 3 * stages * m
+    while sum(map(len, out)) < total:
+        for r in range(p):
+            pick = _pick(local[r], nxt, end, t, stages, m, held[r] < 2 * p)
+            if pick is None:
+                continue
+            s, kind, i = pick
+            out[r].append(Action(s, kind, i))
+            nxt[(s, kind)] += 1
+            end[pick] = t + 1
+            held[r] += {FORWARD: 1, INPUT_GRAD: 0, WEIGHT_GRAD: -1}[kind]
+        t += 1
+        if t > 4 * total:  # cannot happen for a correct scheduler; guards the loop
+            raise RuntimeError("zb_v: the greedy scheduler made no progress")
+    return tuple(tuple(r) for r in out)
+
+
+def _pick(stages_here, nxt, end, t, stages, m, room):
+    def ready(key) -> bool:
+        return key in end and end[key] <= t
+
+    candidates = {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []}
+    for s in stages_here:
+        i = nxt[(s, FORWARD)]
+        if i < m and (s == 0 or ready((s - 1, FORWARD, i))) and (room or s >= stages // 2):
+            candidates[FORWARD].append((s, FORWARD, i))
+        i = nxt[(s, INPUT_GRAD)]
+        if i < m and ready((s, FORWARD, i)) and (s == stages - 1 or ready((s + 1, INPUT_GRAD, i))):
+            candidates[INPUT_GRAD].append((s, INPUT_GRAD, i))
+        i = nxt[(s, WEIGHT_GRAD)]
+        if i < m and ready((s, INPUT_GRAD, i)):
+            candidates[WEIGHT_GRAD].append((s, WEIGHT_GRAD, i))
+    if candidates[INPUT_GRAD]:
+        return min(candidates[INPUT_GRAD], key=lambda c: (c[2], -c[0]))
+    if candidates[FORWARD]:
+        return max(candidates[FORWARD], key=lambda c: (c[0], -c[2]))
+    if candidates[WEIGHT_GRAD]:
+        return min(candidates[WEIGHT_GRAD], key=lambda c: (c[2], c[0]))
+    return None

@@ -1,0 +1,132 @@
+"""Any schedule, without processes: the registry, I/W actions, placements, torch's CSV, zero bubble, send waits."""
+
+import itertools
+
+import pytest
+
+from commlab.pipeline import (
+    REGISTRY,
+    Action,
+    ScheduleSpec,
+    as_actions,
+    build,
+    check_plan,
+    format_actions,
+    from_csv,
+    message_order,
+    placement_of,
+    register,
+    resolve,
+    send_waits,
+    simulate,
+    to_csv,
+    v_shape,
+    validate,
+)
+from commlab.pipeline.messages import messages
+from commlab.pipeline.validate import problems
+from pipeline_torch_orders import torch_csv
+
+
+def test_actions_have_four_kinds_and_torch_strings():
+    assert [Action.parse(t) for t in ("0F1", "0B1", "0I1", "0W1")] == [Action(0, k, 1) for k in "FBIW"]
+    assert str(Action(12, "W", 3)) == "12W3"
+    assert as_actions([["0F0", Action(0, "B", 0)], ["1F0", "1B0"]])[0] == (Action(0, "F", 0), Action(0, "B", 0))
+    with pytest.raises(ValueError, match="list of actions per rank"):
+        as_actions("0F0 0B0")
+    assert v_shape(3) == (0, 1, 2, 2, 1, 0)
+
+
+def test_registry_is_the_one_list_of_schedules():
+    assert {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"} <= set(REGISTRY)
+    assert REGISTRY["zb-v"].placement(2, 4) == (0, 1, 1, 0) and REGISTRY["1f1b"].placement(2, 2) == (0, 1)
+    assert REGISTRY["zb-h1"].kinds == {"F", "I", "W"}
+    with pytest.raises(ValueError, match="'zb-v' runs 2 stage"):
+        build("zb-v", 2, 4, 1)
+    # Adding a schedule touches one place; the executor's resolve() and check_plan see it at once.
+    register(ScheduleSpec("reverse-gpipe", lambda p, m, v: tuple(
+        tuple(Action(r, "F", i) for i in range(m)) + tuple(Action(r, "B", i) for i in reversed(range(m)))
+        for r in range(p))))  # fmt: skip
+    try:
+        assert check_plan("reverse-gpipe", 2, 2, 3) == 1
+        assert format_actions(resolve("reverse-gpipe", 2, 3, 2))[0] == "0F0 0F1 0F2 0B2 0B1 0B0"
+    finally:
+        del REGISTRY["reverse-gpipe"]
+
+
+def test_validate_checks_microbatches_stages_and_placement():
+    ok = as_actions([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
+    validate(ok, microbatches=2, stages=2, placement=[0, 1])
+    assert "the schedule has 2 micro-batches, expected 3" in problems(ok, microbatches=3)
+    assert "the schedule has 2 stages, expected 4" in problems(ok, stages=4)
+    assert any("stage 0 lives on rank 1" in p for p in problems(ok, placement=[1, 0]))
+    assert any("outside 0..1" in p for p in problems(ok, placement=[0, 2]))
+    split = as_actions([["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"]])
+    validate(split)
+    assert any("0W0 is missing" in p for p in problems(as_actions([["0F0", "0I0"], ["1F0", "1B0"]])))
+    assert any("both B and I/W" in p for p in problems(as_actions([["0F0", "0B0", "0I0", "0W0"], ["1F0", "1B0"]])))
+    assert any("I before its W" in p for p in problems(as_actions([["0F0", "0W0", "0I0"], ["1F0", "1B0"]])))
+
+
+def test_torch_compute_only_csv_round_trips_and_runs_here():
+    # Made by torch's own schedule code; m = 3 is not a multiple of p = 2.
+    for name in ("ScheduleLoopedBFS", "ScheduleInterleaved1F1B"):
+        text = torch_csv(name, 2, 3, [0, 2], 4)
+        actions = from_csv(text)
+        validate(actions, microbatches=3, stages=4, placement=[0, 1, 0, 1])
+        assert message_order(actions) == []
+        assert from_csv(to_csv(actions)) == actions
+    assert format_actions(from_csv(torch_csv("ScheduleLoopedBFS", 2, 3, [0, 2], 4)))[0] == (
+        "0F0 0F1 0F2 2F0 2F1 2F2 2B2 2B1 2B0 0B2 0B1 0B0")
+    # torch's zero-bubble orders (I and W) validate too, the V one with its own placement.
+    zbv = from_csv(torch_csv("ScheduleZBVZeroBubble", 2, 4, [0, 3], 4))
+    assert placement_of(zbv) == (0, 1, 1, 0)
+    validate(zbv, microbatches=4, stages=4, placement=v_shape(2))
+    validate(from_csv(torch_csv("ScheduleInterleavedZeroBubble", 2, 4, [0, 2], 4)), microbatches=4, stages=4)
+    with pytest.raises(ValueError, match="communication action"):
+        from_csv("0F0,0SEND_F0\n1RECV_F0,1F0\n")
+    assert from_csv("0F0,,0REDUCE_GRAD,0B0\n") == ((Action(0, "F", 0), Action(0, "B", 0)),)
+
+
+def test_zb_h1_literal_lists_and_memory():
+    assert format_actions(build("zb-h1", 3, 4)) == [
+        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",  # rank 0 holds back no W
+        "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",  # rank 1 one
+        "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",  # rank 2 two: they fill the cool-down
+    ]
+    for p, m in itertools.product(range(2, 6), (4, 8, 16)):
+        actions = build("zb-h1", p, m)
+        validate(actions, m, p)
+        assert message_order(actions) == []
+        # Same peak as 1F1B (p micro-batches, on rank 0); later ranks use the slack.
+        assert max(simulate(actions).peak_in_flight) == max(simulate(build("1f1b", p, m)).peak_in_flight)
+
+
+def test_zero_bubble_schedules_beat_1f1b_in_simulation():
+    for p, m in itertools.product((2, 3, 4), (4, 8, 16)):
+        one_f = simulate(build("1f1b", p, m), 1.0, 2.0)
+        zbh1 = simulate(build("zb-h1", p, m), 1.0, 2.0)  # I = W = 1
+        # The V schedule's stages are half a rank's layers each: half the time per action.
+        zbv = simulate(build("zb-v", p, m, 2), 0.5, 1.0)
+        assert zbh1.bubble < one_f.bubble and zbv.bubble < zbh1.bubble
+        # Qi et al.: ZB-H1's bubble is (p-1)(F+I-W) = (p-1) here, 1F1B's (p-1)(F+B) = 3(p-1).
+        assert zbh1.step_time - 3 * m == pytest.approx(p - 1)
+        validate(build("zb-v", p, m, 2), m, 2 * p, v_shape(p))
+
+
+def test_send_waits_release_sends_early_without_deadlock():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        for p, m in ((2, 4), (3, 6)):
+            actions = build(name, p, m, v)
+            waits = send_waits(actions)
+            sent = {a for _, a, _, _ in messages(actions)}
+            awaited = [w for ws in waits.values() for w in ws]
+            assert len(awaited) == len(set(awaited)) and set(awaited) <= sent
+            # Most sends are released before the end of the step (the last few cannot be).
+            assert len(awaited) >= len(sent) - 2 * p * v, (name, p, len(awaited), len(sent))
+            position = {a: k for rank in actions for k, a in enumerate(rank)}
+            assert all(position[w] < position[b] for b, ws in waits.items() for w in ws)
+    # 1F1B rank 0: the activation sent by F(k) is awaited before the next action after F(k+1)'s
+    # receive was posted: exactly torch's Schedule1F1B pattern.
+    waits = send_waits(build("1f1b", 2, 4))
+    assert waits[Action(0, "B", 0)] == (Action(0, "F", 1),) and waits[Action(1, "F", 1)] == (Action(1, "B", 0),)
