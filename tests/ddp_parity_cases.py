@@ -183,6 +183,23 @@ def side_by_side(build, steps=4, step_fn=default_step, lr=0.1, **kwargs) -> dict
     return out
 
 
+def join_side_by_side(build, join_kwargs: dict, **kwargs) -> dict:
+    """Rank r trains on 2 + 2r batches inside ``ddp.join(**join_kwargs)``, on both DDPs."""
+    batches = 2 + 2 * dist.get_rank()
+
+    def step_fn(ddp, _step):
+        with ddp.join(**join_kwargs):
+            for step in range(batches):
+                ddp.zero_grad()  # the optimizer below steps once at the end: plain accumulation
+                default_step(ddp, step)
+                with torch.no_grad():
+                    for p in ddp.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+
+    return side_by_side(build, steps=1, step_fn=step_fn, lr=0.0, **kwargs)
+
+
 # -- step functions for the edges --------------------------------------------------------------
 def no_sync_after_first(ddp, step):
     if step >= 1:
@@ -239,6 +256,12 @@ def cases(world: int) -> dict:
         "no_grad_between": side_by_side(bn_model, step_fn=no_grad_eval_between),
         "checkpoint": side_by_side(Checkpointed, bucket_cap_mb=tiny),
         "checkpoint_unused": side_by_side(Checkpointed, find_unused_parameters=True),
+        # 4: uneven inputs
+        "join": join_side_by_side(bn_model, {}),
+        "join_effective_world": join_side_by_side(bn_model, {"divide_by_initial_world_size": False}),
+        "join_unused": join_side_by_side(Branchy, {}, find_unused_parameters=True, bucket_cap_mb=tiny),
+        "join_ring": join_side_by_side(heads("tuple"), {}, find_unused_parameters=True, algorithm="ring"),
+        "join_throw": join_side_by_side(bn_model, {"throw_on_early_termination": True}),
         # 9: low precision and integer buffers
         "fp16": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1),
         "fp16_ring": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1, algorithm="ring"),

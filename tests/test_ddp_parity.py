@@ -29,7 +29,7 @@ TRAINED = [
     "structure_dict", "structure_namedtuple", "structure_dataclass", "structure_dataclass_none",
     "structure_nested", "ring_unused", "tree_unused", "static_dead", "static_dead_tiny", "static_no_sync",
     "ignored", "init_sync_off", "check_reduction", "forward_sync_off", "no_grad_between", "checkpoint",
-    "checkpoint_unused", "fp16", "fp16_ring", "bf16", "int_buffers"
+    "checkpoint_unused", "fp16", "fp16_ring", "bf16", "int_buffers", "join", "join_effective_world", "join_unused", "join_ring",
 ]  # fmt: skip
 RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dynamic_changed"]
 
@@ -58,6 +58,17 @@ def test_raises_where_torch_raises(world, case):
         assert r["errors"]["ours"] == r["errors"]["torch"], (case, rank)  # same step, same sentence
         assert r["errors"]["ours"][1].startswith("Expected to have finished reduction in the prior iteration")
         _same_as_torch(r, case, rank)  # and the state before the error is the same
+
+
+def test_join_throws_as_torch_on_every_rank(world):
+    # Rank r has 2 + 2r batches: rank 0 runs out first and says so; the others are told.
+    for rank, result in enumerate(world):
+        errors = result["join_throw"]["errors"]
+        assert errors["ours"] == errors["torch"], rank
+        expected = "Rank 0 exhausted all inputs." if rank == 0 else "Detected at least one rank that exhausted inputs"
+        assert errors["ours"][1] == expected, rank
+    # divide_by_initial_world_size=False divides by the ranks still training: other gradients.
+    assert world[-1]["join"]["first_grad"] != world[-1]["join_effective_world"]["first_grad"]
 
 
 def test_unused_heads_keep_none_grads(world):

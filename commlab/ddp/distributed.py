@@ -9,10 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from torch.utils._pytree import tree_map
 
 from commlab import collectives
+from commlab.ddp import join as uneven
 from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.outputs import find_tensors, through_sink
@@ -21,7 +23,7 @@ from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce that overlaps backward.
 
     Same arguments and defaults as ``torch.nn.parallel.DistributedDataParallel``, plus:
@@ -61,6 +63,8 @@ class DistributedDataParallel(nn.Module):
         round_robin_groups: int | Sequence[dist.ProcessGroup] = 1,
     ):
         super().__init__()
+        Joinable.__init__(self)
+        self._divide_by_initial_world_size = True
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
         options.refuse_unsupported(
@@ -162,14 +166,20 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
-        if grad:
-            # torch's _rebuild_buckets, which first raises if the last backward left a hole
+        joining = self._join_config.enable  # set by ddp.join(), as in torch
+        if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
             self.reducer.usage.check_prior_finished(dist.get_rank(self.process_group))
+        if joining:
+            uneven.notify(self)
+        if grad:
             self.reducer.maybe_rebuild()
         if sync:
             self.reducer.start_iteration()
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
-            broadcast_coalesced(self._module_buffers, self.process_group)
+            source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
+            broadcast_coalesced(self._module_buffers, self.process_group, source)
+        if joining:
+            uneven.announce_sync(self, sync)
         if self.device_ids:
             inputs, kwargs = tree_map(_mover(self.device), (inputs, kwargs))
         output = self.module(*inputs, **kwargs)
@@ -180,6 +190,24 @@ class DistributedDataParallel(nn.Module):
             if usage.tracking:  # torch's _DDPSink: dynamic search, or the first static iteration
                 output = through_sink(output, self.reducer.on_backward_start)
         return output
+
+    # -- uneven inputs (commlab/ddp/join.py) ------------------------------------------------------
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """torch's context manager for ranks with different numbers of batches."""
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> uneven.DDPJoinHook:
+        return uneven.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     # torch's scatter / gather helpers (kept by torch for backward compatibility), along ``dim``.
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:

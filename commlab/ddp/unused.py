@@ -37,6 +37,7 @@ class UnusedParameters:
         self._static_unused: list[int] = []
         self._no_hook: list[int] = []  # this iteration's parameters whose hook never ran
         self._static_globally_unused: list[bool] | None = None
+        self._last_locally_unused: list[int] | None = None  # None: no iteration yet
         self.unfinished: list[int] = []  # torch's require_finalize_ left set, with its culprits
 
     @property
@@ -67,8 +68,8 @@ class UnusedParameters:
         the dynamic mode and the first static iteration; issue it after every bucket."""
         if not self.tracking:
             return self._static_globally_unused
-        used = torch.ones(len(self.names), dtype=torch.int32, device=device)
-        used[list(locally_unused)] = 0
+        self._last_locally_unused = list(locally_unused)
+        used = self.local_used_map(device)
         dist.all_reduce(used, group=group)
         flags = (used == 0).tolist()
         globally_unused = flags if any(flags) else None
@@ -77,6 +78,15 @@ class UnusedParameters:
             self._static_unused = sorted(self._no_hook)
             self._static_globally_unused = globally_unused
         return globally_unused
+
+    def local_used_map(self, device) -> torch.Tensor:
+        """1 for each parameter this rank used in its last tracked iteration (zeros before any):
+        also what a joined rank contributes, as torch's joined ranks reduce their stale map."""
+        if self._last_locally_unused is None:
+            return torch.zeros(len(self.names), dtype=torch.int32, device=device)
+        used = torch.ones(len(self.names), dtype=torch.int32, device=device)
+        used[self._last_locally_unused] = 0
+        return used
 
     def check_prior_finished(self, rank: int) -> None:
         """Raise torch's error if the last synchronised backward left parameters without gradient."""
