@@ -10,16 +10,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
+from torch.utils._pytree import tree_map
 
 from commlab import collectives
+from commlab.ddp import join as uneven
+from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
+from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce that overlaps backward.
 
     Same arguments and defaults as ``torch.nn.parallel.DistributedDataParallel``, plus:
@@ -35,12 +40,23 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool = True,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         algorithm: str = "native",
         overlap: bool = True,
@@ -48,8 +64,17 @@ class DistributedDataParallel(nn.Module):
         round_robin_groups: int | Sequence[dist.ProcessGroup] = 1,
     ):
         super().__init__()
+        Joinable.__init__(self)
+        self._divide_by_initial_world_size = True
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
+        options.refuse_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+        )
         if algorithm not in collectives.algorithm_names():
             raise ValueError(
                 f"unknown all-reduce algorithm {algorithm!r}: choose from {', '.join(collectives.algorithm_names())}"
@@ -57,18 +82,26 @@ class DistributedDataParallel(nn.Module):
         first_cap, cap = bucket_caps(bucket_cap_mb, first_bucket_mb)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs an initialised process group (use commlab.launch)")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        options.warn_check_reduction(check_reduction)
+        # torch's _ddp_params_and_buffers_to_ignore: neither broadcast nor reduced.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = self.parameters_to_ignore
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
         if not named:
-            raise ValueError("DistributedDataParallel is not needed for a module without trainable parameters")
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
+            )
         _check_supported(module, [p for _, p in named])
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = options.process_group_from(process_group, device_mesh)
         self.device = named[0][1].device
         self.device_ids = _check_device_ids(device_ids, self.device)
-        self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
+        self.output_device = None if self.device_ids is None else _device_index(output_device, self.device_ids)
+        self.dim = dim
+        init_sync_buffers, self.forward_sync_buffers = options.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy  # commlab's copies are batched per bucket anyway
         self.static_graph = static_graph
         self.algorithm = algorithm
         self.overlap = overlap
@@ -78,12 +111,13 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True
         names = [n for n, _ in named]
         params = [p for _, p in named]
-        self._module_buffers = list(module.buffers())
-        # Construction, as torch's: same shapes everywhere, then rank 0's parameters and (as torch
-        # 2.13 does, only when broadcast_buffers) its buffers.
-        verify_param_shapes(names, params, self.process_group)
-        initial = [p.data for p in module.parameters()] + (self._module_buffers if broadcast_buffers else [])
-        broadcast_coalesced(initial, self.process_group)
+        self._module_buffers = [b for n, b in module.named_buffers() if n not in ignored]
+        if init_sync:
+            # Construction, as torch's: same shapes everywhere, then rank 0's parameters and
+            # (unless broadcast_buffers=False) its buffers.
+            verify_param_shapes(names, params, self.process_group)
+            initial = [p.data for n, p in module.named_parameters() if n not in ignored]
+            broadcast_coalesced(initial + (self._module_buffers if init_sync_buffers else []), self.process_group)
         self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
         if isinstance(round_robin_groups, int) and round_robin_groups > 1:  # groups made here die with it
             weakref.finalize(self, collectives.release_groups, list(self.comm_groups))
@@ -123,25 +157,71 @@ class DistributedDataParallel(nn.Module):
         self.reducer.reset_timings()
 
     # -- training ----------------------------------------------------------------------------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's deprecated name for forward_sync_buffers."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
+        joining = self._join_config.enable  # set by ddp.join(), as in torch
+        if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
+            self.reducer.usage.check_prior_finished(dist.get_rank(self.process_group))
+        if joining:
+            uneven.notify(self)
         if grad:
             self.reducer.maybe_rebuild()
         if sync:
             self.reducer.start_iteration()
-        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
-            broadcast_coalesced(self._module_buffers, self.process_group)
+        if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
+            source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
+            broadcast_coalesced(self._module_buffers, self.process_group, source)
+        if joining:
+            uneven.announce_sync(self, sync)
         if self.device_ids:
             inputs, kwargs = tree_map(_mover(self.device), (inputs, kwargs))
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
         if sync:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            self.reducer.prepare_for_backward(tensors)
-            if self.find_unused_parameters and tensors:
-                output = _with_backward_start(output, self.reducer)
+            usage = self.reducer.usage
+            self.reducer.prepare_for_backward(list(find_tensors(output)) if usage.dynamic else [])
+            if usage.tracking:  # torch's _DDPSink: dynamic search, or the first static iteration
+                output = through_sink(output, self.reducer.on_backward_start)
         return output
+
+    # -- uneven inputs (commlab/ddp/join.py) ------------------------------------------------------
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """torch's context manager for ranks with different numbers of batches."""
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> uneven.DDPJoinHook:
+        return uneven.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    # torch's scatter / gather helpers (kept by torch for backward compatibility), along ``dim``.
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        return gather(outputs, output_device, dim=self.dim)
+
+    def train(self, mode: bool = True) -> DistributedDataParallel:
+        super().train(mode)
+        return self
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -167,30 +247,6 @@ class DistributedDataParallel(nn.Module):
         self.reducer.comm_hook = hook
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the outputs whose backward runs first, so the reducer starts (and queues its
-    end-of-backward callback) even on a rank where no parameter gets a gradient (torch's _DDPSink)."""
-
-    @staticmethod
-    def forward(ctx, reducer: Reducer, *tensors: torch.Tensor):
-        ctx.reducer = reducer
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.reducer.on_backward_start()
-        return (None, *grads)
-
-
-def _with_backward_start(output: Any, reducer: Reducer) -> Any:
-    flat, spec = tree_flatten(output)
-    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    passed = _BackwardStart.apply(reducer, *[flat[i] for i in positions])
-    for i, t in zip(positions, passed):
-        flat[i] = t
-    return spec.unflatten(flat)
-
-
 def _mover(device: torch.device) -> Callable[[Any], Any]:
     return lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
@@ -213,6 +269,13 @@ def _check_device_ids(device_ids, device: torch.device) -> list[int] | None:
     if wanted != device:
         raise ValueError(f"device_ids {list(device_ids)} do not match the module's device {device}")
     return [device.index]
+
+
+def _device_index(output_device, device_ids: list[int]) -> int:
+    """torch's default: the output goes to device_ids[0]."""
+    if output_device is None:
+        return device_ids[0]
+    return output_device if isinstance(output_device, int) else torch.device(output_device).index
 
 
 def _comm_groups(round_robin: int | Sequence[dist.ProcessGroup], group: dist.ProcessGroup) -> list:

@@ -35,8 +35,9 @@ from commlab.ddp.assignment import (
     will_rebuild,
 )
 from commlab.ddp.bucket import Bucket, GradBucket
-from commlab.ddp.graph import grad_accumulators, unreachable
+from commlab.ddp.graph import grad_accumulators
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, make_clock, resolve
+from commlab.ddp.unused import UnusedParameters
 
 
 class Reducer:
@@ -86,6 +87,9 @@ class Reducer:
         self._next_launch = 0
         self._marked = bytearray(len(self.params))
         self._unused: list[int] = []
+        # -- unused parameters (commlab/ddp/unused.py) --
+        self.usage = UnusedParameters(names, find_unused_parameters=find_unused_parameters, static_graph=static_graph)
+        self._locally_unused: list[int] = []
         self._ready_order: list[int] = []
         self._start: Any = None
         self._forward_end: Any = None
@@ -141,8 +145,8 @@ class Reducer:
             bucket.reset()
         if self.rebuild_pending:
             self._ready_order = []
-        if self.find_unused:
-            self._unused = unreachable(outputs, self._accumulator_index)
+        self._unused = self.usage.unused_at_start(outputs, self._accumulator_index)
+        self._locally_unused = list(self._unused)
         self._forward_end = self.clock.stamp()
 
     def on_backward_start(self) -> None:
@@ -155,7 +159,7 @@ class Reducer:
             for i in self._unused:  # they will get no hook; their bucket must still fill up
                 self._mark_ready(i)
 
-    def _on_gradient(self, index: int, _param: torch.Tensor) -> None:
+    def _on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Step 2 (the post-accumulate-grad hook of parameter ``index``).
 
         This runs once per parameter per backward, so it stays lean: no context managers unless
@@ -165,8 +169,10 @@ class Reducer:
             return
         if not self._started:
             self.on_backward_start()
-        if self.rebuild_pending:
+        if self.rebuild_pending and not self.usage.static_first:  # torch records no order then
             self._ready_order.append(index)
+        if param.grad is None and self.usage.tracking:  # undefined gradient: locally unused (torch)
+            self._locally_unused.append(index)
         if torch.is_grad_enabled():
             with torch.no_grad():
                 self._mark_ready(index)
@@ -251,15 +257,15 @@ class Reducer:
         self._write_back_spans: list[tuple[Any, Any]] = []
         self._unused_span: tuple[Any, Any] | None = None
         self.expect_hooks = False
-        if 0 in self._marked:
-            missing = [self.names[i] for i in range(len(self.params)) if not self._marked[i]]
-            raise RuntimeError(
-                "DistributedDataParallel: these parameters received no gradient in this backward: "
-                f"{missing}. Pass find_unused_parameters=True if some parameters may go unused, "
-                "and make sure every output that depends on parameters takes part in the loss."
-            )
+        if 0 in self._marked and not self._fill_missing():
+            return
+        if self.rebuild_pending:
+            self._ready_order.extend(self.usage.rebuild_tail())
         self._launch_in_order()  # everything, when overlap=False
-        globally_unused = self._globally_unused() if self.find_unused else None
+        tracked, start = self.usage.tracking, self.clock.stamp()
+        globally_unused = self.usage.end_of_backward(self._locally_unused, self.group, self.device)
+        if tracked:  # the unused-parameter all-reduce ran: its own timing column
+            self._unused_span = (start, self.clock.stamp())
         with torch.no_grad():
             for bucket in self.buckets:
                 result = self._wait(bucket)
@@ -270,17 +276,22 @@ class Reducer:
                 self._write_back_spans.append((start, self.clock.stamp()))
         self._record()
 
-    def _globally_unused(self) -> list[bool]:
-        """All-reduce of which parameters got a gradient on some rank (torch's local_used_map);
-        issued after every bucket so the collective order is the same on all ranks."""
-        used = torch.ones(len(self.params), dtype=torch.int32, device=self.device)
-        used[self._unused] = 0
-        start = self.clock.stamp()
-        # On the group's one path: never inside another thread's p2p batch (collectives/worker.py).
-        collectives.run_ordered(self.group, lambda: dist.all_reduce(used, group=self.group))
-        unused = (used == 0).tolist()
-        self._unused_span = (start, self.clock.stamp())
-        return unused
+    def _fill_missing(self) -> bool:
+        """Parameters no hook reached by the end of backward. Where this iteration tracks usage they
+        are locally unused (zeros); otherwise, as torch, the launched buckets complete, nothing is
+        written back and the next forward raises (UnusedParameters.check_prior_finished)."""
+        missing = [i for i in range(len(self.params)) if not self._marked[i]]
+        if not self.usage.tracking:
+            for bucket in self.buckets[: self._next_launch]:
+                self._wait(bucket)
+            self.usage.unfinished = missing
+            return False
+        self._locally_unused.extend(missing)
+        self.usage.note_no_hook(missing)
+        with torch.no_grad():
+            for i in missing:
+                self._mark_ready(i)
+        return True
 
     def _write_back(self, bucket: Bucket, globally_unused: list[bool] | None) -> None:
         if globally_unused is None and not self.as_view and all(p.grad is not None for p in bucket.params):

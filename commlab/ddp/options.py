@@ -1,0 +1,68 @@
+"""torch DDP's constructor keywords: what each means for commlab, and a clear error where it cannot.
+
+commlab.DistributedDataParallel takes torch's keywords in torch's positional order (torch 2.13's
+``DistributedDataParallel.__init__``); a keyword at torch's default is always accepted. The
+functions here turn the rest into commlab's settings, or raise NotImplementedError naming the
+keyword when a non-default value asks for something commlab does not do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+# Keywords commlab cannot honour away from their default, with the reason given to the user.
+_NOT_IMPLEMENTED = {
+    "delay_all_reduce_named_params": (None, "commlab reduces every trainable parameter in buckets"),
+    "param_to_hook_all_reduce": (None, "commlab reduces every trainable parameter in buckets"),
+    "mixed_precision": (None, "commlab keeps gradients in the parameters' dtype (use a comm hook)"),
+    "skip_all_reduce_unused_params": (False, "commlab always reduces locally unused parameters"),
+    "bucket_cap_mb_list": (None, "commlab has one cap plus first_bucket_mb"),
+}
+
+
+def refuse_unsupported(**values: Any) -> None:
+    """NotImplementedError for the first keyword whose value is not torch's default."""
+    if (values["delay_all_reduce_named_params"] is None) != (values["param_to_hook_all_reduce"] is None):
+        # torch checks this pairing first, with this error.
+        raise ValueError(
+            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+        )
+    for name, value in values.items():
+        default, why = _NOT_IMPLEMENTED[name]
+        if (value is not None) if default is None else bool(value):
+            raise NotImplementedError(f"commlab's DistributedDataParallel does not support {name}={value!r}: {why}")
+
+
+def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(broadcast buffers at construction, broadcast them before every forward), by torch's rule:
+    ``forward_sync_buffers`` wins and leaves the construction broadcast on; otherwise the
+    deprecated ``broadcast_buffers`` (default True) sets both."""
+    if forward_sync_buffers is not None:
+        return True, bool(forward_sync_buffers)
+    both = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return both, both
+
+
+def warn_check_reduction(check_reduction: bool) -> None:
+    """torch ignores check_reduction (its reducer always checks) and warns that it is deprecated."""
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+            "Please avoid using it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def process_group_from(process_group, device_mesh) -> dist.ProcessGroup:
+    """The group to reduce over: the given one, a 1-D device mesh's, or the default (as torch)."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    return process_group if process_group is not None else dist.group.WORLD
