@@ -1,10 +1,12 @@
 """`commlab bench ddp`: its summary arithmetic, its input checks, and one tiny end-to-end run."""
 
+import math
+
 import pytest
 import torch
 from click.testing import CliRunner
 
-from commlab.bench.ddp_bench import bench_ddp, summarise
+from commlab.bench.ddp_bench import bench_ddp, spread, summarise
 
 
 def test_summary_takes_the_slowest_rank_per_iteration_then_medians():
@@ -16,6 +18,20 @@ def test_summary_takes_the_slowest_rank_per_iteration_then_medians():
     # slowest per iteration: commlab [3, 4, 2] -> median 3; torch [2, 2, 2] -> median 2
     assert s["commlab"] == 3.0 and s["torch"] == 2.0 and s["ratio"] == 1.5
     assert s["paired_ratio"] == 1.5  # median of [1.5, 2.0, 1.0]
+    assert s["spread"]["commlab"] == pytest.approx((2.2, 3.0, 3.8)) and s["max"]["commlab"] == 4.0
+
+
+def test_spread_interpolates_p10_median_p90():
+    assert spread(list(range(11))) == (1.0, 5.0, 9.0)
+    assert spread([7.0]) == (7.0, 7.0, 7.0)
+    assert spread([0, 0, 0, 12261]) == pytest.approx((0.0, 0.0, 12261 * 0.7))
+
+
+def test_fault_counts_of_zero_summarise_without_dividing_by_zero():
+    per_rank = [{"faults": {"commlab": [0, 4], "torch": [0, 0]}}, {"faults": {"commlab": [2, 0], "torch": [0, 0]}}]
+    s = summarise(per_rank, "faults")
+    assert s["max"] == {"commlab": 4, "torch": 0} and s["commlab"] == 3  # per iteration the worst rank
+    assert math.isnan(s["ratio"]) and math.isnan(s["paired_ratio"])
 
 
 @pytest.mark.parametrize(
@@ -49,3 +65,7 @@ def test_a_tiny_run_prints_both_medians_and_the_ratio():
     ratio = next(line for line in lines if "ratio commlab/torch" in line)
     assert float(ratio.split(":")[1].split()[0]) > 0
     assert "world 2, gloo" in result.output and "all-reduce native" in result.output
+    assert "p10 / median / p90" in result.output and "minor faults/iter" in result.output
+    row = next(line for line in lines if line.strip().startswith("commlab DDP")).split()
+    assert len(row) == 2 + 2 + 5 + 5  # label, wall, cpu, p10/median/p90, faults median/p90/max
+    assert float(row[4]) <= float(row[6]) <= float(row[8])  # p10 <= median <= p90

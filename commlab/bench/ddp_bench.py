@@ -4,7 +4,9 @@ Both wrap copies of the same model, see the same batches and use the same bucket
 of one is followed by iteration i of the other, so a load change on a shared machine hits both.
 An iteration is forward + backward (gradients synchronised) + an SGD step; its time is the
 slowest rank's. The command prints each median and the ratio commlab / torch, in wall time and
-in process CPU time (steadier on a busy machine):
+in process CPU time (steadier on a busy machine), and beside them each implementation's spread
+(p10 / median / p90) and its minor page faults per iteration (on CUDA: cudaMalloc calls of the
+caching allocator), so a run that touches fresh memory shows up instead of being averaged away:
 
     commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
     commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
@@ -12,6 +14,7 @@ in process CPU time (steadier on a busy machine):
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 
@@ -43,14 +46,17 @@ def _bench_rank(cfg: dict) -> dict:
     batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
     batches = [(x.to(rt.device), y.to(rt.device)) for x, y in batches]
     sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
+    fresh = _fresh_memory_counter(rt.device)
     times: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
+    faults: dict[str, list[int]] = {name: [] for name in models}
     for i in range(cfg["warmup"] + cfg["iters"]):
         order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
         for name in order:
             x, y = batches[i % len(batches)]
             dist.barrier()
             sync()
+            start_faults = fresh()
             start, start_cpu = time.perf_counter(), time.process_time()
             opts[name].zero_grad()
             work.loss_fn(models[name](x), y).backward()
@@ -59,20 +65,57 @@ def _bench_rank(cfg: dict) -> dict:
             if i >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
+                faults[name].append(fresh() - start_faults)
     params = sum(p.numel() for p in work.model.parameters())
-    return {"times": times, "cpu": cpu, "params": params, "buckets": len(models["commlab"].bucket_sizes)}
+    return {"times": times, "cpu": cpu, "faults": faults, "params": params, "cuda": rt.device.type == "cuda",
+            "buckets": len(models["commlab"].bucket_sizes)}  # fmt: skip
 
 
-def summarise(per_rank: list[dict], key: str = "times") -> dict[str, float]:
+def _fresh_memory_counter(device):
+    """A counter of fresh memory taken from the system: on CPU the process's minor page faults
+    (every thread's: the comm worker's too), on CUDA the caching allocator's cudaMalloc calls
+    (``segment.all.allocated``), which stay flat once its pool serves every request."""
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(p10, median, p90), linearly interpolated between order statistics."""
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        k = q * (len(xs) - 1)
+        lo = int(k)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return at(0.1), at(0.5), at(0.9)
+
+
+def summarise(per_rank: list[dict], key: str = "times") -> dict:
     """Per iteration the slowest rank's time; then medians, their ratio, and the paired ratio.
 
     ``key="cpu"`` does the same with each rank's process CPU time (all its threads), which a
     loaded machine disturbs far less than wall time: it shows the reducer's own overhead.
+    ``key="faults"``: per iteration the rank with the most. ``spread`` holds each
+    implementation's (p10, median, p90) and ``max`` its largest iteration.
     """
-    slowest = {name: [max(ts) for ts in zip(*(r[key][name] for r in per_rank))] for name in ("commlab", "torch")}
+    names = ("commlab", "torch")
+    slowest = {name: [max(ts) for ts in zip(*(r[key][name] for r in per_rank))] for name in names}
     ours, theirs = statistics.median(slowest["commlab"]), statistics.median(slowest["torch"])
-    paired = statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"]))
-    return {"commlab": ours, "torch": theirs, "ratio": ours / theirs, "paired_ratio": paired}
+    pairs = list(zip(slowest["commlab"], slowest["torch"]))
+    paired = statistics.median(a / b for a, b in pairs) if all(b for _, b in pairs) else float("nan")
+    return {
+        "commlab": ours,
+        "torch": theirs,
+        "ratio": ours / theirs if theirs else float("nan"),
+        "paired_ratio": paired,
+        "spread": {name: spread(slowest[name]) for name in names},
+        "max": {name: max(slowest[name]) for name in names},
+    }
 
 
 def _algorithms() -> list[str]:
@@ -121,7 +164,7 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
     cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
                warmup=warmup, algorithm=algorithm)  # fmt: skip
     per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
-    s, c = summarise(per_rank), summarise(per_rank, "cpu")
+    s, c, f = summarise(per_rank), summarise(per_rank, "cpu"), summarise(per_rank, "faults")
     shape = f" ({depth} x {width})" if model == "mlp" else ""
     click.echo(
         f"model {model}{shape}, {per_rank[0]['params'] / 1e6:.1f} M params, batch {batch}/rank, "
@@ -129,8 +172,14 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
         f"all-reduce {algorithm}"
     )
     click.echo(f"{iters} timed iterations each after {warmup} warm-up, alternating; slowest rank per iteration")
-    click.echo("               wall ms/iter   cpu ms/iter")
-    click.echo(f"  commlab DDP  {s['commlab'] * 1e3:12.2f}  {c['commlab'] * 1e3:12.2f}")
-    click.echo(f"  torch DDP    {s['torch'] * 1e3:12.2f}  {c['torch'] * 1e3:12.2f}")
+    fresh = "cudaMalloc/iter" if per_rank[0].get("cuda") else "minor faults/iter"
+    click.echo(f"               wall ms/iter   cpu ms/iter   wall p10 / median / p90 ms   {fresh} median / p90 / max")
+    for name, label in (("commlab", "commlab DDP"), ("torch", "torch DDP  ")):
+        p10, med, p90 = (v * 1e3 for v in s["spread"][name])
+        f10, fmed, f90 = f["spread"][name]
+        click.echo(
+            f"  {label}  {s[name] * 1e3:12.2f}  {c[name] * 1e3:12.2f}   {p10:8.2f} / {med:8.2f} / {p90:8.2f}"
+            f"   {fmed:10.0f} / {f90:8.0f} / {f['max'][name]:8.0f}"
+        )
     click.echo(f"  ratio commlab/torch: {s['ratio']:.3f} (median of per-iteration ratios {s['paired_ratio']:.3f})")
     click.echo(f"  cpu-time ratio:      {c['ratio']:.3f} (median of per-iteration ratios {c['paired_ratio']:.3f})")

@@ -49,10 +49,9 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
         wait_all(comm.post(recvs=[(flat, partner)])[0])
         return
     if role == "proxy":
-        incoming = torch.empty_like(flat)
+        incoming = comm.scratch("halving_doubling", n, flat)
         wait_all(comm.post(recvs=[(incoming, partner)])[0])
         combine_(flat, incoming, op)
-        del incoming
 
     bounds = chunk_bounds(n, largest_power_of_two(p))
 
@@ -60,7 +59,8 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
         return bounds[blocks[0]][0], bounds[blocks[1] - 1][1]
 
     halving = hd_reduce_scatter_steps(virtual, p)
-    scratch = flat.new_empty(max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0))
+    # Reused across calls (p2p.Comm.scratch): half the largest message stays allocated.
+    scratch = comm.scratch("halving_doubling", max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0), flat)
     sent: list = []
     for step in halving:
         (sa, sb), (ra, rb) = span(step.send), span(step.recv)

@@ -13,15 +13,35 @@ are posted directly. Empty slices are skipped on both sides (both sides know eve
 Every message of one collective carries that collective's tag (the group worker's sequence
 number), so a message a failed collective left in flight is never matched by a later one
 (Gloo matches on tag; NCCL ignores tags, and a failed NCCL communicator must be replaced anyway).
+
+Scratch: received pieces that are reduced (not received in place) land in buffers from
+:meth:`Comm.scratch`, kept per (group, use, dtype, device) and reused by every later collective
+of the group. A fresh buffer per call costs more than its allocation: the CPU allocator hands
+large blocks straight back to the system, so each call page-faults its scratch in again (a
+fresh 8 MiB is ~2,000 minor faults). A group's collectives run one at a time (its worker, see
+worker.py), so one buffer per use per group is never shared by two running collectives.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+# (group, use, dtype, device) -> a 1-D buffer, grown to the largest request seen and kept.
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one group's worker
+
+
+
+def release_scratch(groups) -> None:
+    """Drop the scratch buffers of ``groups`` (their DDP or process group is gone)."""
+    gone = set(groups)
+    with _SCRATCH_LOCK:
+        for key in [k for k in _SCRATCH if k[0] in gone]:
+            del _SCRATCH[key]
 
 @dataclass(frozen=True)
 class Comm:
@@ -40,6 +60,16 @@ class Comm:
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
         return cls(group, dist.get_rank(group), size, ranks, nccl, tag)
+
+    def scratch(self, use: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements of ``like``'s dtype and device, reused across this
+        group's collectives: only the caller's ``use`` (e.g. "ring") of this group touches it."""
+        key = (dist.group.WORLD if self.group is None else self.group, use, like.dtype, like.device)
+        with _SCRATCH_LOCK:
+            buffer = _SCRATCH.get(key)
+            if buffer is None or buffer.numel() < numel:
+                buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]
 
     def post(
         self,

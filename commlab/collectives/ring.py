@@ -64,7 +64,7 @@ def ring_pass(
     # is cut exactly as it is sent on at step s+1.
     arrivals = [(s, j, a, b) for s, (_, block, _) in enumerate(steps) for j, (a, b) in enumerate(pieces(*bounds[block], piece_numel))]
     slots = min(WINDOW, len(arrivals))
-    scratch = flat.new_empty(slots * piece_numel) if reduce_scatter else None
+    scratch = comm.scratch("ring", slots * piece_numel, flat) if reduce_scatter else None
     sent: list = []
 
     def landing(q: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _ring_pass_stepwise(flat: torch.Tensor, op: str, comm: Comm, steps: list, bo
     what keeps a ring of NCCL p2p calls from deadlocking, so nothing is split further here.
     """
     left, right = ring_neighbours(comm.rank, comm.size)
-    scratch = flat.new_empty(max(b - a for a, b in bounds))
+    scratch = comm.scratch("ring", max(b - a for a, b in bounds), flat)
     for send_block, recv_block, mode in steps:
         (sa, sb), (ra, rb) = bounds[send_block], bounds[recv_block]
         landing = flat[ra:rb] if mode == _COPY else scratch[: rb - ra]

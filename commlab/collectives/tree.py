@@ -40,7 +40,8 @@ def reduce_tree(
     piece_numel = max(1, piece_bytes // flat.element_size())
     cuts = pieces(0, n, piece_numel)
     slots = min(WINDOW, len(cuts))
-    scratch = {c: flat.new_empty(slots * piece_numel if len(cuts) > 1 else n) for c in children}
+    size = slots * piece_numel if len(cuts) > 1 else n
+    scratch = {c: comm.scratch(f"tree-child-{k}", size, flat) for k, c in enumerate(children)}
 
     def landing(child: int, j: int) -> torch.Tensor:
         a, b = cuts[j]

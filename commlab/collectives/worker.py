@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import streams
+from commlab.collectives.p2p import release_scratch
 
 _MAX_TAG = 2**31 - 1
 
@@ -216,6 +217,7 @@ def release_groups(groups: Sequence[dist.ProcessGroup], *, destroy: bool = True)
         workers = [_WORKERS.pop(g) for g in groups if g in _WORKERS]
     for w in workers:
         w.stop()
+    release_scratch(groups)
     if destroy and dist.is_initialized():
         for g in groups:
             try:
@@ -231,6 +233,7 @@ def _stop_workers() -> None:
         _WORKERS.clear()
     for w in workers:
         w.stop()
+    release_scratch(groups)
 
 
 def run_collective(
