@@ -233,7 +233,6 @@ def _stop_workers() -> None:
         _WORKERS.clear()
     for w in workers:
         w.stop()
-    release_scratch(groups)
 
 
 def run_collective(
