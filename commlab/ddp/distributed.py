@@ -119,8 +119,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             initial = [p.data for n, p in module.named_parameters() if n not in ignored]
             broadcast_coalesced(initial + (self._module_buffers if init_sync_buffers else []), self.process_group)
         self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
-        if isinstance(round_robin_groups, int) and round_robin_groups > 1:  # groups made here die with it
-            weakref.finalize(self, collectives.release_groups, list(self.comm_groups))
+        if isinstance(round_robin_groups, int) and round_robin_groups > 1:
+            # The groups made here stop their workers with it but are not destroyed: torch names a
+            # locally synchronised group by its ranks and the number of live groups
+            # (distributed_c10d._hash_ranks_to_str), so a group made after a destroy reuses a dead
+            # group's name and store keys, and its ranks connect to stale addresses.
+            weakref.finalize(self, collectives.release_groups, list(self.comm_groups), destroy=False)
         self.reducer = Reducer(
             params,
             names,
