@@ -87,7 +87,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
     import torch
 
     import commlab
-    from commlab.bench.collectives_report import combine_ranks, fit_table, format_table, write_outputs
+    from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table, write_outputs
     from commlab.bench.collectives_run import run_rank
     from commlab.runtime import resolve_backend
 
@@ -110,15 +110,30 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
         df = combine_ranks(per_rank, meta)
         fit = fit_table(df)
         click.echo(format_table(df))
+        for line in footer_lines(df):
+            click.echo(line)
         click.echo("# alpha-beta fit, t = alpha + bytes / beta:")
         for row in fit.itertuples(index=False):
-            click.echo(f"#   {row.algorithm:>17s}: alpha {row.alpha_us:9.1f} us, beta {row.beta_gbps:8.3f} GB/s, R^2 {row.r2:.3f}")
+            click.echo(fit_line(row))
         click.echo("")
         frames.append(df)
         fits.append(fit)
     results = pd.concat(frames, ignore_index=True)
     paths = write_outputs(results, pd.concat(fits, ignore_index=True), out_dir)
+    _write_metadata(out_dir, stamp)
     wrong = int(results.loc[results["wrong"] > 0, "wrong"].sum())
     click.echo(f"# wrote {paths['results']}, {paths['alpha_beta']}, {paths['figure']}")
     if wrong:
         raise click.ClickException(f"{wrong} wrong elements in total: see the #wrong column")
+
+
+def _write_metadata(out_dir: str, stamp: str) -> None:
+    """metadata.json next to the CSVs: the full command, versions, machine, threads, git state."""
+    import json
+    import os
+
+    from commlab._atomic import write_text
+    from commlab.runtime.metadata import command_line, environment
+
+    meta = {"command": command_line(click.get_current_context()), "start": stamp, "environment": environment()}
+    write_text(os.path.join(out_dir, "metadata.json"), json.dumps(meta, indent=2, default=str) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pandas as pd
@@ -14,22 +15,29 @@ COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, f
     ("count", "count", 12, "d"),
     ("dtype", "type", 10, "s"),
     ("op", "redop", 7, "s"),
+    ("root", "root", 6, "d"),
     ("algorithm", "algorithm", 18, "s"),
     ("time_us", "time(us)", 12, ".1f"),
     ("algbw_gbps", "algbw(GB/s)", 13, ".3f"),
     ("busbw_gbps", "busbw(GB/s)", 13, ".3f"),
     ("wrong", "#wrong", 8, "d"),
+    ("slowest_us", "slowest(us)", 13, ".1f"),
 ]
 FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes"]
 
 
 def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
-    """One tidy row per (size, algorithm): the slowest rank's mean time, #wrong summed over ranks."""
+    """One tidy row per (size, algorithm): time averaged over ranks, #wrong summed over ranks.
+
+    As nccl-tests does by default, ``time_us`` (and the bandwidths from it) is the mean of the
+    ranks' mean times; ``slowest_us`` is the slowest rank's, which is what a job waits for.
+    ``root`` is -1: all-reduce has none (nccl-tests prints the same for it).
+    """
     world = len(per_rank)
     rows = []
     for i, first in enumerate(per_rank[0]):
         same = [rank_rows[i] for rank_rows in per_rank]
-        seconds = max(r["mean_s"] for r in same)
+        seconds = sum(r["mean_s"] for r in same) / world
         algbw, busbw = bandwidths(first["size_bytes"], seconds, "all_reduce", world)
         wrong = [r["wrong"] for r in same]
         rows.append({
@@ -38,8 +46,10 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
             "count": first["count"],
             "dtype": meta["dtype"],
             "op": meta["op"],
+            "root": -1,
             "algorithm": first["algorithm"],
             "time_us": seconds * 1e6,
+            "slowest_us": max(r["mean_s"] for r in same) * 1e6,
             "algbw_gbps": algbw,
             "busbw_gbps": busbw,
             "wrong": -1 if min(wrong) < 0 else sum(wrong),
@@ -50,15 +60,42 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
 
 def format_table(df: pd.DataFrame) -> str:
     """nccl-tests-style fixed-width table of ``df``'s rows (#wrong -1, unchecked, prints N/A)."""
-    lines = ["".join(title.rjust(width) for _, title, width, _ in COLUMNS)]
-    for row in df.itertuples(index=False):
-        cells = []
-        for key, _, width, fmt in COLUMNS:
-            value = getattr(row, key)
-            text = "N/A" if key == "wrong" and value < 0 else format(int(value) if fmt == "d" else value, fmt)
-            cells.append(text.rjust(width))
-        lines.append("".join(cells))
-    return "\n".join(lines)
+    return "\n".join([header_line(), *(row_line(row) for row in df.itertuples(index=False))])
+
+
+def row_line(row) -> str:
+    """One fixed-width table row (a namedtuple or Series with the COLUMNS keys)."""
+    cells = []
+    for key, _, width, fmt in COLUMNS:
+        value = getattr(row, key)
+        text = "N/A" if key == "wrong" and value < 0 else format(int(value) if fmt == "d" else value, fmt)
+        cells.append(text.rjust(width))
+    return "".join(cells)
+
+
+def header_line() -> str:
+    return "".join(title.rjust(width) for _, title, width, _ in COLUMNS)
+
+
+def footer_lines(df: pd.DataFrame) -> list[str]:
+    """nccl-tests' closing lines: the bus bandwidth averaged over sizes, per algorithm."""
+    lines = []
+    for algorithm, part in df.groupby("algorithm", sort=False):
+        lines.append(f"# Avg bus bandwidth ({algorithm}) : {part['busbw_gbps'].mean():.4f} GB/s")
+    wrong = df.loc[df["wrong"] > 0, "wrong"].sum()
+    lines.append(f"# Out of bounds values : {int(wrong)} {'OK' if wrong == 0 else 'FAILED'}")
+    return lines
+
+
+def fit_line(row) -> str:
+    """The alpha-beta fit of one algorithm; "n/a" where the data cannot determine a term."""
+    alpha = "n/a" if math.isnan(row.alpha_us) else f"{row.alpha_us:9.1f} us"
+    if math.isnan(row.beta_gbps) or math.isinf(row.beta_gbps):
+        beta = "n/a (time does not grow with size)" if math.isinf(row.beta_gbps) else "n/a"
+    else:
+        beta = f"{row.beta_gbps:8.3f} GB/s"
+    r2 = "n/a" if math.isnan(row.r2) else f"{row.r2:.3f}"
+    return f"#   {row.algorithm:>17s}: alpha {alpha}, beta {beta}, R^2 {r2}"
 
 
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -108,6 +145,7 @@ def _figure(df: pd.DataFrame, path: str) -> None:
         kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
     )
     grid.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
+    grid.set(ylim=(0, None))  # bandwidth from zero, so that ratios read true
     for ax in grid.axes.flat:  # sizes are powers of two: label them 4K, 64M as the CLI takes them
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
