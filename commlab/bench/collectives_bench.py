@@ -5,8 +5,10 @@
     commlab bench collectives -b 8 -e 64K --world-size 4 --algorithm tree,ring -n 200
     commlab bench collectives --backend nccl --world-size 8 -b 1M -e 1G   # one GPU per rank
 
-Per world size it prints one table (size, count, type, redop, algorithm, time, algbw, busbw,
-#wrong) and the fitted alpha-beta model of each algorithm, then writes under ``--out``:
+Per world size it prints one table, a row as each size completes (size, count, type, redop,
+root, algorithm, then time, algbw, busbw, #wrong and the slowest rank's time for out-of-place and
+for in-place), the average bus bandwidth and the fitted alpha-beta model of each algorithm, then
+writes under ``--out``:
 ``collectives.csv`` (tidy, one row per size x algorithm x world size, with the run's metadata),
 ``alpha_beta.csv`` and ``busbw.png``. Algorithms of one size run interleaved (see
 :mod:`commlab.bench.collectives_run`), so their ratios are fair on a shared machine.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import sys
 
 import click
 
@@ -87,7 +90,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
     import torch
 
     import commlab
-    from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table, write_outputs
+    from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
     from commlab.bench.collectives_run import run_rank
     from commlab.runtime import resolve_backend
 
@@ -102,14 +105,17 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
             "backend": backends[world], "dtype": dtype, "op": op, "iters": iters, "warmup": warmup,
             "timestamp": stamp, "host": platform.node(), "torch": torch.__version__, "commlab": commlab.__version__,
         }
+        # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
         config = {"sizes": sizes, "algorithms": algorithms, "dtype": dtype, "op": op,
-                  "iters": iters, "warmup": warmup, "check": check}  # fmt: skip
+                  "iters": iters, "warmup": warmup, "check": check, "stream": True}  # fmt: skip
         click.echo(f"# all-reduce: world size {world}, backend {meta['backend']}, {dtype} {op}, "
                    f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)")  # fmt: skip
+        for line in header_lines():
+            click.echo(line)
+        sys.stdout.flush()  # before the ranks write their rows to the same stdout
         per_rank = commlab.launch(run_rank, config, world_size=world, backend=meta["backend"], timeout=timeout)
         df = combine_ranks(per_rank, meta)
         fit = fit_table(df)
-        click.echo(format_table(df))
         for line in footer_lines(df):
             click.echo(line)
         click.echo("# alpha-beta fit, t = alpha + bytes / beta:")

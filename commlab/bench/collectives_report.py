@@ -10,19 +10,22 @@ import pandas as pd
 from commlab._atomic import write_via
 from commlab.bench.alpha_beta import bandwidths, fit_alpha_beta
 
-COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
+KEY_COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
     ("size_bytes", "size(B)", 12, "d"),
     ("count", "count", 12, "d"),
     ("dtype", "type", 10, "s"),
     ("op", "redop", 7, "s"),
     ("root", "root", 6, "d"),
     ("algorithm", "algorithm", 18, "s"),
-    ("time_us", "time(us)", 12, ".1f"),
-    ("algbw_gbps", "algbw(GB/s)", 13, ".3f"),
-    ("busbw_gbps", "busbw(GB/s)", 13, ".3f"),
-    ("wrong", "#wrong", 8, "d"),
-    ("slowest_us", "slowest(us)", 13, ".1f"),
 ]
+PLACEMENT_COLUMNS = [  # repeated for out-of-place, then in-place (nccl-tests' two groups)
+    ("time_us", "time(us)", 11, ".1f"),
+    ("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
+    ("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
+    ("wrong", "#wrong", 7, "d"),
+    ("slowest_us", "slowest(us)", 12, ".1f"),
+]
+PLACEMENTS = ("out-of-place", "in-place")
 FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes"]
 
 
@@ -48,6 +51,7 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
             "op": meta["op"],
             "root": -1,
             "algorithm": first["algorithm"],
+            "placement": first.get("placement", "in-place"),
             "time_us": seconds * 1e6,
             "slowest_us": max(r["mean_s"] for r in same) * 1e6,
             "algbw_gbps": algbw,
@@ -59,26 +63,41 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
 
 
 def format_table(df: pd.DataFrame) -> str:
-    """nccl-tests-style fixed-width table of ``df``'s rows (#wrong -1, unchecked, prints N/A)."""
-    return "\n".join([header_line(), *(row_line(row) for row in df.itertuples(index=False))])
+    """nccl-tests-style fixed-width table: a line per (size, algorithm), out-of-place then
+    in-place groups (#wrong -1, unchecked, prints N/A)."""
+    return "\n".join([*header_lines(), format_rows(df)])
 
 
-def row_line(row) -> str:
-    """One fixed-width table row (a namedtuple or Series with the COLUMNS keys)."""
-    cells = []
-    for key, _, width, fmt in COLUMNS:
-        value = getattr(row, key)
-        text = "N/A" if key == "wrong" and value < 0 else format(int(value) if fmt == "d" else value, fmt)
-        cells.append(text.rjust(width))
-    return "".join(cells)
+def header_lines() -> list[str]:
+    key = sum(width for *_, width, _ in KEY_COLUMNS)
+    group = sum(width for *_, width, _ in PLACEMENT_COLUMNS)
+    spans = " " * key + "".join(p.center(group) for p in PLACEMENTS)
+    titles = "".join(t.rjust(w) for _, t, w, _ in KEY_COLUMNS) + "".join(t.rjust(w) for _, t, w, _ in PLACEMENT_COLUMNS) * 2
+    return [spans.rstrip(), titles]
 
 
-def header_line() -> str:
-    return "".join(title.rjust(width) for _, title, width, _ in COLUMNS)
+def format_rows(df: pd.DataFrame) -> str:
+    """The table's body lines for ``df`` (rows of one or more sizes)."""
+    lines = []
+    for _, part in df.groupby(["size_bytes", "algorithm"], sort=False):
+        by_place = {row.placement: row for row in part.itertuples(index=False)}
+        first = next(iter(by_place.values()))
+        cells = [_cell(getattr(first, k), w, f) for k, _, w, f in KEY_COLUMNS]
+        for placement in PLACEMENTS:
+            row = by_place.get(placement)
+            cells += [_cell(None if row is None else getattr(row, k), w, f, k) for k, _, w, f in PLACEMENT_COLUMNS]
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def _cell(value, width: int, fmt: str, key: str = "") -> str:
+    if value is None or (key == "wrong" and value < 0):
+        return "N/A".rjust(width)
+    return format(int(value) if fmt == "d" else value, fmt).rjust(width)
 
 
 def footer_lines(df: pd.DataFrame) -> list[str]:
-    """nccl-tests' closing lines: the bus bandwidth averaged over sizes, per algorithm."""
+    """nccl-tests' closing lines: the bus bandwidth averaged over sizes and placements, per algorithm."""
     lines = []
     for algorithm, part in df.groupby("algorithm", sort=False):
         lines.append(f"# Avg bus bandwidth ({algorithm}) : {part['busbw_gbps'].mean():.4f} GB/s")
@@ -101,6 +120,9 @@ def fit_line(row) -> str:
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
     """The alpha-beta model of each (algorithm, backend, world size), least squares over sizes."""
     rows = []
+    # The fit is of the in-place time, the all-reduce itself (out of place adds a copy).
+    if "placement" in df:
+        df = df[df["placement"] == "in-place"]
     for (algorithm, backend, world), part in df.groupby(["algorithm", "backend", "world_size"], sort=False):
         alpha, beta, r2 = fit_alpha_beta(part["size_bytes"], part["time_us"] / 1e6)
         rows.append({
@@ -140,6 +162,8 @@ def _figure(df: pd.DataFrame, path: str) -> None:
     import seaborn as sns
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    if "placement" in df:  # the all-reduce itself; out of place adds a copy
+        df = df[df["placement"] == "in-place"]
     grid = sns.relplot(
         data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size",
         kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
@@ -152,6 +176,6 @@ def _figure(df: pd.DataFrame, path: str) -> None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
         ax.xaxis.set_minor_formatter(NullFormatter())
     grid.set_titles("world size {col_name}")
-    grid.figure.suptitle(f"all-reduce, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
+    grid.figure.suptitle(f"In-place all-reduce bus bandwidth, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
     grid.savefig(path, format="png", dpi=110, bbox_inches="tight")
     plt.close(grid.figure)
