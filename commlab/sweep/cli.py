@@ -58,7 +58,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     same keys, e.g. sweeps/reference.yaml).
     """
     from commlab.runtime.launch import sigterm_as_interrupt
-    from commlab.runtime.metadata import command_line, dirty_warning, environment
+    import commlab
+    from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
     from commlab.sweep import runner, store
     from commlab.sweep.spec import grid_change, grid_signature, grid_union
 
@@ -87,10 +88,12 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = meta or {"environment": environment()}
     meta["grid"] = grid_union(meta.get("grid"), grid_signature(plan))
-    if warning := dirty_warning(meta["environment"]):
+    # The load average says how far to trust the timings (other work shares the CPUs); the git
+    # state is this session's (a resumed run may continue on other code).
+    session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None,
+               "load_average_start": os.getloadavg(), "git": git_state(Path(commlab.__file__).resolve().parent)}
+    if warning := dirty_warning(session):
         echo(warning)
-    # The load average says how far to trust the timings (other work shares the CPUs).
-    session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()
@@ -118,9 +121,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     from commlab.sweep.store import read_tables
 
     table = read_tables(run_dir)[2]
-    for line in [fastest(table), *superlinear(table)]:
-        if line:
-            echo(line)
+    for line in [*fastest(table), *superlinear(table)]:
+        echo(line)
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:
