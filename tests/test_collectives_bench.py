@@ -1,5 +1,6 @@
 """`commlab bench collectives`: the pure arithmetic, input errors before spawning, one tiny run."""
 
+import json
 import math
 
 import pandas as pd
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 from commlab.bench.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, parse_size, size_sweep
 from commlab.bench.collectives_bench import bench_collectives
-from commlab.bench.collectives_report import combine_ranks, format_table
+from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table
 from commlab.bench.collectives_run import bench_input, expected_result
 from commlab.cli import main
 
@@ -68,16 +69,30 @@ def test_bench_data_reduce_exactly_to_the_closed_form(dtype, op):
     assert torch.equal(expected_result(world, count, dtype, op, "cpu"), full.to(dtype))
 
 
-def test_slowest_rank_time_and_summed_wrong():
+def test_time_averaged_over_ranks_slowest_extra_and_summed_wrong():
     per_rank = [
         [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 1e-3, "wrong": 0}],
         [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 4e-3, "wrong": 2}],
         [{"size_bytes": 8, "count": 2, "algorithm": "ring", "mean_s": 2e-3, "wrong": 1}],
     ]
     df = combine_ranks(per_rank, {"dtype": "float32", "op": "sum", "backend": "gloo"})
-    assert df["time_us"].tolist() == [pytest.approx(4000.0)] and df["wrong"].tolist() == [3]
+    assert df["time_us"].tolist() == [pytest.approx(7000.0 / 3)] and df["wrong"].tolist() == [3]
+    assert df["slowest_us"].tolist() == [pytest.approx(4000.0)] and df["root"].tolist() == [-1]
+    assert df["algbw_gbps"].iloc[0] == pytest.approx(8 / (7e-3 / 3) / 1e9)
     assert df["busbw_gbps"].iloc[0] == pytest.approx(df["algbw_gbps"].iloc[0] * 4 / 3)
     assert "N/A" in format_table(df.assign(wrong=-1))
+    assert format_table(df).splitlines()[-1].split()[6:11] == ["N/A"] * 5  # no out-of-place row given
+    footer = footer_lines(df)
+    assert footer[0].startswith("# Avg bus bandwidth (ring) : ") and footer[-1] == "# Out of bounds values : 3 FAILED"
+
+
+def test_a_fit_without_a_bandwidth_term_prints_na():
+    import pandas as pd
+
+    df = pd.DataFrame({"algorithm": "ring", "backend": "gloo", "world_size": 2, "size_bytes": [8, 16],
+                       "time_us": [2.0, 1.0]})
+    line = fit_line(next(fit_table(df).itertuples(index=False)))
+    assert "beta n/a" in line and "inf" not in line
 
 
 @pytest.mark.parametrize(
@@ -105,24 +120,37 @@ def test_nccl_without_gpus_is_a_click_error():
 
 def test_tiny_run_table_csv_fit_and_figure(tmp_path):
     # World 3 rather than 2: its bus-bandwidth factor is 4/3, so the busbw check can fail.
+    # A subprocess, because rank 0 prints each size's rows itself as the size completes.
+    import subprocess
+    import sys
+
     out = tmp_path / "out"
     args = ["bench", "collectives", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
             "--world-size", "3", "--op", "avg", "--timeout", "120", "--out", str(out)]  # fmt: skip
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    header = next(line for line in lines if line.lstrip().startswith("size(B)"))
-    assert header.split() == ["size(B)", "count", "type", "redop", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+    run = subprocess.run([sys.executable, "-c", "from commlab.cli import main; main()", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    spans = next(i for i, line in enumerate(lines) if "out-of-place" in line)
+    assert "in-place" in lines[spans]
+    assert lines[spans + 1].split() == ["size(B)", "count", "type", "redop", "root", "algorithm"] + [
+        "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "slowest(us)"] * 2
+    table_rows = [line.split() for line in lines if line.split()[:1] in (["1024"], ["4096"])]
+    assert len(table_rows) == 8 and all(row[9] == "0" and row[14] == "0" for row in table_rows)
+    assert [row[0] for row in table_rows] == ["1024"] * 4 + ["4096"] * 4 and all(row[4] == "-1" for row in table_rows)
+    assert sum(line.startswith("# Avg bus bandwidth (") for line in lines) == 4
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["command"].startswith("commlab bench collectives -b 1024 -e 4096 -f 4") and meta["environment"]["torch"] == torch.__version__
     df = pd.read_csv(out / "collectives.csv")
-    assert {"world_size", "size_bytes", "count", "dtype", "op", "algorithm", "time_us", "algbw_gbps",
-            "busbw_gbps", "wrong", "backend", "iters", "warmup", "timestamp", "torch"} <= set(df.columns)  # fmt: skip
+    assert {"world_size", "size_bytes", "count", "dtype", "op", "root", "algorithm", "placement", "time_us",
+            "slowest_us", "algbw_gbps", "busbw_gbps", "wrong", "backend", "iters", "warmup", "timestamp", "torch"} <= set(df.columns)  # fmt: skip
     assert sorted(df["size_bytes"].unique()) == [1024, 4096] and set(df["count"]) == {256, 1024}
-    assert set(df["algorithm"]) == {"ring", "tree", "halving_doubling", "native"} and len(df) == 8
+    assert set(df["algorithm"]) == {"ring", "tree", "halving_doubling", "native"} and len(df) == 16
+    assert set(df["placement"]) == {"out-of-place", "in-place"}
     assert (df["wrong"] == 0).all() and (df["time_us"] > 0).all() and (df["op"] == "avg").all()
+    assert (df["slowest_us"] >= df["time_us"] - 1e-9).all()
     assert (df["busbw_gbps"] - df["algbw_gbps"] * 4 / 3).abs().max() < 1e-9
     assert (df["algbw_gbps"] - df["size_bytes"] / df["time_us"] / 1e3).abs().max() < 1e-9
-    table_rows = [line.split() for line in lines if line.split()[:1] in (["1024"], ["4096"])]
-    assert len(table_rows) == 8 and all(row[-1] == "0" for row in table_rows)
     fits = pd.read_csv(out / "alpha_beta.csv")
     assert list(fits.columns)[:6] == ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2"]
     assert len(fits) == 4 and (fits["n_sizes"] == 2).all() and (fits["world_size"] == 3).all()

@@ -132,6 +132,18 @@ def test_tiny_sweep_results_and_a_failing_configuration(tmp_path, monkeypatch):
     assert traced.exit_code == 0, traced.output
     assert json.loads(Path(traced.output.strip()).read_text())["traceEvents"]
 
+    # The real trace: the same configuration rerun under torch.profiler, ranks merged on one clock.
+    profiled = CliRunner().invoke(main, ["trace", str(run_dir), "--config", good["config"].iloc[0], "--profile", "--steps", "2"])
+    assert profiled.exit_code == 0, profiled.output
+    trace = json.loads(Path(profiled.output.strip().splitlines()[-1]).read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    by_rank = {r: {e["name"] for e in events if e["pid"] == r} for r in (0, 1)}
+    for names in by_rank.values():
+        assert {"commlab:forward", "commlab:backward + gradient all-reduce", "commlab:optimizer"} <= names
+        assert any("all_reduce" in n for n in names)  # the backend's own collective events
+    syncs = [e["ts"] for e in events if e["name"] == "commlab:clock sync"]
+    assert len(syncs) == 2 and syncs[0] == pytest.approx(syncs[1])
+
 
 def _session_gone(sid, wait=15.0):
     """True once no process is left in session ``sid`` (multiprocessing's resource tracker takes

@@ -127,3 +127,21 @@ def test_redrawing_gives_the_same_bytes(run_dir):
     assert first.keys() == second.keys() and any(n.endswith(".pdf") for n in first)
     assert first == second  # no creation date: committed reference figures change only with their data
     assert b"CreationDate" not in first["breakdown.pdf"]
+
+
+def test_profiled_traces_merge_on_one_clock():
+    from commlab.sweep.profile import SYNC, merge
+
+    def rank_trace(base):
+        return {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 999, "args": {"name": "python"}},
+                                {"name": SYNC, "ph": "X", "pid": 999, "tid": 1, "ts": base, "dur": 1},
+                                {"name": "aten::mm", "ph": "X", "pid": 999, "tid": 1, "ts": base + 50, "dur": 10}]}
+
+    merged = merge([rank_trace(1000.0), rank_trace(7000.0)], "cfg")
+    spans = [e for e in merged["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"]) for e in spans] == [
+        (0, SYNC, 1000.0), (0, "aten::mm", 1050.0), (1, SYNC, 1000.0), (1, "aten::mm", 1050.0)]
+    names = [e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"]
+    assert names == ["rank 0 (torch.profiler)", "rank 1 (torch.profiler)"]
+    with pytest.raises(ValueError, match="no 'commlab:clock sync' event"):
+        merge([{"traceEvents": []}], "cfg")

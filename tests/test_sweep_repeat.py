@@ -61,7 +61,7 @@ def test_each_configuration_reports_the_median_of_its_repetitions_and_their_spre
         assert row["step_median"] == pytest.approx(np.median(reps))
         assert (row["step_spread_lo"], row["step_spread_hi"]) == pytest.approx((reps.min(), reps.max()))
     # Drift of 5% per run against a 10% difference: the spreads overlap, so no winner is called.
-    assert fastest(runs).startswith("no clear winner")
+    assert [line[:15] for line in fastest(runs)] == ["no clear winner"]
     assert any("repetition 3/3" in line for line in lines)
 
     # Resume redoes only the missing (configuration, repetition).
@@ -83,10 +83,16 @@ def _runs(rows):
 
 def test_a_winner_only_outside_the_spread():
     clear = _runs([(3, 0.100, 0.098, 0.102), (3, 0.120, 0.118, 0.125), (3, 0.2, 0.19, 0.21)])
-    assert fastest(clear).startswith("fastest: mlp-gloo-w2-b1-") and "across repetitions" in fastest(clear)
+    [line] = fastest(clear)
+    assert line.startswith("fastest: mlp-gloo-w2-b1-") and "across repetitions" in line
     close = _runs([(3, 0.100, 0.090, 0.115), (3, 0.105, 0.100, 0.110), (3, 0.2, 0.19, 0.21)])
-    assert fastest(close).startswith("no clear winner")
-    assert fastest(close.iloc[:1]) is None
+    assert fastest(close)[0].startswith("no clear winner")
+    assert fastest(close.iloc[:1]) == []
+    # a different world size does other work per step: it is not a competitor
+    other = close.assign(world_size=[2, 4, 2], config=close["config"] + "x")
+    assert len(fastest(other)) == 1 and fastest(other)[0].startswith("fastest: mlp-gloo-w2-b1-")
+    single = _runs([(1, 0.100, 0.0, 0.0), (1, 0.150, 0.0, 0.0)]).assign(step_p10=[0.09, 0.12], step_p90=[0.11, 0.2])
+    assert "p10-p90 of iterations" in fastest(single)[0] and fastest(single)[0].startswith("fastest")
 
 
 def test_curves_carry_the_spread_and_cells_are_never_shared():

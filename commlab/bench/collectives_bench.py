@@ -5,8 +5,10 @@
     commlab bench collectives -b 8 -e 64K --world-size 4 --algorithm tree,ring -n 200
     commlab bench collectives --backend nccl --world-size 8 -b 1M -e 1G   # one GPU per rank
 
-Per world size it prints one table (size, count, type, redop, algorithm, time, algbw, busbw,
-#wrong) and the fitted alpha-beta model of each algorithm, then writes under ``--out``:
+Per world size it prints one table, a row as each size completes (size, count, type, redop,
+root, algorithm, then time, algbw, busbw, #wrong and the slowest rank's time for out-of-place and
+for in-place), the average bus bandwidth and the fitted alpha-beta model of each algorithm, then
+writes under ``--out``:
 ``collectives.csv`` (tidy, one row per size x algorithm x world size, with the run's metadata),
 ``alpha_beta.csv`` and ``busbw.png``. Algorithms of one size run interleaved (see
 :mod:`commlab.bench.collectives_run`), so their ratios are fair on a shared machine.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import sys
 
 import click
 
@@ -87,7 +90,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
     import torch
 
     import commlab
-    from commlab.bench.collectives_report import combine_ranks, fit_table, format_table, write_outputs
+    from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
     from commlab.bench.collectives_run import run_rank
     from commlab.runtime import resolve_backend
 
@@ -102,23 +105,41 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
             "backend": backends[world], "dtype": dtype, "op": op, "iters": iters, "warmup": warmup,
             "timestamp": stamp, "host": platform.node(), "torch": torch.__version__, "commlab": commlab.__version__,
         }
+        # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
         config = {"sizes": sizes, "algorithms": algorithms, "dtype": dtype, "op": op,
-                  "iters": iters, "warmup": warmup, "check": check}  # fmt: skip
+                  "iters": iters, "warmup": warmup, "check": check, "stream": True}  # fmt: skip
         click.echo(f"# all-reduce: world size {world}, backend {meta['backend']}, {dtype} {op}, "
                    f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)")  # fmt: skip
+        for line in header_lines():
+            click.echo(line)
+        sys.stdout.flush()  # before the ranks write their rows to the same stdout
         per_rank = commlab.launch(run_rank, config, world_size=world, backend=meta["backend"], timeout=timeout)
         df = combine_ranks(per_rank, meta)
         fit = fit_table(df)
-        click.echo(format_table(df))
+        for line in footer_lines(df):
+            click.echo(line)
         click.echo("# alpha-beta fit, t = alpha + bytes / beta:")
         for row in fit.itertuples(index=False):
-            click.echo(f"#   {row.algorithm:>17s}: alpha {row.alpha_us:9.1f} us, beta {row.beta_gbps:8.3f} GB/s, R^2 {row.r2:.3f}")
+            click.echo(fit_line(row))
         click.echo("")
         frames.append(df)
         fits.append(fit)
     results = pd.concat(frames, ignore_index=True)
     paths = write_outputs(results, pd.concat(fits, ignore_index=True), out_dir)
+    _write_metadata(out_dir, stamp)
     wrong = int(results.loc[results["wrong"] > 0, "wrong"].sum())
     click.echo(f"# wrote {paths['results']}, {paths['alpha_beta']}, {paths['figure']}")
     if wrong:
         raise click.ClickException(f"{wrong} wrong elements in total: see the #wrong column")
+
+
+def _write_metadata(out_dir: str, stamp: str) -> None:
+    """metadata.json next to the CSVs: the full command, versions, machine, threads, git state."""
+    import json
+    import os
+
+    from commlab._atomic import write_text
+    from commlab.runtime.metadata import command_line, environment
+
+    meta = {"command": command_line(click.get_current_context()), "start": stamp, "environment": environment()}
+    write_text(os.path.join(out_dir, "metadata.json"), json.dumps(meta, indent=2, default=str) + "\n")

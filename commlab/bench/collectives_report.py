@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pandas as pd
@@ -9,27 +10,37 @@ import pandas as pd
 from commlab._atomic import write_via
 from commlab.bench.alpha_beta import bandwidths, fit_alpha_beta
 
-COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
+KEY_COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
     ("size_bytes", "size(B)", 12, "d"),
     ("count", "count", 12, "d"),
     ("dtype", "type", 10, "s"),
     ("op", "redop", 7, "s"),
+    ("root", "root", 6, "d"),
     ("algorithm", "algorithm", 18, "s"),
-    ("time_us", "time(us)", 12, ".1f"),
-    ("algbw_gbps", "algbw(GB/s)", 13, ".3f"),
-    ("busbw_gbps", "busbw(GB/s)", 13, ".3f"),
-    ("wrong", "#wrong", 8, "d"),
 ]
+PLACEMENT_COLUMNS = [  # repeated for out-of-place, then in-place (nccl-tests' two groups)
+    ("time_us", "time(us)", 11, ".1f"),
+    ("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
+    ("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
+    ("wrong", "#wrong", 7, "d"),
+    ("slowest_us", "slowest(us)", 12, ".1f"),
+]
+PLACEMENTS = ("out-of-place", "in-place")
 FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes"]
 
 
 def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
-    """One tidy row per (size, algorithm): the slowest rank's mean time, #wrong summed over ranks."""
+    """One tidy row per (size, algorithm): time averaged over ranks, #wrong summed over ranks.
+
+    As nccl-tests does by default, ``time_us`` (and the bandwidths from it) is the mean of the
+    ranks' mean times; ``slowest_us`` is the slowest rank's, which is what a job waits for.
+    ``root`` is -1: all-reduce has none (nccl-tests prints the same for it).
+    """
     world = len(per_rank)
     rows = []
     for i, first in enumerate(per_rank[0]):
         same = [rank_rows[i] for rank_rows in per_rank]
-        seconds = max(r["mean_s"] for r in same)
+        seconds = sum(r["mean_s"] for r in same) / world
         algbw, busbw = bandwidths(first["size_bytes"], seconds, "all_reduce", world)
         wrong = [r["wrong"] for r in same]
         rows.append({
@@ -38,8 +49,11 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
             "count": first["count"],
             "dtype": meta["dtype"],
             "op": meta["op"],
+            "root": -1,
             "algorithm": first["algorithm"],
+            "placement": first.get("placement", "in-place"),
             "time_us": seconds * 1e6,
+            "slowest_us": max(r["mean_s"] for r in same) * 1e6,
             "algbw_gbps": algbw,
             "busbw_gbps": busbw,
             "wrong": -1 if min(wrong) < 0 else sum(wrong),
@@ -49,21 +63,66 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
 
 
 def format_table(df: pd.DataFrame) -> str:
-    """nccl-tests-style fixed-width table of ``df``'s rows (#wrong -1, unchecked, prints N/A)."""
-    lines = ["".join(title.rjust(width) for _, title, width, _ in COLUMNS)]
-    for row in df.itertuples(index=False):
-        cells = []
-        for key, _, width, fmt in COLUMNS:
-            value = getattr(row, key)
-            text = "N/A" if key == "wrong" and value < 0 else format(int(value) if fmt == "d" else value, fmt)
-            cells.append(text.rjust(width))
+    """nccl-tests-style fixed-width table: a line per (size, algorithm), out-of-place then
+    in-place groups (#wrong -1, unchecked, prints N/A)."""
+    return "\n".join([*header_lines(), format_rows(df)])
+
+
+def header_lines() -> list[str]:
+    key = sum(width for *_, width, _ in KEY_COLUMNS)
+    group = sum(width for *_, width, _ in PLACEMENT_COLUMNS)
+    spans = " " * key + "".join(p.center(group) for p in PLACEMENTS)
+    titles = "".join(t.rjust(w) for _, t, w, _ in KEY_COLUMNS) + "".join(t.rjust(w) for _, t, w, _ in PLACEMENT_COLUMNS) * 2
+    return [spans.rstrip(), titles]
+
+
+def format_rows(df: pd.DataFrame) -> str:
+    """The table's body lines for ``df`` (rows of one or more sizes)."""
+    lines = []
+    for _, part in df.groupby(["size_bytes", "algorithm"], sort=False):
+        by_place = {row.placement: row for row in part.itertuples(index=False)}
+        first = next(iter(by_place.values()))
+        cells = [_cell(getattr(first, k), w, f) for k, _, w, f in KEY_COLUMNS]
+        for placement in PLACEMENTS:
+            row = by_place.get(placement)
+            cells += [_cell(None if row is None else getattr(row, k), w, f, k) for k, _, w, f in PLACEMENT_COLUMNS]
         lines.append("".join(cells))
     return "\n".join(lines)
+
+
+def _cell(value, width: int, fmt: str, key: str = "") -> str:
+    if value is None or (key == "wrong" and value < 0):
+        return "N/A".rjust(width)
+    return format(int(value) if fmt == "d" else value, fmt).rjust(width)
+
+
+def footer_lines(df: pd.DataFrame) -> list[str]:
+    """nccl-tests' closing lines: the bus bandwidth averaged over sizes and placements, per algorithm."""
+    lines = []
+    for algorithm, part in df.groupby("algorithm", sort=False):
+        lines.append(f"# Avg bus bandwidth ({algorithm}) : {part['busbw_gbps'].mean():.4f} GB/s")
+    wrong = df.loc[df["wrong"] > 0, "wrong"].sum()
+    lines.append(f"# Out of bounds values : {int(wrong)} {'OK' if wrong == 0 else 'FAILED'}")
+    return lines
+
+
+def fit_line(row) -> str:
+    """The alpha-beta fit of one algorithm; "n/a" where the data cannot determine a term."""
+    alpha = "n/a" if math.isnan(row.alpha_us) else f"{row.alpha_us:9.1f} us"
+    if math.isnan(row.beta_gbps) or math.isinf(row.beta_gbps):
+        beta = "n/a (time does not grow with size)" if math.isinf(row.beta_gbps) else "n/a"
+    else:
+        beta = f"{row.beta_gbps:8.3f} GB/s"
+    r2 = "n/a" if math.isnan(row.r2) else f"{row.r2:.3f}"
+    return f"#   {row.algorithm:>17s}: alpha {alpha}, beta {beta}, R^2 {r2}"
 
 
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
     """The alpha-beta model of each (algorithm, backend, world size), least squares over sizes."""
     rows = []
+    # The fit is of the in-place time, the all-reduce itself (out of place adds a copy).
+    if "placement" in df:
+        df = df[df["placement"] == "in-place"]
     for (algorithm, backend, world), part in df.groupby(["algorithm", "backend", "world_size"], sort=False):
         alpha, beta, r2 = fit_alpha_beta(part["size_bytes"], part["time_us"] / 1e6)
         rows.append({
@@ -103,17 +162,20 @@ def _figure(df: pd.DataFrame, path: str) -> None:
     import seaborn as sns
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    if "placement" in df:  # the all-reduce itself; out of place adds a copy
+        df = df[df["placement"] == "in-place"]
     grid = sns.relplot(
         data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size",
         kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
     )
     grid.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
+    grid.set(ylim=(0, None))  # bandwidth from zero, so that ratios read true
     for ax in grid.axes.flat:  # sizes are powers of two: label them 4K, 64M as the CLI takes them
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
         ax.xaxis.set_minor_formatter(NullFormatter())
     grid.set_titles("world size {col_name}")
-    grid.figure.suptitle(f"all-reduce, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
+    grid.figure.suptitle(f"In-place all-reduce bus bandwidth, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
     grid.savefig(path, format="png", dpi=110, bbox_inches="tight")
     plt.close(grid.figure)

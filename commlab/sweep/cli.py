@@ -58,7 +58,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     same keys, e.g. sweeps/reference.yaml).
     """
     from commlab.runtime.launch import sigterm_as_interrupt
-    from commlab.runtime.metadata import command_line, dirty_warning, environment
+    import commlab
+    from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
     from commlab.sweep import runner, store
     from commlab.sweep.spec import grid_change, grid_signature, grid_union
 
@@ -87,10 +88,12 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = meta or {"environment": environment()}
     meta["grid"] = grid_union(meta.get("grid"), grid_signature(plan))
-    if warning := dirty_warning(meta["environment"]):
+    # The load average says how far to trust the timings (other work shares the CPUs); the git
+    # state is this session's (a resumed run may continue on other code).
+    session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None,
+               "load_average_start": os.getloadavg(), "git": git_state(Path(commlab.__file__).resolve().parent)}
+    if warning := dirty_warning(session):
         echo(warning)
-    # The load average says how far to trust the timings (other work shares the CPUs).
-    session = {"command": command_line(click.get_current_context()), "start": _now(), "end": None, "load_average_start": os.getloadavg()}
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()
@@ -118,9 +121,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     from commlab.sweep.store import read_tables
 
     table = read_tables(run_dir)[2]
-    for line in [fastest(table), *superlinear(table)]:
-        if line:
-            echo(line)
+    for line in [*fastest(table), *superlinear(table)]:
+        echo(line)
     failed = [r["config"]["config"] for r in records if r["status"] != "ok"]
     echo(f"done in {time.monotonic() - begin:.0f} s: {len(records) - len(failed)} ok, {len(failed)} failed -> {run_dir}")
     if failed:
@@ -146,17 +148,46 @@ def figures(run_dir: Path) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--config", "config_id", help="configuration id (runs.csv `config`) [the first successful one]")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>.json]")
-def trace(run_dir: Path, config_id: str | None, output: Path | None) -> None:
-    """Write one configuration's measured steps as Chrome trace JSON (Perfetto, chrome://tracing)."""
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>[-profiled].json]")
+@click.option("--profile", is_flag=True, help="rerun the configuration under torch.profiler (a real trace) instead of "
+              "laying its measured times end to end (the light default)")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="with --profile: steps recorded")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="with --profile: seconds before the run is ended")
+def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bool, steps: int, timeout: float) -> None:
+    """Write one configuration as Chrome trace JSON (Perfetto, chrome://tracing).
+
+    By default the trace is reconstructed from the measured timings (no new run). With --profile
+    the configuration runs again under torch.profiler on every rank, and the ranks' traces are
+    merged on one clock: torch operators, commlab's phases and the backend's collectives.
+    """
     from commlab.sweep.store import read_tables
-    from commlab.sweep.trace import write_trace
+    from commlab.sweep.trace import pick_config, write_trace
 
     try:
         iterations, buckets, runs = read_tables(run_dir)
-        path = write_trace(iterations, buckets, runs, config_id, output, run_dir)
+        if not profile:
+            click.echo(str(write_trace(iterations, buckets, runs, config_id, output, run_dir)))
+            return
+        config_id = pick_config(runs, config_id, run_dir)
     except (FileNotFoundError, ValueError) as err:
         raise click.UsageError(str(err)) from None
+    import json
+
+    import commlab
+    from commlab._atomic import write_text
+    from commlab.runtime.launch import sigterm_as_interrupt
+    from commlab.sweep import profile as profiler
+    from commlab.sweep.spec import Config
+    from commlab.sweep.store import load_records
+
+    record = next(r for r in load_records(run_dir) if r["config"]["config"] == config_id)
+    cfg = Config.from_columns(record["config"])
+    click.echo(f"profiling {steps} step(s) of {config_id} on {cfg.world_size} rank(s) ...", err=True)
+    with sigterm_as_interrupt():
+        per_rank = commlab.launch(profiler.profile_rank, cfg, steps, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
+    path = output or run_dir / f"trace-{config_id}-profiled.json"
+    write_text(path, json.dumps(profiler.merge(per_rank, config_id)))
     click.echo(str(path))
 
 

@@ -69,23 +69,32 @@ def spread(row: pd.Series) -> tuple[float, float]:
     return float(row["step_p10"]), float(row["step_p90"])
 
 
-def fastest(runs: pd.DataFrame) -> str | None:
-    """A line naming the fastest configuration, or saying that no configuration clearly is.
+# Configurations whose steps do the same work (so their step times compare): the same model,
+# data and ranks; the rest (bucket size, overlap, algorithm, groups, threads) is what a sweep compares.
+SAME_WORK = ["model", "model_args", "backend", "world_size", "global_batch", "batch_per_rank", "accumulate"]
+
+
+def fastest(runs: pd.DataFrame) -> list[str]:
+    """Per group of configurations doing the same work, a line naming the fastest, or saying
+    that none clearly is.
 
     The fastest by median is called the winner only when its spread (:func:`spread`) lies wholly
     below the runner-up's: a difference smaller than the spread is within the noise.
     """
-    ok = runs[(runs["status"] == "ok") & runs["step_median"].notna()].sort_values("step_median")
-    if len(ok) < 2:
-        return None
-    best, second = ok.iloc[0], ok.iloc[1]
-    (lo1, hi1), (lo2, hi2) = spread(best), spread(second)
-    what = "across repetitions" if best.get("repetitions", 1) > 1 else "p10-p90 of iterations"
-    head = (f"{best['config']} {best['step_median'] * 1e3:.1f} ms [{lo1 * 1e3:.1f}, {hi1 * 1e3:.1f}] vs "
-            f"{second['config']} {second['step_median'] * 1e3:.1f} ms [{lo2 * 1e3:.1f}, {hi2 * 1e3:.1f}] ({what})")
-    if hi1 < lo2:
-        return f"fastest: {head}"
-    return f"no clear winner: the fastest two differ by less than their spread: {head}"
+    ok = runs[(runs["status"] == "ok") & runs["step_median"].notna()]
+    lines = []
+    for _, group in ok.groupby([c for c in SAME_WORK if c in ok], dropna=False, sort=False):
+        if len(group) < 2:
+            continue
+        best, second = group.sort_values("step_median").iloc[:2].itertuples(index=False)
+        best, second = pd.Series(best._asdict()), pd.Series(second._asdict())
+        (lo1, hi1), (lo2, hi2) = spread(best), spread(second)
+        what = "across repetitions" if best.get("repetitions", 1) > 1 else "p10-p90 of iterations"
+        head = (f"{best['config']} {best['step_median'] * 1e3:.1f} ms [{lo1 * 1e3:.1f}, {hi1 * 1e3:.1f}] vs "
+                f"{second['config']} {second['step_median'] * 1e3:.1f} ms [{lo2 * 1e3:.1f}, {hi2 * 1e3:.1f}] ({what})")
+        lines.append(f"fastest: {head}" if hi1 < lo2 else
+                     f"no clear winner: the fastest two differ by less than their spread: {head}")
+    return lines
 
 
 def _rep(df: pd.DataFrame) -> list[str]:

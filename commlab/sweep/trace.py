@@ -1,5 +1,8 @@
 """One configuration's measured steps as Chrome trace JSON (open in Perfetto or chrome://tracing).
 
+This is the light, reconstructed trace (no new run, and no shared clock across ranks); the real
+one, recorded with torch.profiler, is :mod:`commlab.sweep.profile` (``commlab trace --profile``).
+
 Each rank is a process; its compute phases are one thread and each bucket's all-reduce another
 (buckets may be in flight at the same time, and a trace thread must nest its spans). Steps are
 laid end to end on each rank using the measured step times, as they ran back to back.
@@ -57,19 +60,26 @@ def chrome_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str) -
                     events.append(_span("waiting to launch", rank, tid, t0 + b["ready"], b["launched"] - b["ready"], bargs))
                 events.append(_span("all-reduce", rank, tid, t0 + b["launched"], b["done"] - b["launched"], bargs))
             offset += it["step"]
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"config": config}}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"config": config, "kind": "reconstructed from measured times, steps laid end to end"}}
 
 
-def write_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, runs: pd.DataFrame, config: str | None,
-                output: Path | None, run_dir: Path) -> Path:
-    """Write the trace of ``config`` (default: the first successful one); return its path."""
+def pick_config(runs: pd.DataFrame, config: str | None, run_dir: Path) -> str:
+    """``config`` checked against the results, or the first successful configuration."""
     if config is None:
         ok = runs[runs["status"] == "ok"]["config"]
         if ok.empty:
             raise ValueError(f"{run_dir} has no successful configuration to trace")
-        config = str(ok.iloc[0])
-    elif config not in set(runs["config"]):
+        return str(ok.iloc[0])
+    if config not in set(runs["config"]):
         raise ValueError(f"no configuration {config!r} in {run_dir}; choose from: {', '.join(runs['config'])}")
+    return config
+
+
+def write_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, runs: pd.DataFrame, config: str | None,
+                output: Path | None, run_dir: Path) -> Path:
+    """Write the reconstructed trace of ``config`` (default: the first successful one); return its path."""
+    config = pick_config(runs, config, run_dir)
     path = Path(output) if output else Path(run_dir) / f"trace-{config}.json"
     write_text(path, json.dumps(chrome_trace(iterations, buckets, config)))
     return path

@@ -17,6 +17,8 @@ import socket
 import sys
 import time
 import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,15 +30,49 @@ from commlab.runtime.metadata import thread_settings
 from commlab.sweep.spec import Config
 
 
-def measure(cfg: Config) -> dict[str, Any]:
-    """Time ``cfg.warmup + cfg.iters`` optimizer steps on this rank; return its rows.
+def _unlabelled(name: str):
+    return nullcontext()
 
-    A step is ``cfg.accumulate`` micro-batches, all but the last under ``no_sync`` (gradient
-    accumulation without communication, the paper's section 3.2), then the optimizer. DDP
-    records the synchronised micro-batch's breakdown (forward, backward compute, comm, exposed
-    comm, per-bucket times); the optimizer, the no_sync micro-batches and the whole step are
-    timed here. The batch is generated once: data loading is not what a sweep measures.
-    """
+
+@dataclass
+class Trainer:
+    """One rank's DDP training state for a configuration, and how to time one optimizer step."""
+
+    cfg: Config
+    rt: Any
+    workload: Any
+    ddp: Any
+    optimizer: Any
+    inputs: Any
+    target: Any
+
+    def now(self) -> float:
+        if self.rt.device.type == "cuda":
+            torch.cuda.synchronize(self.rt.device)
+        return time.perf_counter()
+
+    def step(self, label=_unlabelled) -> dict[str, float]:
+        """One optimizer step; ``label`` (torch.profiler.record_function when profiling) names its phases."""
+        loss_fn, ddp, x, y = self.workload.loss_fn, self.ddp, self.inputs, self.target
+        start = self.now()
+        for _ in range(self.cfg.accumulate - 1):
+            with label("commlab:no_sync micro-batch"), ddp.no_sync():
+                loss_fn(ddp(x), y).backward()
+        synced = self.now()
+        with label("commlab:forward"):
+            loss = loss_fn(ddp(x), y)
+        with label("commlab:backward + gradient all-reduce"):
+            loss.backward()
+        backward_end = self.now()
+        with label("commlab:optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        end = self.now()
+        return {"accumulate_time": synced - start, "optimizer": end - backward_end, "step": end - start}
+
+
+def prepare(cfg: Config) -> Trainer:
+    """Build the workload and commlab's DDP for ``cfg`` on this rank."""
     rt = commlab.Runtime.current()
     # The configuration's thread count, whatever the launcher chose (commlab.launch gives
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
@@ -55,28 +91,26 @@ def measure(cfg: Config) -> dict[str, Any]:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + rt.rank)
     inputs, target = (t.to(rt.device) for t in workload.make_batch(cfg.batch_per_rank, gen))
+    return Trainer(cfg, rt, workload, ddp, optimizer, inputs, target)
 
-    def now() -> float:
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize(rt.device)
-        return time.perf_counter()
 
+def measure(cfg: Config) -> dict[str, Any]:
+    """Time ``cfg.warmup + cfg.iters`` optimizer steps on this rank; return its rows.
+
+    A step is ``cfg.accumulate`` micro-batches, all but the last under ``no_sync`` (gradient
+    accumulation without communication, the paper's section 3.2), then the optimizer. DDP
+    records the synchronised micro-batch's breakdown (forward, backward compute, comm, exposed
+    comm, per-bucket times); the optimizer, the no_sync micro-batches and the whole step are
+    timed here. The batch is generated once: data loading is not what a sweep measures.
+    """
+    trainer = prepare(cfg)
+    rt, ddp = trainer.rt, trainer.ddp
     steps: list[dict[str, float]] = []
     for i in range(cfg.warmup + cfg.iters):
         if i == cfg.warmup:
             ddp.reset_timings()
             steps.clear()
-        start = now()
-        for _ in range(cfg.accumulate - 1):
-            with ddp.no_sync():
-                workload.loss_fn(ddp(inputs), target).backward()
-        synced = now()
-        workload.loss_fn(ddp(inputs), target).backward()
-        backward_end = now()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        end = now()
-        steps.append({"accumulate_time": synced - start, "optimizer": end - backward_end, "step": end - start})
+        steps.append(trainer.step())
 
     timings = ddp.iteration_timings
     if len(timings) != len(steps):
@@ -92,7 +126,6 @@ def measure(cfg: Config) -> dict[str, Any]:
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
     return {"rank": rt.rank, "host": socket.gethostname(), "device": device,
             "threads": thread_settings(), "iterations": iterations, "buckets": buckets}
-
 
 
 def main(argv: list[str]) -> int:
