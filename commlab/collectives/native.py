@@ -32,6 +32,7 @@ def native_all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, asyn
         finish_(tensor, op, n)
         return tensor
 
-    handle = CollectiveHandle(work.get_future().then(done), group_timeout(group), f"native all-reduce of {tensor.numel()} x {tensor.dtype}")
+    what = f"native all-reduce of {tensor.numel()} x {tensor.dtype}"
+    handle = CollectiveHandle(work.get_future().then(done), group_timeout(group), what)
     handle.launched = launched
     return handle

@@ -32,6 +32,7 @@ The per-group worker table below is the package's only process-wide state.
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -194,13 +195,14 @@ def _complete(future: torch.futures.Future, job: Callable[[], object], stream: A
 # created after the default one was destroyed and re-initialised gets a fresh worker.
 _WORKERS: dict[object, CommWorker] = {}
 _WORKERS_LOCK = threading.Lock()
+_NAMES = itertools.count()
 
 
 def worker_for(group: dist.ProcessGroup | None) -> CommWorker:
     key = dist.group.WORLD if group is None else group
     with _WORKERS_LOCK:
         if key not in _WORKERS:
-            _WORKERS[key] = CommWorker(f"commlab-comm-{len(_WORKERS)}", group_timeout(key))
+            _WORKERS[key] = CommWorker(f"commlab-comm-{next(_NAMES)}", group_timeout(key))
         return _WORKERS[key]
 
 
