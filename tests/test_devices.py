@@ -14,7 +14,8 @@ def test_auto_picks_nccl_only_when_every_local_rank_has_its_own_gpu():
     # torchrun with CUDA_VISIBLE_DEVICES set per rank: each rank sees one GPU, its own.
     backend, why = devices.choose_backend(2, n_gpus=1, nccl=True, own_visible=True)
     assert backend == "nccl" and "cuda:0" in why
-    assert devices.choose_backend(1, n_gpus=0, nccl=True, own_visible=False) == ("gloo", "no CUDA device is visible")
+    no_gpu = devices.choose_backend(1, n_gpus=0, nccl=True, own_visible=False)
+    assert no_gpu == ("gloo", "no CUDA device is visible")
     assert devices.choose_backend(1, n_gpus=2, nccl=False, own_visible=False) == ("gloo", "this torch build has no NCCL")
 
 

@@ -22,7 +22,9 @@ from commlab import collectives as C
 from commlab.collectives import worker as W
 from commlab.models import mlp
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.py on a GPU machine)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.py on a GPU machine)"
+)
 
 
 def _stream_semantics() -> dict:
@@ -58,11 +60,14 @@ def _stream_semantics() -> dict:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(3):
             opt.zero_grad()
-            nn.functional.cross_entropy(ddp(torch.randn(32, 64, device=device)), torch.randint(0, 4, (32,), device=device)).backward()
+            x, y = torch.randn(32, 64, device=device), torch.randint(0, 4, (32,), device=device)
+            nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
         t = ddp.iteration_timings[-1]
         eps = 1e-5  # CUDA events resolve to about half a microsecond
-        out[f"ordered_{algorithm}"] = all(-eps <= b.ready <= b.launched + eps <= b.done + 2 * eps <= t.total + 3 * eps for b in t.buckets)
+        out[f"ordered_{algorithm}"] = all(
+            -eps <= b.ready <= b.launched + eps <= b.done + 2 * eps <= t.total + 3 * eps for b in t.buckets
+        )
         out[f"columns_{algorithm}"] = t.write_back >= 0 and t.exposed_comm >= 0 and len(t.buckets) > 1
     return out
 

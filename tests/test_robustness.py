@@ -216,14 +216,22 @@ def _hook_with_blocking_callback():
 
         return C.all_reduce(bucket.buffer(), "sum", algorithm="ring", async_op=True).get_future().then(finish)
 
+    def blocking_hook(_state, bucket):  # blocking in the hook itself, behind async buckets
+        flag = torch.ones(1)
+        C.all_reduce(flag, "sum", algorithm="halving_doubling")
+        return C.all_reduce(bucket.buffer().div_(flag.item()), "sum", algorithm="ring", async_op=True).get_future()
+
     torch.manual_seed(0)
     model = mlp(3, 64, in_features=64, classes=4)
-    ours = commlab.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.02)
-    ours.register_comm_hook(None, hook)
     theirs = TorchDDP(copy.deepcopy(model), bucket_cap_mb=0.02)
-    _train(ours, 3)
     _train(theirs, 3)
-    return max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    diffs = []
+    for h in (hook, blocking_hook):
+        ours = commlab.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.02)
+        ours.register_comm_hook(None, h)
+        _train(ours, 3)
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters())))
+    return max(diffs)
 
 
 def _chunked_broadcast():

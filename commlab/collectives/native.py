@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from commlab.collectives import streams
 from commlab.collectives.reduce_ops import finish_
-from commlab.collectives.worker import CollectiveHandle, group_timeout
+from commlab.collectives.worker import CollectiveHandle, worker_for
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -32,6 +32,7 @@ def native_all_reduce(tensor: torch.Tensor, op: str = "sum", *, group=None, asyn
         finish_(tensor, op, n)
         return tensor
 
-    handle = CollectiveHandle(work.get_future().then(done), group_timeout(group), f"native all-reduce of {tensor.numel()} x {tensor.dtype}")
+    what = f"native all-reduce of {tensor.numel()} x {tensor.dtype}"
+    handle = CollectiveHandle(work.get_future().then(done), worker_for(group).timeout, what)
     handle.launched = launched
     return handle

@@ -32,6 +32,7 @@ The per-group worker table below is the package's only process-wide state.
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -116,7 +117,8 @@ class CommWorker:
         return threading.get_ident() == self._thread.ident
 
     def next_tag(self) -> int:
-        """The next p2p tag of this group; callers take it in program order, so it agrees on every rank."""
+        """The next p2p tag of this group, taken as a collective starts: collectives start in the
+        same order on every rank, so the tags agree."""
         with self._idle:
             self._tag = self._tag % (_MAX_TAG - 1) + 1
             return self._tag
@@ -195,13 +197,14 @@ def _complete(future: torch.futures.Future, job: Callable[[], object], stream: A
 # created after the default one was destroyed and re-initialised gets a fresh worker.
 _WORKERS: dict[object, CommWorker] = {}
 _WORKERS_LOCK = threading.Lock()
+_NAMES = itertools.count()
 
 
 def worker_for(group: dist.ProcessGroup | None) -> CommWorker:
     key = dist.group.WORLD if group is None else group
     with _WORKERS_LOCK:
         if key not in _WORKERS:
-            _WORKERS[key] = CommWorker(f"commlab-comm-{len(_WORKERS)}", group_timeout(key))
+            _WORKERS[key] = CommWorker(f"commlab-comm-{next(_NAMES)}", group_timeout(key))
         return _WORKERS[key]
 
 
@@ -247,12 +250,14 @@ def run_collective(
     Returns a :class:`CollectiveHandle` when ``async_op``, else None once the tensor is reduced.
     """
     worker = worker_for(group)
-    tag = worker.next_tag()
     handle = CollectiveHandle(None, worker.timeout, what)  # type: ignore[arg-type]
     stream = worker.stream(tensor.device)
     ready = streams.record_ready(tensor.device)
 
     def job() -> torch.Tensor:
+        # The tag is taken when the job runs, not when it is queued: the run order is the same on
+        # every rank, the queueing order is not (a callback may run before or after a later submit).
+        tag = worker.next_tag()
         with streams.on_stream(stream, ready):
             handle.launched = streams.stamp(stream)
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
