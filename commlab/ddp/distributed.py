@@ -19,6 +19,7 @@ from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
+from commlab.ddp.sparse import SparseReducer, sparse_parameters
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
@@ -118,9 +119,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             initial = [p.data for n, p in module.named_parameters() if n not in ignored]
             broadcast_coalesced(initial + (self._module_buffers if init_sync_buffers else []), self.process_group)
         self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
+        sparse_ids = sparse_parameters(module)
+        dense = [i for i, p in enumerate(params) if id(p) not in sparse_ids]
+        self._sparse = _sparse_reducer(params, names, dense, self.process_group, algorithm, find_unused_parameters, static_graph)
+        self.sparse_fallback = self._sparse.fallback if self._sparse else None
         self.reducer = Reducer(
-            params,
-            names,
+            [params[i] for i in dense],
+            [names[i] for i in dense],
             group=self.process_group,
             comm_groups=self.comm_groups,
             algorithm=algorithm,
@@ -175,6 +180,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.maybe_rebuild()
         if sync:
             self.reducer.start_iteration()
+            if self._sparse is not None:
+                self._sparse.prepare_for_backward()
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
             source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
             broadcast_coalesced(self._module_buffers, self.process_group, source)
@@ -239,6 +246,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
         if not callable(hook):
             raise ValueError(f"hook must be callable, got {type(hook).__name__}")
+        if self._sparse is not None:
+            raise NotImplementedError("register_comm_hook: commlab's comm hooks see dense buckets only, and this model has sparse gradients")
         self._hook_registered = True
         self.reducer.comm_state = state
         self.reducer.comm_hook = hook
@@ -252,9 +261,18 @@ def _check_supported(module: nn.Module, params: list[torch.Tensor]) -> None:
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-    for m in module.modules():
-        if getattr(m, "sparse", False) and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            raise ValueError("sparse gradients (Embedding(sparse=True)) are not supported by commlab's DDP")
+
+
+def _sparse_reducer(params, names, dense, group, algorithm, find_unused, static_graph) -> SparseReducer | None:
+    sparse = [i for i in range(len(params)) if i not in set(dense)]
+    if not sparse:
+        return None
+    if find_unused or static_graph or not dense:
+        raise NotImplementedError(
+            "sparse gradients (Embedding(sparse=True)) with find_unused_parameters, static_graph, or "
+            "without any dense parameter are not supported by commlab's DistributedDataParallel"
+        )
+    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
 
 
 def _check_device_ids(device_ids, device: torch.device) -> list[int] | None:
