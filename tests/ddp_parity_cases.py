@@ -160,7 +160,7 @@ def _summary(ours, theirs) -> dict:
         "first_grad": next((g.flatten()[0].item() for g in ours_grads if g is not None), None),
         "finite": all(torch.isfinite(g).all().item() for g, _ in both),
         "state_dict": list(ours.state_dict()) == list(theirs.state_dict()),
-        "buckets": None if ours._sparse else [[ours.reducer.names[i] for i in b] for b in ours.bucket_indices],
+        "buckets": None if getattr(ours, "_sparse", None) else [[ours.reducer.names[i] for i in b] for b in ours.bucket_indices],
         "torch_buckets": bucket_names(theirs),
         "sparse_grads": [p.grad is not None and p.grad.is_sparse for p in ours.module.parameters()],
         "torch_sparse_grads": [p.grad is not None and p.grad.is_sparse for p in theirs.module.parameters()],

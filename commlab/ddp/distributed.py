@@ -27,8 +27,8 @@ from commlab.ddp.timing import IterationTiming
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce that overlaps backward.
 
-    Same arguments and defaults as ``torch.nn.parallel.DistributedDataParallel``, plus:
-    ``algorithm`` (a name from ``commlab.collectives.algorithm_names()``) runs each bucket's
+    torch's arguments in torch's order with torch's defaults (commlab/ddp/options.py says which
+    non-default values are refused), plus, keyword-only: ``algorithm`` (a name from ``commlab.collectives.algorithm_names()``) runs each bucket's
     all-reduce; ``overlap=False`` reduces every bucket only after backward (the DDP paper's
     non-overlapped baseline); ``first_bucket_mb`` overrides the small first bucket's cap;
     ``round_robin_groups=k`` (or a list of process groups) gives consecutive buckets to k groups
@@ -95,7 +95,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = options.process_group_from(process_group, device_mesh)
         self.device = named[0][1].device
-        self.device_ids = _check_device_ids(device_ids, self.device)
+        self.device_ids = _check_device_ids(device_ids, self.device, output_device)
         self.output_device = None if self.device_ids is None else _device_index(output_device, self.device_ids)
         self.dim = dim
         init_sync_buffers, self.forward_sync_buffers = options.buffer_sync(broadcast_buffers, forward_sync_buffers)
@@ -275,8 +275,10 @@ def _sparse_reducer(params, names, dense, group, algorithm, find_unused, static_
     return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
 
 
-def _check_device_ids(device_ids, device: torch.device) -> list[int] | None:
-    if device_ids is None:
+def _check_device_ids(device_ids, device: torch.device, output_device=None) -> list[int] | None:
+    if not device_ids:  # None, or torch's backward-compatible empty list
+        if output_device is not None:
+            raise ValueError("output_device only works with device_ids naming the module's one CUDA device")
         return None
     if device.type != "cuda" or len(device_ids) != 1:
         raise ValueError("device_ids must be None for CPU modules, or one CUDA device holding the module")
