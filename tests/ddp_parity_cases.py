@@ -129,9 +129,27 @@ class IntBuffers(nn.Module):
         return self.fc(x)
 
 
+class SparseEmbedding(nn.Module):
+    """An Embedding with sparse=True (indices from the data) next to a dense layer."""
+
+    def __init__(self, bag: bool = False):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 4, sparse=True) if bag else nn.Embedding(20, 4, sparse=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        idx = (x.abs() * 10).long() % 20
+        e = self.emb(idx) if isinstance(self.emb, nn.EmbeddingBag) else self.emb(idx).mean(1)
+        return self.fc(x) + e
+
+
+def _dense(g):
+    return g.to_dense() if g is not None and g.is_sparse else g
+
+
 def _summary(ours, theirs) -> dict:
-    ours_grads = [p.grad for p in ours.module.parameters()]
-    theirs_grads = [p.grad for p in theirs.module.parameters()]
+    ours_grads = [_dense(p.grad) for p in ours.module.parameters()]
+    theirs_grads = [_dense(p.grad) for p in theirs.module.parameters()]
     both = [(a, b) for a, b in zip(ours_grads, theirs_grads) if a is not None and b is not None]
     return {
         "params": _maxdiff(ours.module.parameters(), theirs.module.parameters()),
@@ -142,14 +160,18 @@ def _summary(ours, theirs) -> dict:
         "first_grad": next((g.flatten()[0].item() for g in ours_grads if g is not None), None),
         "finite": all(torch.isfinite(g).all().item() for g, _ in both),
         "state_dict": list(ours.state_dict()) == list(theirs.state_dict()),
-        "buckets": [[ours.reducer.names[i] for i in b] for b in ours.bucket_indices],
+        "buckets": None if getattr(ours, "_sparse", None) else [[ours.reducer.names[i] for i in b] for b in ours.bucket_indices],
         "torch_buckets": bucket_names(theirs),
+        "sparse_grads": [p.grad is not None and p.grad.is_sparse for p in ours.module.parameters()],
+        "torch_sparse_grads": [p.grad is not None and p.grad.is_sparse for p in theirs.module.parameters()],
     }
 
 
 def bucket_names(ddp: TorchDDP) -> list[list[str]]:
     """torch DDP's buckets in reduction order, as parameter names (it may ignore some)."""
     name = {id(p): n for n, p in ddp.module.named_parameters()}
+    if any(getattr(m, "sparse", False) for m in ddp.module.modules()):
+        return None  # torch cannot list a sparse bucket (_get_zeros_like_grad_buckets fails on it)
     return [[name[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
@@ -158,7 +180,7 @@ def default_step(ddp, step):
     loss_of(ddp(x), y).backward()
 
 
-def side_by_side(build, steps=4, step_fn=default_step, lr=0.1, **kwargs) -> dict:
+def side_by_side(build, steps=4, step_fn=default_step, lr=0.1, plain_sgd=False, **kwargs) -> dict:
     """Train commlab's and torch's DDP the same way on this rank; see the module docstring."""
     torch.manual_seed(dist.get_rank())
     module = build().to(commlab.Runtime.current().device)
@@ -169,7 +191,8 @@ def side_by_side(build, steps=4, step_fn=default_step, lr=0.1, **kwargs) -> dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers / check_reduction
             ddp = make(copy.deepcopy(module), **kwargs, **(ours_only if name == "ours" else {}))
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9, weight_decay=0.1)
+        decay = {} if plain_sgd else {"momentum": 0.9, "weight_decay": 0.1}  # SGD has no sparse weight decay
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, **decay)
         for step in range(steps):
             try:
                 opt.zero_grad()
@@ -262,6 +285,10 @@ def cases(world: int) -> dict:
         "join_unused": join_side_by_side(Branchy, {}, find_unused_parameters=True, bucket_cap_mb=tiny),
         "join_ring": join_side_by_side(heads("tuple"), {}, find_unused_parameters=True, algorithm="ring"),
         "join_throw": join_side_by_side(bn_model, {"throw_on_early_termination": True}),
+        # 5: sparse gradients
+        "sparse": side_by_side(SparseEmbedding, plain_sgd=True),
+        "sparse_bag_tiny": side_by_side(lambda: SparseEmbedding(bag=True), plain_sgd=True, bucket_cap_mb=tiny),
+        "sparse_ring": side_by_side(SparseEmbedding, plain_sgd=True, algorithm="ring", step_fn=no_sync_after_first),
         # 9: low precision and integer buffers
         "fp16": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1),
         "fp16_ring": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1, algorithm="ring"),
@@ -271,6 +298,12 @@ def cases(world: int) -> dict:
     ddp = commlab.DistributedDataParallel(IntBuffers())
     out["int_buffer_values"] = [b.tolist() for b in ddp.module.buffers()]
     out["fp16_grad"], out["fp16_ring_grad"] = out["fp16"]["first_grad"], out["fp16_ring"]["first_grad"]
+    out["sparse_fallback"] = commlab.DistributedDataParallel(SparseEmbedding(), algorithm="ring").sparse_fallback
+    try:
+        commlab.DistributedDataParallel(SparseEmbedding(), find_unused_parameters=True)
+        out["sparse_unused"] = ""
+    except NotImplementedError as e:
+        out["sparse_unused"] = str(e)
     torch.manual_seed(dist.get_rank())
     ddp = commlab.DistributedDataParallel(WithIgnored())
     default_step(ddp, 0)

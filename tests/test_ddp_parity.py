@@ -30,6 +30,7 @@ TRAINED = [
     "structure_nested", "ring_unused", "tree_unused", "static_dead", "static_dead_tiny", "static_no_sync",
     "ignored", "init_sync_off", "check_reduction", "forward_sync_off", "no_grad_between", "checkpoint",
     "checkpoint_unused", "fp16", "fp16_ring", "bf16", "int_buffers", "join", "join_effective_world", "join_unused", "join_ring",
+    "sparse", "sparse_bag_tiny", "sparse_ring",
 ]  # fmt: skip
 RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dynamic_changed"]
 
@@ -37,6 +38,7 @@ RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dy
 def _same_as_torch(r, case, rank):
     assert r["params"] <= EXACT and r["buffers"] <= EXACT and r["grads"] <= EXACT, (case, rank, r)
     assert r["grads_none"] == r["torch_grads_none"], (case, rank)
+    assert r["sparse_grads"] == r["torch_sparse_grads"], (case, rank)
     assert r["state_dict"], (case, rank)
     assert r["buckets"] == r["torch_buckets"], (case, rank)
 
@@ -69,6 +71,15 @@ def test_join_throws_as_torch_on_every_rank(world):
         assert errors["ours"][1] == expected, rank
     # divide_by_initial_world_size=False divides by the ranks still training: other gradients.
     assert world[-1]["join"]["first_grad"] != world[-1]["join_effective_world"]["first_grad"]
+
+
+def test_sparse_gradients_stay_sparse_and_fall_back_to_native(world):
+    for result in world:
+        for case in ("sparse", "sparse_bag_tiny", "sparse_ring"):
+            assert result[case]["sparse_grads"] == [True, False, False], case  # emb.weight, fc.w, fc.b
+            assert result[case]["buckets"] is None  # torch cannot list a sparse bucket to compare
+        assert "'ring' reduces dense buffers" in result["sparse_fallback"] and "emb.weight" in result["sparse_fallback"]
+        assert "find_unused_parameters" in result["sparse_unused"]
 
 
 def test_unused_heads_keep_none_grads(world):

@@ -20,6 +20,7 @@ from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
+from commlab.ddp.sparse import SparseReducer, sparse_parameters
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
@@ -27,8 +28,8 @@ from commlab.ddp.timing import IterationTiming
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce that overlaps backward.
 
-    Same arguments and defaults as ``torch.nn.parallel.DistributedDataParallel``, plus:
-    ``algorithm`` (a name from ``commlab.collectives.algorithm_names()``) runs each bucket's
+    torch's arguments in torch's order with torch's defaults (commlab/ddp/options.py says which
+    non-default values are refused), plus, keyword-only: ``algorithm`` (a name from ``commlab.collectives.algorithm_names()``) runs each bucket's
     all-reduce; ``overlap=False`` reduces every bucket only after backward (the DDP paper's
     non-overlapped baseline); ``first_bucket_mb`` overrides the small first bucket's cap;
     ``round_robin_groups=k`` (or a list of process groups) gives consecutive buckets to k groups
@@ -95,7 +96,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = options.process_group_from(process_group, device_mesh)
         self.device = named[0][1].device
-        self.device_ids = _check_device_ids(device_ids, self.device)
+        self.device_ids = _check_device_ids(device_ids, self.device, output_device)
         self.output_device = None if self.device_ids is None else _device_index(output_device, self.device_ids)
         self.dim = dim
         init_sync_buffers, self.forward_sync_buffers = options.buffer_sync(broadcast_buffers, forward_sync_buffers)
@@ -125,9 +126,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             # (distributed_c10d._hash_ranks_to_str), so a group made after a destroy reuses a dead
             # group's name and store keys, and its ranks connect to stale addresses.
             weakref.finalize(self, collectives.release_groups, list(self.comm_groups), destroy=False)
+        sparse_ids = sparse_parameters(module)
+        dense = [i for i, p in enumerate(params) if id(p) not in sparse_ids]
+        self._sparse = _sparse_reducer(params, names, dense, self.process_group, algorithm, find_unused_parameters, static_graph)
+        self.sparse_fallback = self._sparse.fallback if self._sparse else None
         self.reducer = Reducer(
-            params,
-            names,
+            [params[i] for i in dense],
+            [names[i] for i in dense],
             group=self.process_group,
             comm_groups=self.comm_groups,
             algorithm=algorithm,
@@ -182,6 +187,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.maybe_rebuild()
         if sync:
             self.reducer.start_iteration()
+            if self._sparse is not None:
+                self._sparse.prepare_for_backward()
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
             source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
             broadcast_coalesced(self._module_buffers, self.process_group, source)
@@ -246,6 +253,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
         if not callable(hook):
             raise ValueError(f"hook must be callable, got {type(hook).__name__}")
+        if self._sparse is not None:
+            raise NotImplementedError("register_comm_hook: commlab's comm hooks see dense buckets only, and this model has sparse gradients")
         self._hook_registered = True
         self.reducer.comm_state = state
         self.reducer.comm_hook = hook
@@ -259,13 +268,24 @@ def _check_supported(module: nn.Module, params: list[torch.Tensor]) -> None:
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-    for m in module.modules():
-        if getattr(m, "sparse", False) and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            raise ValueError("sparse gradients (Embedding(sparse=True)) are not supported by commlab's DDP")
 
 
-def _check_device_ids(device_ids, device: torch.device) -> list[int] | None:
-    if device_ids is None:
+def _sparse_reducer(params, names, dense, group, algorithm, find_unused, static_graph) -> SparseReducer | None:
+    sparse = [i for i in range(len(params)) if i not in set(dense)]
+    if not sparse:
+        return None
+    if find_unused or static_graph or not dense:
+        raise NotImplementedError(
+            "sparse gradients (Embedding(sparse=True)) with find_unused_parameters, static_graph, or "
+            "without any dense parameter are not supported by commlab's DistributedDataParallel"
+        )
+    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
+
+
+def _check_device_ids(device_ids, device: torch.device, output_device=None) -> list[int] | None:
+    if not device_ids:  # None, or torch's backward-compatible empty list
+        if output_device is not None:
+            raise ValueError("output_device only works with device_ids naming the module's one CUDA device")
         return None
     if device.type != "cuda" or len(device_ids) != 1:
         raise ValueError("device_ids must be None for CPU modules, or one CUDA device holding the module")
