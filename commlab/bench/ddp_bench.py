@@ -10,6 +10,7 @@ caching allocator), so a run that touches fresh memory shows up instead of being
 
     commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
     commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
+    commlab bench ddp --glibc-trim                     # glibc's own heap trimming (see below)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _bench_rank(cfg: dict) -> dict:
     from commlab.models import build_workload
 
     rt = commlab.Runtime.current()
+    kept = _keep_freed_memory() if cfg.get("keep_freed", False) else False
     torch.manual_seed(0)
     sizes = {"depth": cfg["depth"], "width": cfg["width"]} if cfg["model"] == "mlp" else {}
     work = build_workload(cfg["model"], **sizes)
@@ -68,7 +70,30 @@ def _bench_rank(cfg: dict) -> dict:
                 faults[name].append(fresh() - start_faults)
     params = sum(p.numel() for p in work.model.parameters())
     return {"times": times, "cpu": cpu, "faults": faults, "params": params, "cuda": rt.device.type == "cuda",
+            "kept": kept,
             "buckets": len(models["commlab"].bucket_sizes)}  # fmt: skip
+
+
+def _keep_freed_memory() -> bool:
+    """glibc only: keep freed heap memory in the process instead of returning it to the system.
+
+    Both DDPs get fresh gradients from autograd every iteration (``zero_grad()`` sets them to
+    None), the same allocations in the same sizes. Whether they page-fault is decided by where
+    glibc placed them: freed chunks at the top of the heap are trimmed (``M_TRIM_THRESHOLD``) and
+    large ones are mmapped (``M_MMAP_THRESHOLD``). Measured on this harness: the implementation
+    that runs first in iteration 0 is the one whose gradients land at the top of the heap and
+    fault ~12,000 times per iteration, whichever it is. Fixed thresholds take that placement
+    luck out of the comparison; ``--glibc-trim`` keeps glibc's default (dynamic) behaviour.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+        # 32 MiB is the largest mmap threshold glibc accepts on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def _fresh_memory_counter(device):
@@ -136,9 +161,11 @@ def _algorithms() -> list[str]:
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
 @click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
+@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
+              help="leave glibc's heap trimming as is (default: fixed thresholds, see _keep_freed_memory)")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds before the launch is abandoned")
-def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, timeout):
+def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout):
     """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
     import commlab
     from commlab.runtime import resolve_backend
@@ -162,7 +189,7 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--world-size") from None
     cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
-               warmup=warmup, algorithm=algorithm)  # fmt: skip
+               warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim)  # fmt: skip
     per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
     s, c, f = summarise(per_rank), summarise(per_rank, "cpu"), summarise(per_rank, "faults")
     shape = f" ({depth} x {width})" if model == "mlp" else ""
@@ -172,6 +199,8 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
         f"all-reduce {algorithm}"
     )
     click.echo(f"{iters} timed iterations each after {warmup} warm-up, alternating; slowest rank per iteration")
+    heap = "fixed glibc trim/mmap thresholds" if per_rank[0]["kept"] else "the allocator's default heap trimming"
+    click.echo(f"memory: {heap}")
     fresh = "cudaMalloc/iter" if per_rank[0].get("cuda") else "minor faults/iter"
     click.echo(f"               wall ms/iter   cpu ms/iter   wall p10 / median / p90 ms   {fresh} median / p90 / max")
     for name, label in (("commlab", "commlab DDP"), ("torch", "torch DDP  ")):
