@@ -136,3 +136,14 @@ def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
     assert list(runs["world_size"]) == [8, 16, 64]
     assert runs["step_median"].is_monotonic_increasing  # crossing nodes at 16 costs
     assert "dgx-a100-hdr200" in json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+
+
+def test_commlab_tune_from_python(profile):
+    import commlab
+
+    out = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, algorithms=("native",))
+    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"} and out["predicted_step_s"] > 0
+    with pytest.raises(TypeError, match="package.module:factory"):
+        commlab.tune(object())
+    with pytest.raises(ValueError, match="unknown model"):
+        commlab.tune("nosuchmodel", profile=profile)
