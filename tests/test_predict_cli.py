@@ -66,6 +66,8 @@ def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
     assert counts[0.01] > counts[1.0] == 1
     assert (run_dir / "figures" / "bucket_size.png").exists()
     assert json.loads((run_dir / "metadata.json").read_text())["source"] == "predicted"
+    r = invoke("trace", str(run_dir), "-o", str(tmp_path / "trace.json"))  # the sweep's trace, unchanged
+    assert r.exit_code == 0 and json.loads((tmp_path / "trace.json").read_text())
 
 
 def test_against_a_measurement_reports_errors_shape_and_order(tmp_path, profile):
@@ -136,3 +138,21 @@ def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
     assert list(runs["world_size"]) == [8, 16, 64]
     assert runs["step_median"].is_monotonic_increasing  # crossing nodes at 16 costs
     assert "dgx-a100-hdr200" in json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+
+
+def test_commlab_tune_from_python(profile):
+    import commlab
+
+    out = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, algorithms=("native",))
+    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"} and out["predicted_step_s"] > 0
+    with pytest.raises(TypeError, match="package.module:factory"):
+        commlab.tune(object())
+    with pytest.raises(ValueError, match="unknown model"):
+        commlab.tune("nosuchmodel", profile=profile)
+
+
+def test_calibrate_reuses_a_fresh_profile_and_reports_its_terms(profile):
+    r = invoke("calibrate", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile))
+    assert r.exit_code == 0, r.output
+    assert "calibrating" not in r.output  # fresh and complete: nothing measured
+    assert "native: alpha" in r.output and "kc 0.50" in r.output

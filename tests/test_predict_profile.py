@@ -116,3 +116,11 @@ def test_kendall_tau_b():
     assert kendall_tau([1, 1, 2], [5, 5, 7]) == pytest.approx(1.0)  # ties on both sides
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
     assert math.isnan(kendall_tau([1], [1]))
+
+
+def test_table_sizes_cover_the_buckets_that_occur():
+    from commlab.predict.calibrate import table_sizes
+
+    assert table_sizes(48 << 20) == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 48 << 20]
+    small = table_sizes(35_000)
+    assert len(small) >= 2 and small[-1] >= 35_000 and small == sorted(set(small))

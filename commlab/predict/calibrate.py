@@ -50,19 +50,22 @@ def parameter_sizes(workload: Workload) -> tuple[list[int], list[tuple[int, ...]
 
     from commlab.models import build_workload
 
-    torch.manual_seed(0)
-    model = build_workload(workload.model, **workload.kwargs()).model
+    # On the meta device: shapes without allocating or initialising weights (seconds for big models).
+    with torch.device("meta"):
+        model = build_workload(workload.model, **workload.kwargs()).model
     params = [p for p in model.parameters() if p.requires_grad]
     return [p.numel() * p.element_size() for p in params], [tuple(p.shape) for p in params]
 
 
 def table_sizes(total_bytes: int, smallest: int = 64 << 10, factor: int = 4) -> list[int]:
-    """Bucket sizes that can occur: x4 steps from 64 KiB up to (and including) the whole model."""
+    """Bucket sizes that can occur: x4 steps from 64 KiB (less for a small model) up to and
+    including the whole model; always at least two, so that the table has a slope."""
+    smallest = max(min(smallest, total_bytes // factor), 4)
     sizes, size = [], smallest
     while size < total_bytes:
         sizes.append(size)
         size *= factor
-    return sorted(set(sizes + [max(total_bytes, smallest * 2)]))
+    return sorted(set(sizes + [max(total_bytes, smallest * factor)]))
 
 
 def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,

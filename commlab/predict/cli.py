@@ -14,7 +14,6 @@ same configurations, ids, files and columns as the measured sweep of the same sp
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 

@@ -103,5 +103,5 @@ def _other(alone: float, both: float, first_end: float) -> float:
     rate = 1.0 - (both - alone) / first_end
     if rate >= 1.0:
         return 0.0
-    rate = max(rate, 0.05)  # a 20x slow-down is already absurd; beyond it the run was disturbed
+    rate = max(rate, 0.25)  # beyond a 4x slow-down the run was disturbed (other jobs), not contended
     return 1.0 / rate - 1.0

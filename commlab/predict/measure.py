@@ -60,7 +60,12 @@ def _fresh_model(spec: dict[str, Any]) -> torch.nn.Module:
 
 
 def _matched_size(sizes: list[int], seconds: list[float], target_s: float) -> int:
-    """The table size whose all-reduce time is nearest ``target_s`` (at least 64 KiB)."""
+    """Bytes whose all-reduce lasts about ``target_s``: interpolated in the table, extrapolated
+    along its last segment beyond it (at most 256 MiB). A collective much shorter than the
+    compute would leave the compute's factor resting on a few milliseconds of overlap."""
+    slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+    if target_s > seconds[-1] and slope > 0:
+        return int(min(sizes[-1] + (target_s - seconds[-1]) / slope, 256 << 20)) // 4 * 4
     best = min(range(len(sizes)), key=lambda i: abs(seconds[i] - target_s))
     return max(int(sizes[best]), 1 << 16)
 

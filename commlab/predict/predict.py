@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
-from commlab.predict.costs import cost_from_entry, solve_contention
+from commlab.predict.costs import cost_from_entry
 from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
 from commlab.sweep.spec import Config
 
@@ -88,8 +88,3 @@ def write_prediction(run_dir: Path, records: list[dict[str, Any]], meta: dict[st
         write_text(path, df.to_csv(index=False, float_format="%.9g"))
     store.write_metadata(run_dir, meta)
 
-
-def contention_of(entry: dict, algorithm: str) -> tuple[float, float]:
-    """(kc, km) re-solved from the raw times kept in the profile (for reports)."""
-    raw = entry["contention"][algorithm]["raw"]
-    return solve_contention(raw["compute_alone_s"], raw["comm_alone_s"], raw["compute_both_s"], raw["comm_both_s"])

@@ -82,9 +82,9 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def tune_entry(entry: dict, world_size: int | None = None) -> dict[str, Any]:
-    """The recommendation (commlab/predict/tune.py) for one profile entry, as JSON-ready data."""
+    """The recommendation (commlab/predict/tuning.py) for one profile entry, as JSON-ready data."""
     from commlab.predict.predict import costs_from_entry
-    from commlab.predict.tune import search
+    from commlab.predict.tuning import search
 
     world = world_size or entry["key"]["world_size"]
     costs = {a: costs_from_entry(entry, a, world) for a in entry["collectives"]}
