@@ -69,7 +69,7 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None) -> dict
     the result is checked by simulation, and an empty plan (all waits at the end) is returned
     if the waits would deadlock, which the construction should rule out.
     """
-    from commlab.pipeline.simulate import DeadlockError, simulate
+    from commlab.pipeline.simulate import DeadlockError, walk
 
     rank_of = {a: r for r, rank in enumerate(actions) for a in rank}
     position = {a: k for rank in actions for k, a in enumerate(rank)}
@@ -88,7 +88,7 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None) -> dict
             if posted_after is not None:
                 after.setdefault(actions[src][j], []).append(posted_after)
     try:
-        simulate(actions, 1.0, 1.0, after=after)
+        walk(actions, after)
     except DeadlockError:  # pragma: no cover - ruled out by construction; the end-of-step waits are safe
         return {}
     assert all(rank_of[b] == rank_of[w] for b, ws in waits.items() for w in ws)
@@ -97,13 +97,12 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None) -> dict
 
 def _clocks(actions: Actions, after: dict[Action, list[Action]]) -> dict[Action, list[int]]:
     """Vector clocks: clock[a][r] is the latest position on rank r that ``a`` depends on (itself included)."""
-    from commlab.pipeline.simulate import dependencies, simulate, split_stages
+    from commlab.pipeline.simulate import dependencies, split_stages, walk
 
     ranks, stages, split = len(actions), num_stages(actions), split_stages(actions)
     position = {a: k for rank in actions for k, a in enumerate(rank)}
     clock: dict[Action, list[int]] = {}
-    for t in simulate(actions, 1.0, 1.0, after=after).timeline:  # start order is a topological order
-        a, r = t.action, t.rank
+    for r, a in walk(actions, after):
         k = position[a]
         vc = list(clock[actions[r][k - 1]]) if k else [-1] * ranks
         for d in (*dependencies(a, stages, split), *after.get(a, ())):
