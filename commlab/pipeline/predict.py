@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
-from commlab.pipeline.messages import consumer, send_waits
+from commlab.pipeline.messages import consumer, message_order, send_waits
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
 
@@ -75,6 +75,9 @@ def lower(
     placement = placement_of(actions) if placement is None else tuple(placement)
     stages, split = num_stages(actions), split_stages(actions)
     recomputed = set(checkpointed)
+    # A channel carries one message at a time in the sender's order only where the receiver
+    # takes them in that order too (NCCL-style); otherwise (Gloo tags) messages do not queue.
+    contention = contention and not message_order(actions, placement)
     position = {a: (r, k) for r, rank in enumerate(actions) for k, a in enumerate(rank)}
     tasks: list[Task] = []
     deps: dict[Action, list[str]] = {a: [] for a in position}
