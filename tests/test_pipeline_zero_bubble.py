@@ -143,10 +143,61 @@ def _unusual():
     return out
 
 
+class Pool(nn.Module):
+    """Mean over the sequence dimension: the model accepts any sequence length."""
+
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+def _seq_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 24), Pool(), nn.Linear(24, 5))
+
+
+def _seq_data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(10, 3, 12, generator=g), torch.randint(0, 5, (10,), generator=g)),
+            (torch.randn(7, 5, 12, generator=g), torch.randint(0, 5, (7,), generator=g))]  # fmt: skip
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def _shapes_and_refusals():
+    out = {}
+    # Any dimension may change between steps: sequence length 3 then 5, batch 10 then 7.
+    model = _seq_model()
+    stage = Stage(model, [2, 3])
+    pipe = PipelineSchedule(stage, "zb-h1", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
+    losses = [pipe.step(x if stage.is_first else None, target=y if stage.is_last else None) for x, y in _seq_data()]
+    out["seq"] = (None if losses[0] is None else [v.item() for v in losses], _grads(model))
+    # Refusals reach every rank through the handshake, before any activation is sent.
+    errors = {}
+    x, y = _data(BATCH)
+    pipe = PipelineSchedule(Stage(_model(), [4, 4]), "1f1b", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
+    for case, (xi, yi) in {"no target": (x, None), "small batch": (x[:3], y[:3])}.items():
+        try:
+            pipe.step(xi if dist.get_rank() == 0 else None, target=yi)
+        except ValueError as err:
+            errors[case] = str(err)
+    torch.manual_seed(0)
+    tuple_model = nn.Sequential(nn.Linear(12, 12), Pair(), nn.Linear(12, 5))
+    pipe = PipelineSchedule(Stage(tuple_model, [2, 1]), "gpipe", microbatches=2, loss_fn=F.cross_entropy, timeout=60)
+    try:
+        pipe.step(x if dist.get_rank() == 0 else None, target=y)
+    except ValueError as err:
+        errors["tuple"] = str(err)
+    out["errors"] = errors
+    return out
+
+
 def _two_ranks():
     x8, y8 = _data(8)
     return {"cases": _cases(CASES2), "torch zbv": _torch_zbv(x8, y8), "ours zbv": _cases([("zbv8", "zb-v", [2, 2, 2, 2], "v", "never", 4)], 8),
-            "unusual": _unusual()}  # fmt: skip
+            "unusual": _unusual(), "shapes": _shapes_and_refusals()}  # fmt: skip
 
 
 def _three_ranks():
@@ -242,3 +293,23 @@ def test_1f1b_rank_peak_is_well_under_gpipe_at_m8(two_ranks):
     kinds = two_ranks[0]["unusual"][("memory", "gpipe")][1]
     assert kinds["stash"] > 0
     assert two_ranks[0]["unusual"]["untracked"] == (None, {0: 0})  # no ledger, nothing counted
+
+
+def test_shapes_may_change_between_steps(two_ranks):
+    model = _seq_model()
+    losses = []
+    for x, y in _seq_data():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    got = _merged(two_ranks, "shapes", "seq")
+    assert got[0] == pytest.approx(losses, rel=1e-5)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_refusals_raise_on_every_rank(two_ranks):
+    first, last = (r["shapes"]["errors"] for r in two_ranks)
+    assert "last stage must pass target" in first["no target"] and "last stage must pass target" in last["no target"]
+    assert "cannot be split into 4 micro-batches" in first["small batch"] and "cannot be split" in last["small batch"]
+    assert "must return one tensor, got tuple" in first["tuple"] and "must return one tensor" in last["tuple"]
