@@ -204,11 +204,43 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
     for k in range(len(measured)):
         own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
         replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
+    row.update(predicted_s=predicted_step(cfg, per_rank, actions, world, len(fwd)))
+    row["prediction_error"] = row["predicted_s"] / ours - 1.0
     row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
                idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
                bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
                bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
     return row
+
+
+def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
+    """The step time the shared core predicts from this run's calibration.
+
+    Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
+    includes its recomputation); per message: the median measured producer-to-consumer delay
+    (alpha); per action: the executor's overhead, the median time a rank sat idle with its input
+    already there, divided over its actions. Receives posted one action ahead and the send waits
+    are modelled by :func:`commlab.pipeline.predict.lower`.
+    """
+    from commlab.pipeline.predict import Costs, predict
+    from commlab.pipeline.schedules import REGISTRY
+
+    fwd, bwd = stage_times(per_rank)
+    shares = []
+    for r in per_rank:
+        for timeline in r["timelines"]:
+            i = sum(b - a for _, kind, _, a, b in timeline if kind == "I")
+            w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
+            if i + w > 0:
+                shares.append(w / (i + w))
+    overheads = []
+    for k in range(len(per_rank[0]["timelines"])):
+        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
+        overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
+    costs = Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
+                  overhead=statistics.median(overheads))  # fmt: skip
+    placement = REGISTRY[cfg["schedule"]].placement(world, stages)
+    return predict(actions, costs, placement).step_time
 
 
 def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

@@ -3,6 +3,7 @@
     commlab pipeline show --schedule 1f1b --ranks 4 --microbatches 8       the step x rank grid
     commlab pipeline simulate --ranks 4 --microbatches 8 --backward 2      bubble of every schedule
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
+    commlab pipeline plan --ranks 2 --budget-mb 16                         fastest plan under a memory budget
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def pipeline() -> None:
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
-def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool) -> None:
+@click.option("--backward", default=1, show_default=True, type=click.IntRange(min=1), help="ticks per backward (I and W: half each)")
+def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int) -> None:
     """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
     from commlab.pipeline import format_actions, from_csv, grid, validate
 
@@ -87,7 +89,7 @@ def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, vi
         for r, line in enumerate(format_actions(actions)):
             click.echo(f"rank {r}: {line}")
     else:
-        click.echo(grid(actions))
+        click.echo(grid(actions, backward))
 
 
 @pipeline.command()
@@ -223,12 +225,57 @@ def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size
 
 
 def _print(summary, stages) -> None:
-    click.echo(f"{'config':<30} {'commlab ms':>10} {'torch ms':>9} {'ratio':>6} {'paired':>6} {'samples/s':>9} "
+    click.echo(f"{'config':<30} {'commlab ms':>10} {'pred ms':>8} {'torch ms':>9} {'ratio':>6} {'paired':>6} {'samples/s':>9} "
                f"{'bubble':>6} {'wait':>6} {'ready':>6} {'sim':>6} {'replay':>6} {'formula':>7} {'msg ms':>6} {'stage0 MiB':>10}")  # fmt: skip
     for row in summary:
         first = [s["saved_bytes"] for s in stages if s["config"] == row["config"] and s["stage"] == 0][0]
         torch_ms = f"{row['torch_s'] * 1e3:9.2f}" if "torch_s" in row else f"{'-':>9}"
         ratio = f"{row['ratio']:6.3f} {row['paired_ratio']:6.3f}" if "ratio" in row else f"{'-':>6} {'-':>6}"
-        click.echo(f"{row['config']:<30} {row['commlab_s'] * 1e3:10.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
+        click.echo(f"{row['config']:<30} {row['commlab_s'] * 1e3:10.2f} {row['predicted_s'] * 1e3:8.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
                    f"{row['bubble_measured']:6.3f} {row['idle_waiting']:6.3f} {row['idle_data_ready']:6.3f} {row['bubble_simulated']:6.3f} {row['bubble_replayed']:6.3f} "
                    f"{row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:10.2f}")  # fmt: skip
+
+
+@pipeline.command()
+@click.option("--ranks", "-p", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--budget-mb", default=64.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="per-rank memory budget, MiB")
+@click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True)
+@click.option("--microbatches", "-m", default="2,4,8,16", show_default=True, help="comma-separated")
+@click.option("--virtual", "-v", default="1,2", show_default=True, help="stages per rank to try (interleaved)")
+@click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True)
+@click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
+@click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top) -> None:
+    """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
+
+    Layers are profiled at each micro-batch size, and every plan is predicted on the shared
+    simulator core with its peak memory per rank.
+    """
+    import torch
+
+    from commlab.models import mlp
+    from commlab.pipeline.executor import CHECKPOINT_MODES
+    from commlab.pipeline.plan import best, candidates, profile
+
+    names = _names(schedules, _schedule_names(), "--schedules")
+    modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
+    ms = [m for m in _ints(microbatches, "--microbatches") if m <= batch]
+    if not ms:
+        raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
+    torch.manual_seed(0)
+    model = mlp(depth, width)
+    profiles = {m: profile(model, torch.randn(batch // m, width)) for m in ms}
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names)
+    budget = budget_mb * 2**20
+    chosen = best(plans, budget)
+    click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")
+    for p in plans[:top]:
+        mark = "" if max(p.peak_bytes) <= budget else "  over budget"
+        click.echo(f"{p.schedule:<12} {p.microbatches:>3} {p.virtual:>2} {p.checkpoint:<12} {p.step_time * 1e3:8.2f} "
+                   f"{max(p.peak_bytes) / 2**20:14.2f}  {list(p.balance)}{mark}")  # fmt: skip
+    if chosen is None:
+        raise click.ClickException(f"no plan fits {budget_mb:g} MiB per rank (smallest needs {min(max(p.peak_bytes) for p in plans) / 2**20:.2f} MiB)")
+    click.echo(f"plan: {chosen.schedule}, m={chosen.microbatches}, v={chosen.virtual}, checkpoint {chosen.checkpoint}, "
+               f"balance {list(chosen.balance)}: predicted {chosen.step_time * 1e3:.2f} ms, peak {max(chosen.peak_bytes) / 2**20:.2f} MiB per rank")  # fmt: skip

@@ -1,14 +1,20 @@
-"""Messages between stages: micro-batch splitting, the first step's shape handshake, tags.
+"""Messages between stages: micro-batch splitting, the per-step shape handshake, tags.
 
 Activations and gradients travel as plain tensors over torch.distributed point-to-point ops
 (Gloo on CPU, NCCL on GPU), so a receiver must allocate the right buffer before the data arrives.
-As torch's PipelineStage does, shapes are learned once, on the first step: each stage runs its
-module on a one-sample zero batch to find its output's per-sample shape and passes it on with the
-micro-batch sizes, in stage order. Later steps must use the same batch shape.
+As torch's PipelineStage does on its first step, each stage runs its module on a one-sample zero
+batch to find its output's per-sample shape and dtype and passes it on with the micro-batch sizes,
+in stage order. Here the handshake runs at every step (a few small messages; the module runs again
+only when its input's shape changed), so any dimension may change between steps (a sequence
+length, the batch size), every wait obeys the schedule's timeout, and an error found on the
+first stage (a batch that cannot be split) travels down the chain: every rank raises the same
+ValueError instead of waiting for messages that never come.
 """
 
 from __future__ import annotations
 
+import datetime
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -43,28 +49,71 @@ def tag(action: Action, microbatches: int) -> int:
     return 2 * (action.stage * microbatches + action.microbatch) + (0 if action.kind == FORWARD else 1)
 
 
-def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None) -> dict[int, Boundary]:
+_HANDSHAKE_TAG = 1 << 30  # above every activation / gradient tag
+
+
+class HandshakeError(ValueError):
+    """Raised on every rank when a stage upstream refused the step."""
+
+
+def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
+              error: str | None = None, cache: dict | None = None) -> dict[int, Boundary]:  # fmt: skip
     """The input boundary of every stage this rank holds or feeds (key: stage index).
 
-    ``first`` is the first stage's micro-batches (on the rank holding stage 0, else None). Runs in
-    stage order with blocking object sends, so stage s waits only for stage s - 1. The result also
-    holds the boundary after each local stage: the shape of the gradients that come back to it.
+    ``first`` is the first stage's micro-batches (on the rank holding stage 0, else None);
+    ``error``: this rank refuses the step (sent downstream in place of a boundary, then raised).
+    Runs in stage order, so stage s waits only for stage s - 1. The result also holds the boundary
+    after each local stage: the shape of the gradients that come back to it. ``cache`` maps an
+    input boundary to the output one, so a module runs only for a shape it has not seen.
     """
-    inputs: dict[int, Boundary] = {}
+    cache = {} if cache is None else cache
+    inputs: dict[int, Boundary | str] = {}
     for s in sorted(stage.modules):
         if s == 0:
-            assert first is not None
-            inputs[s] = Boundary(tuple(int(t.shape[0]) for t in first), tuple(first[0].shape[1:]), first[0].dtype)
+            inputs[s] = error if error else Boundary(tuple(int(t.shape[0]) for t in first), tuple(first[0].shape[1:]), first[0].dtype)
         elif s not in inputs:
-            box: list = [None]
-            dist.recv_object_list(box, src=stage.global_rank_of(s - 1), group=stage.group, device=_object_device(stage))
-            inputs[s] = box[0]
+            inputs[s] = _recv_object(stage, stage.global_rank_of(s - 1), s, timeout)
+        if error and not isinstance(inputs[s], str):
+            inputs[s] = error
         if s + 1 < stage.num_stages:
-            inputs[s + 1] = _output_boundary(stage, s, inputs[s])
+            if isinstance(inputs[s], str):
+                inputs[s + 1] = inputs[s]
+            else:
+                key = (s, inputs[s])
+                if key not in cache:
+                    cache[key] = _output_boundary(stage, s, inputs[s])
+                inputs[s + 1] = cache[key]
             if s + 1 not in stage.modules:
-                dst = stage.global_rank_of(s + 1)
-                dist.send_object_list([inputs[s + 1]], dst=dst, group=stage.group, device=_object_device(stage))
-    return inputs
+                _send_object(stage, inputs[s + 1], stage.global_rank_of(s + 1), s + 1, timeout)
+    # Back up the chain: a refusal found downstream (the last stage's target) reaches every rank.
+    refused = error or next((b for b in inputs.values() if isinstance(b, str)), None)
+    for s in sorted(stage.modules, reverse=True):
+        if s + 1 < stage.num_stages and s + 1 not in stage.modules:
+            later = _recv_object(stage, stage.global_rank_of(s + 1), -s - 1, timeout)
+            refused = refused or later
+        if s > 0 and s - 1 not in stage.modules:
+            _send_object(stage, refused, stage.global_rank_of(s - 1), -s, timeout)
+    if refused is not None:
+        raise HandshakeError(error or refused)
+    return inputs  # type: ignore[return-value]
+
+
+def _send_object(stage: Stage, obj, dst: int, s: int, timeout: datetime.timedelta) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(stage.device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=stage.device)
+    tag = _HANDSHAKE_TAG + 4 * abs(s) + (2 if s < 0 else 0)  # s < 0: the reply up the chain
+    works = [dist.isend(size, dst, stage.group, tag), dist.isend(data, dst, stage.group, tag + 1)]
+    for w in works:
+        w.wait(timeout)
+
+
+def _recv_object(stage: Stage, src: int, s: int, timeout: datetime.timedelta):
+    tag = _HANDSHAKE_TAG + 4 * abs(s) + (2 if s < 0 else 0)
+    size = torch.empty(1, dtype=torch.int64, device=stage.device)
+    dist.irecv(size, src, stage.group, tag).wait(timeout)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=stage.device)
+    dist.irecv(data, src, stage.group, tag + 1).wait(timeout)
+    return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def _output_boundary(stage: Stage, s: int, inp: Boundary) -> Boundary:
@@ -79,9 +128,6 @@ def _output_boundary(stage: Stage, s: int, inp: Boundary) -> Boundary:
         for m, flag in zip(module.modules(), was_training):
             m.training = flag
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"stage {s} must return one tensor, got {type(out).__name__}")
+        # Refused on every rank: the message travels down the chain like a boundary.
+        return f"stage {s} must return one tensor, got {type(out).__name__} (tuples between stages are not supported)"
     return Boundary(inp.sizes, tuple(out.shape[1:]), out.dtype)
-
-
-def _object_device(stage: Stage) -> torch.device | None:
-    return stage.device if stage.device.type == "cuda" else None

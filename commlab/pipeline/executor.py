@@ -134,6 +134,7 @@ class PipelineSchedule:
         self._waits = send_waits(all_actions, stage.placement)
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
         self._boundaries: dict[int, Boundary] | None = None
+        self._shapes: dict = {}  # (stage, input boundary) -> output boundary
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
@@ -143,18 +144,19 @@ class PipelineSchedule:
     def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor | None = None) -> torch.Tensor | None:
         st, m = self.stage, self.microbatches
         chunks = targets = None
-        if st.is_first:
-            if inputs is None:
-                raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
-            chunks = split_batch(inputs.to(st.device), m, "the mini-batch")
-        if st.is_last:
-            if target is None:
-                raise ValueError("the rank holding the last stage must pass target= to step()")
-            targets = split_batch(target.to(st.device), m, "the target")
-        if self._boundaries is None:
-            self._boundaries = handshake(st, chunks)
-        if chunks is not None and tuple(int(c.shape[0]) for c in chunks) != self._boundaries[0].sizes:
-            raise ValueError("the mini-batch size changed since the first step; build a new PipelineSchedule")
+        error = None
+        try:  # a refusal here travels down the handshake, so every later rank raises it too
+            if st.is_first:
+                if inputs is None:
+                    raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
+                chunks = split_batch(inputs.to(st.device), m, "the mini-batch")
+            if st.is_last:
+                if target is None:
+                    raise ValueError("the rank holding the last stage must pass target= to step()")
+                targets = split_batch(target.to(st.device), m, "the target")
+        except ValueError as err:
+            error = str(err)
+        self._boundaries = handshake(st, chunks, self.timeout, error, self._shapes)
         sizes = next(iter(self._boundaries.values())).sizes
         self._weights = [n / sum(sizes) if self.loss_reduction == "mean" else 1.0 for n in sizes]
         self._chunks, self._targets = chunks, targets

@@ -9,10 +9,11 @@ action lists alone, so they are pure functions tested without processes:
   order, not by tag, so the receiver must consume a pair's messages in the order they were sent.
 - :func:`send_waits`: a Gloo send completes only at ``wait()`` and keeps its tensor alive until
   then, and it can complete only once the peer has posted the receive. The executor posts the
-  receive for an action right after the action before it, so waiting on a send before action j is
-  safe exactly when the peer's posting does not depend on action j or later (else: deadlock).
-  We wait at the earliest such j, which releases each sent tensor as early as the schedule allows
-  (torch's Schedule1F1B waits on the previous send for the same reason).
+  receive for an action right after the action before it, so waiting on a send too early stalls
+  the sender (or, if the peer's posting depends on the sender's later work, deadlocks). We wait
+  before the first action that, in the schedule's own timeline, starts after the receive was
+  posted: the sent tensor is released early and the wait costs nothing there (torch's
+  Schedule1F1B waits on the previous send for the same reason).
 """
 
 from __future__ import annotations
@@ -62,52 +63,28 @@ def message_order(actions: Actions, placement: Sequence[int] | None = None) -> l
     return found
 
 
-def send_waits(actions: Actions, placement: Sequence[int] | None = None) -> dict[Action, tuple[Action, ...]]:
+def send_waits(actions: Actions, placement: Sequence[int] | None = None, forward: float = 1.0,
+               backward: float = 2.0) -> dict[Action, tuple[Action, ...]]:  # fmt: skip
     """For each action, the earlier actions of its rank whose sends are awaited just before it.
 
-    Sends not listed are awaited at the end of the step. See the module docstring for the rule;
-    the result is checked by simulation, and an empty plan (all waits at the end) is returned
-    if the waits would deadlock, which the construction should rule out.
+    A send is awaited before the first later action of its rank that starts, in the schedule's
+    simulation with these per-action costs, after the peer has posted the receive: the wait then
+    costs nothing in that timeline, and since every wait agrees with one complete timeline the
+    waits can never close a cycle (no deadlock, whatever the real timings). Sends with no such
+    action are awaited at the end of the step.
     """
-    from commlab.pipeline.simulate import DeadlockError, simulate
+    from commlab.pipeline.simulate import simulate
 
-    rank_of = {a: r for r, rank in enumerate(actions) for a in rank}
+    sim = simulate(actions, forward, backward)
+    start = {t.action: t.start for t in sim.timeline}
+    end = {t.action: t.end for t in sim.timeline}
     position = {a: k for rank in actions for k, a in enumerate(rank)}
     waits: dict[Action, list[Action]] = {}
-    after: dict[Action, list[Action]] = {}
-    # One wait at a time, each decided on the graph that already holds the earlier ones: two waits
-    # that are safe alone can still wait on each other.
-    for src, a, dst, c in sorted(messages(actions, placement), key=lambda m: (position[m[1]], m[0])):
-        clock = _clocks(actions, after)
+    for src, a, dst, c in messages(actions, placement):
         k = position[c]
-        posted_after = actions[dst][k - 1] if k else None  # the receive is posted when this ends
-        latest = clock[posted_after][src] if posted_after is not None else -1
-        j = max(position[a] + 1, latest + 1)
-        if j < len(actions[src]):
-            waits.setdefault(actions[src][j], []).append(a)
-            if posted_after is not None:
-                after.setdefault(actions[src][j], []).append(posted_after)
-    try:
-        simulate(actions, 1.0, 1.0, after=after)
-    except DeadlockError:  # pragma: no cover - ruled out by construction; the end-of-step waits are safe
-        return {}
-    assert all(rank_of[b] == rank_of[w] for b, ws in waits.items() for w in ws)
+        posted = end[actions[dst][k - 1]] if k else 0.0  # the receive is posted when this ends
+        later = actions[src][position[a] + 1 :]
+        found = next((b for b in later if start[b] >= posted - 1e-9), None)
+        if found is not None:
+            waits.setdefault(found, []).append(a)
     return {b: tuple(ws) for b, ws in waits.items()}
-
-
-def _clocks(actions: Actions, after: dict[Action, list[Action]]) -> dict[Action, list[int]]:
-    """Vector clocks: clock[a][r] is the latest position on rank r that ``a`` depends on (itself included)."""
-    from commlab.pipeline.simulate import dependencies, simulate, split_stages
-
-    ranks, stages, split = len(actions), num_stages(actions), split_stages(actions)
-    position = {a: k for rank in actions for k, a in enumerate(rank)}
-    clock: dict[Action, list[int]] = {}
-    for t in simulate(actions, 1.0, 1.0, after=after).timeline:  # start order is a topological order
-        a, r = t.action, t.rank
-        k = position[a]
-        vc = list(clock[actions[r][k - 1]]) if k else [-1] * ranks
-        for d in (*dependencies(a, stages, split), *after.get(a, ())):
-            vc = [max(x, y) for x, y in zip(vc, clock[d])]
-        vc[r] = k
-        clock[a] = vc
-    return clock

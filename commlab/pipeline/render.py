@@ -16,14 +16,19 @@ from commlab.pipeline.simulate import Timed, simulate
 SIMULATED_UNIT = "units of the --forward/--backward costs"
 
 
-def grid(actions: Actions) -> str:
-    """The step x rank table of a schedule with unit times, as printed by ``commlab pipeline show``."""
-    sim = simulate(actions, 1.0, 1.0)
+def grid(actions: Actions, backward: int = 1) -> str:
+    """The step x rank table of a schedule, as printed by ``commlab pipeline show``.
+
+    A forward takes one tick, a backward ``backward`` ticks (a split one: I and W half each);
+    an action taking several ticks is written in each.
+    """
+    sim = simulate(actions, 1.0, float(backward))
     ranks = len(actions)
     steps = int(round(sim.step_time))
     cells = [["."] * ranks for _ in range(steps)]
     for t in sim.timeline:
-        cells[int(round(t.start))][t.rank] = str(t.action)
+        for tick in range(int(round(t.start)), int(round(t.end))):
+            cells[tick][t.rank] = str(t.action)
     width = max(5, *(len(str(t.action)) for t in sim.timeline))
     header = "step " + " ".join(f"{f'rank{r}':>{width}}" for r in range(ranks))
     rows = [f"{k:>4} " + " ".join(f"{c:>{width}}" for c in row) for k, row in enumerate(cells)]

@@ -1,9 +1,10 @@
 """Dry-run simulation of a schedule: when each action runs, step time, idle time and the bubble.
 
 Each rank runs its actions strictly in order; an action starts when its rank is free and its
-inputs exist (:func:`dependencies`). Sends never block (the executor's sends are asynchronous), so
-the only waits are receives, and a schedule deadlocks exactly when no rank can start its next
-action. The same engine with unit times is the validator's deadlock check and the text grid.
+inputs exist (:func:`dependencies`). :func:`simulate` lowers the schedule onto the shared
+discrete-event core (:mod:`commlab.sim`, via :func:`commlab.pipeline.predict.lower`) with sends
+that never block, the schedule's own cost; a schedule deadlocks exactly when no rank can start
+its next action, which :func:`walk` finds without a time model (the validator's check).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from commlab.sim import DeadlockError as CoreDeadlockError
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_stages
 
 
-class DeadlockError(ValueError):
+class DeadlockError(CoreDeadlockError):
     """The schedule cannot finish: every unfinished rank waits for an action that never runs."""
 
 
@@ -84,7 +86,7 @@ def simulate(
     weight_share: float = 0.5,
     after: Mapping[Action, Sequence[Action]] | None = None,
 ) -> Simulation:
-    """Run the schedule on a virtual clock; raise :class:`DeadlockError` if it cannot finish.
+    """Run the schedule on the shared core (:mod:`commlab.sim`); raise :class:`DeadlockError` if it cannot finish.
 
     ``forward`` and ``backward`` are per-stage times (one number for all stages, or a list);
     ``comm`` is added to every dependency that crosses ranks. The default backward = 2 x forward
@@ -92,54 +94,27 @@ def simulate(
     backward gives ``weight_share`` of it to W and the rest to I. ``durations`` overrides the time
     of individual actions: replaying one measured step's own compute times shows what the schedule
     would have cost with zero executor overhead. ``after`` adds waits: an action starts only after
-    the listed actions ended (the executor's waits on its own sends).
+    the listed actions ended. This is the schedule's own cost: messages never queue and sends never
+    block; :func:`commlab.pipeline.predict.predict` adds what the executor really does.
     """
-    ranks = len(actions)
+    from commlab.pipeline.predict import Costs, lower
+    from commlab.sim import DeadlockError as CoreDeadlock
+    from commlab.sim import simulate as run_tasks
+
     stages = num_stages(actions)
-    split = split_stages(actions)
-    f = _per_stage(forward, stages, "forward")
-    b = _per_stage(backward, stages, "backward")
-    cost_of = {FORWARD: f, BACKWARD: b, INPUT_GRAD: [x * (1 - weight_share) for x in b], WEIGHT_GRAD: [x * weight_share for x in b]}
-    after = after or {}
-    end: dict[Action, float] = {}
-    where: dict[Action, int] = {}
-    clock = [0.0] * ranks
-    busy = [0.0] * ranks
-    nxt = [0] * ranks
-    timeline: list[Timed] = []
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
-        for r in range(ranks):
-            while nxt[r] < len(actions[r]):
-                act = actions[r][nxt[r]]
-                deps = dependencies(act, stages, split)
-                extra = after.get(act, ())
-                if any(d not in end for d in deps) or any(d not in end for d in extra):
-                    break
-                ready = max(
-                    [clock[r]]
-                    + [end[d] + (comm if where[d] != r else 0.0) for d in deps]
-                    + [end[d] for d in extra]
-                )
-                cost = cost_of[act.kind][act.stage]
-                if durations is not None and act in durations:
-                    cost = durations[act]
-                end[act] = ready + cost
-                where[act] = r
-                clock[r] = ready + cost
-                busy[r] += cost
-                timeline.append(Timed(r, act, ready, ready + cost))
-                nxt[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waiting = {
-                r: str(actions[r][nxt[r]]) for r in range(ranks) if nxt[r] < len(actions[r])
-            }
-            raise DeadlockError(f"schedule deadlocks: ranks wait forever at {waiting}")
-    step = max(clock) if clock else 0.0
+    costs = Costs(_per_stage(forward, stages, "forward"), _per_stage(backward, stages, "backward"), weight_share,
+                  alpha=comm, durations=dict(durations or {}))  # fmt: skip
+    try:
+        result = run_tasks(lower(actions, costs, posting=False, waits=False, contention=False, after=after))
+    except CoreDeadlock:
+        walk(actions, after)  # names the ranks and the actions they wait at
+        raise
+    timeline = [Timed(sp.meta["rank"], sp.meta["action"], sp.start, sp.end) for sp in result.spans.values() if "action" in sp.meta]
     timeline.sort(key=lambda t: (t.start, t.rank))
+    busy = [0.0] * len(actions)
+    for t in timeline:
+        busy[t.rank] += t.end - t.start
+    step = result.makespan
     return Simulation(
         timeline=tuple(timeline),
         step_time=step,
@@ -147,6 +122,36 @@ def simulate(
         idle=tuple(step - x for x in busy),
         peak_in_flight=peak_in_flight(actions),
     )
+
+
+def walk(actions: Actions, after: Mapping[Action, Sequence[Action]] | None = None) -> list[tuple[int, Action]]:
+    """The actions in an order that respects every dependency (no time model); DeadlockError if none exists.
+
+    Each rank runs its list in order; an action can run once its dependencies (and ``after``) ran.
+    The validator's deadlock check and the send-wait analysis need only this order.
+    """
+    ranks, stages, split = len(actions), num_stages(actions), split_stages(actions)
+    after = after or {}
+    done: set[Action] = set()
+    nxt = [0] * ranks
+    order: list[tuple[int, Action]] = []
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        ran = []
+        for r in range(ranks):
+            if nxt[r] < len(actions[r]):
+                act = actions[r][nxt[r]]
+                if all(d in done for d in (*dependencies(act, stages, split), *after.get(act, ()))):
+                    ran.append((r, act))
+        if not ran:
+            waiting = {r: str(actions[r][nxt[r]]) for r in range(ranks) if nxt[r] < len(actions[r])}
+            raise DeadlockError(f"schedule deadlocks: ranks wait forever at {waiting}")
+        for r, act in ran:  # one step of every ready rank: a unit-time clock, as the grid shows
+            done.add(act)
+            nxt[r] += 1
+            order.append((r, act))
+            remaining -= 1
+    return order
 
 
 def peak_in_flight(actions: Actions) -> tuple[int, ...]:

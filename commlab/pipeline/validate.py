@@ -22,7 +22,7 @@ from commlab.pipeline.actions import (
     placement_of,
 )
 from commlab.pipeline.messages import message_order
-from commlab.pipeline.simulate import DeadlockError, dependencies, simulate, split_stages
+from commlab.pipeline.simulate import DeadlockError, dependencies, split_stages, walk
 
 __all__ = ["message_order", "problems", "validate"]
 
@@ -84,7 +84,7 @@ def problems(
                 found.append(f"{missing} is missing")
     if not found:
         try:
-            simulate(actions, 1.0, 1.0)
+            walk(actions)
         except DeadlockError as err:
             found.append(str(err))
     return found

@@ -1,0 +1,137 @@
+"""The planner: the fastest schedule x micro-batches x stages per rank x checkpointing that fits a memory budget.
+
+Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
+times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`). Its peak
+memory per rank is predicted from the action order (:func:`peak_bytes`): parameters and their
+gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
+input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
+send per boundary. Candidates over the budget are dropped; the fastest survivor is the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Actions, num_microbatches
+from commlab.pipeline.partition import partition
+from commlab.pipeline.predict import Costs, checkpointed_microbatches, predict
+from commlab.pipeline.schedules import REGISTRY
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Per layer at one micro-batch: forward + backward seconds, bytes saved for backward, output
+    bytes, parameter bytes (from :func:`commlab.pipeline.partition.profile_times` and friends)."""
+
+    seconds: Sequence[float]
+    saved: Sequence[float]
+    output: Sequence[float]
+    params: Sequence[float]
+    input_bytes: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    schedule: str
+    microbatches: int
+    virtual: int
+    checkpoint: str
+    balance: tuple[int, ...]
+    step_time: float
+    peak_bytes: tuple[float, ...]  # per rank
+
+
+def _stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
+    out, start = [], 0
+    for n in balance:
+        out.append(float(sum(values[start : start + n])))
+        start += n
+    return out
+
+
+def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float], inputs: Sequence[float],
+               params: Sequence[float], checkpointed: Sequence[int]) -> tuple[float, ...]:  # fmt: skip
+    """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per micro-batch."""
+    recomputed = set(checkpointed)
+    out = []
+    for r, rank in enumerate(actions):
+        local = [s for s, p in enumerate(placement) if p == r]
+        live = peak = 0.0
+        for a in rank:
+            s, ck = a.stage, a.microbatch in recomputed
+            keep = inputs[s] + (0.0 if ck else saved[s])
+            if a.kind == FORWARD:
+                live += keep
+            elif a.kind in (BACKWARD, INPUT_GRAD) and ck:
+                live += saved[s]  # the forward recomputed for this backward
+            peak = max(peak, live)
+            if a.kind in (BACKWARD, WEIGHT_GRAD):
+                live -= keep + (saved[s] if ck else 0.0)
+        buffers = sum(2 * inputs[s] for s in local if s > 0) + sum(2 * inputs[s + 1] for s in local if s + 1 < len(placement))
+        out.append(2 * sum(params[s] for s in local) + peak + buffers)
+    return tuple(out)
+
+
+def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
+               schedules: Sequence[str] | None = None) -> list[Plan]:  # fmt: skip
+    """Every valid combination with its predicted step time and peak memory, fastest first.
+
+    ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m.
+    """
+    plans = []
+    for m, profile in sorted(profiles.items()):
+        layers = len(profile.seconds)
+        for name in schedules or tuple(REGISTRY):
+            spec = REGISTRY[name]
+            for v in virtuals if spec.virtual is None else spec.virtual:
+                stages = ranks * v
+                try:
+                    spec.check(ranks, m, v)
+                except ValueError:
+                    continue
+                if stages > layers:
+                    continue
+                balance = partition(profile.seconds, stages)
+                seconds = _stage_sums(profile.seconds, balance)
+                saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
+                ends = [sum(balance[: s + 1]) - 1 for s in range(stages)]
+                inputs = [profile.input_bytes] + [profile.output[e] for e in ends[:-1]]
+                placement = spec.placement(ranks, stages)
+                actions = spec.build(ranks, m, v)
+                # Forward : backward = 1 : 2 of the profiled forward + backward time.
+                costs = Costs([t / 3 for t in seconds], [t * 2 / 3 for t in seconds])
+                for mode in checkpoints:
+                    recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
+                    step = predict(actions, costs, placement, recomputed).step_time
+                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
+                    plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
+    return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
+
+
+def best(plans: Sequence[Plan], budget: float) -> Plan | None:
+    """The fastest plan whose every rank's predicted peak fits ``budget`` bytes."""
+    return next((p for p in plans if max(p.peak_bytes) <= budget), None)
+
+
+def profile(model, sample) -> LayerProfile:
+    """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`."""
+    import torch
+
+    from commlab.pipeline.memory import SavedBytes
+    from commlab.pipeline.partition import profile_times
+
+    seconds = profile_times(model, sample, repeat=3)
+    saved, output, params = [], [], []
+    x = sample
+    for layer in model:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        weights = list(layer.parameters())
+        with SavedBytes(weights) as counted, torch.enable_grad():
+            y = layer(x)
+        saved.append(float(counted.nbytes))
+        output.append(float(y.numel() * y.element_size()))
+        params.append(float(sum(p.numel() * p.element_size() for p in weights)))
+        x = y
+    model.zero_grad(set_to_none=True)
+    return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()))

@@ -1,0 +1,74 @@
+"""Predicted step time on the shared core, and the planner: pure, worked by hand where possible."""
+
+import pytest
+from click.testing import CliRunner
+
+from commlab.cli import main
+from commlab.pipeline import Action, build, simulate
+from commlab.pipeline.plan import LayerProfile, best, candidates, peak_bytes
+from commlab.pipeline.predict import Costs, lower, predict
+
+
+def test_predict_adds_what_the_executor_does_to_the_schedule():
+    gp = build("gpipe", 2, 1)
+    # One micro-batch: F0 (1) -> message (alpha 0.5 + 100 bytes * 0.01) -> F1 (1) -> B1 (2) -> message -> B0 (2).
+    costs = Costs([1, 1], [2, 2], message_bytes=[100], alpha=0.5, beta=0.01)
+    assert predict(gp, costs).step_time == pytest.approx(6 + 2 * 1.5)
+    # Per-action overhead: four actions in a chain.
+    assert predict(gp, Costs([1, 1], [2, 2], overhead=0.25)).step_time == pytest.approx(6 + 4 * 0.25)
+    # Recomputation: a checkpointed micro-batch's backward pays its forward again.
+    assert predict(gp, Costs([1, 1], [2, 2]), checkpointed=[0]).step_time == pytest.approx(6 + 2)
+    # Data-parallel all-reduce tail and optimizer: after rank 0's last backward.
+    tail = Costs([1, 1], [2, 2], allreduce=[0.5, 3.0], optimizer=0.25)
+    assert predict(gp, tail).step_time == pytest.approx(max(6 + 0.5, 4 + 3.0) + 0.25)
+
+
+def test_a_send_completes_only_once_the_receive_is_posted():
+    # Rank 1 posts the receive for 1F1 only after 1B0; with a slow 1B0, 0F1's message waits and so
+    # does rank 0's wait on that send before 0B0 (torch's Schedule1F1B pattern).
+    one_f = build("1f1b", 2, 2)
+    tasks = {t.name: t for t in lower(one_f, Costs([1, 1], [2, 2]))}
+    assert "1B0" in tasks["msg 0F1>1F1"].deps and "msg 0F1>1F1" in tasks["0B0"].deps
+    # Without posting and waits the core gives exactly the schedule-only simulation.
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        actions = build(name, 3, 6, v)
+        alone = lower(actions, Costs([1.0] * 3 * v, [2.0] * 3 * v), posting=False, waits=False, contention=False)
+        from commlab.sim import simulate as core
+
+        assert core(alone).makespan == pytest.approx(simulate(actions, 1.0, 2.0).step_time)
+        # The executor's extra waits can only delay.
+        assert predict(actions, Costs([1.0] * 3 * v, [2.0] * 3 * v)).step_time >= simulate(actions, 1.0, 2.0).step_time - 1e-9
+
+
+def test_zero_bubble_predicted_faster_than_1f1b():
+    costs = Costs([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], alpha=0.05)
+    assert predict(build("zb-h1", 3, 8), costs).step_time < predict(build("1f1b", 3, 8), costs).step_time
+
+
+def test_peak_bytes_follow_the_schedule():
+    # Two stages, 1 byte saved and 1 byte of input per micro-batch, no params.
+    g, f = build("gpipe", 2, 4), build("1f1b", 2, 4)
+    args = ((0, 1), [1.0, 1.0], [1.0, 1.0], [0.0, 0.0])
+    assert peak_bytes(g, *args, ()) == (8 + 2, 8 + 2)  # 4 micro-batches x 2 bytes + boundary buffers
+    assert peak_bytes(f, *args, ()) == (4 + 2, 2 + 2)  # 1F1B: p - r micro-batches
+    assert peak_bytes(g, *args, range(4))[0] == 4 + 1 + 2  # inputs only, one recomputed at a time
+
+
+def test_planner_picks_the_fastest_plan_that_fits():
+    layer = LayerProfile(seconds=[1.0] * 8, saved=[100.0] * 8, output=[10.0] * 8, params=[1.0] * 8, input_bytes=10.0)
+    plans = candidates({2: layer, 8: layer}, 2, [1, 2], ["never", "always"])
+    assert plans == sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
+    assert {p.schedule for p in plans} >= {"gpipe", "1f1b", "zb-h1", "zb-v", "interleaved"}
+    roomy, tight = best(plans, 1e9), best(plans, 700.0)
+    assert roomy == plans[0]
+    assert max(tight.peak_bytes) <= 700.0 and tight.step_time >= roomy.step_time
+    assert best(plans, 1.0) is None
+
+
+def test_plan_command_prints_the_plan():
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8",
+                                       "-m", "2,4", "--budget-mb", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "plan: " in result.output and "predicted" in result.output
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "--budget-mb", "0.0001"])
+    assert result.exit_code != 0 and "no plan fits" in result.output
