@@ -106,3 +106,13 @@ def test_curves_carry_the_spread_and_cells_are_never_shared():
     curve = figdata.curve(pd.concat([runs, other]), "bucket_mb")
     assert sorted(curve["series"].unique()) == ["iters 3", "iters 30"]
     assert not curve.duplicated(["panel", "series", "bucket_mb"]).any()
+
+
+def test_breakdown_bars_never_share_a_slot():
+    runs = _runs([(1, 0.100, 0.1, 0.1), (1, 0.105, 0.1, 0.1), (1, 0.2, 0.2, 0.2)])
+    runs = pd.concat([runs, runs.assign(iters=30, config=runs["config"] + "-30")])
+    iterations = pd.DataFrame([{"config": c, "rank": 0, "iteration": 0, "step": 0.1, "forward": 0.01,
+                                "backward_compute": 0.02, "comm": 0.0, "exposed_comm": 0.03, "total": 0.06,
+                                "accumulate_time": 0.0, "optimizer": 0.01} for c in runs["config"]])
+    bars = figdata.breakdown(runs, iterations)["bar"].tolist()
+    assert len(bars) == 6 and len(set(bars)) == 6 and "1 MiB\noverlap\niters 30" in bars

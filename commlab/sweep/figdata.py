@@ -77,7 +77,10 @@ def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
     both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
     if both.any():  # the figure is about overlap: keep the panels that can compare it
         df = df[both].copy()
-    df["bar"] = df.apply(lambda r: f"{r['bucket_mb']:g} MiB\n{'overlap' if _truthy(r['overlap']) else 'no overlap'}", axis=1)
+    hidden = _hidden(df, ["panel", "bucket_mb", "overlap"])  # e.g. the same bars measured with other --iters
+    df["bar"] = df.apply(lambda r: "\n".join(filter(None, [
+        f"{r['bucket_mb']:g} MiB", "overlap" if _truthy(r["overlap"]) else "no overlap", label(r, hidden) if hidden else ""])), axis=1)
+    _one_per_cell(df, ["panel", "bar"])
     return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS, "step", "step_lo", "step_hi"]]
 
 
