@@ -74,6 +74,7 @@ def validate(options: dict[str, Any], out: Path, profile: Path, echo=lambda line
 @click.option("--algorithm", default="native,ring")
 @click.option("--world-size", default="2")
 @click.option("--overlap", default="both")
+@click.option("--global-batch", default=64, help="samples per step over all ranks (48 splits over 2, 3 and 4)")
 @click.option("--iters", default=20)
 def main(out: Path, profile: Path | None, **options) -> None:
     """Calibrate, then measure and predict a held-out grid (see the module docstring)."""
