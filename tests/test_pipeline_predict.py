@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.pipeline import Action, build, simulate
+from commlab.pipeline import build, simulate
 from commlab.pipeline.plan import LayerProfile, best, candidates, peak_bytes
 from commlab.pipeline.predict import Costs, lower, predict
 

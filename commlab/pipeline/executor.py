@@ -33,51 +33,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, as_actions
+from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from commlab.pipeline.comm import Boundary, handshake, split_batch, tag
 from commlab.pipeline.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.memory import Ledger, SavedBytes
 from commlab.pipeline.messages import message_order, send_waits
-from commlab.pipeline.schedules import spec
 from commlab.pipeline.simulate import Timed, split_stages
 from commlab.pipeline.stage import Stage
-from commlab.pipeline.validate import validate
+from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, resolve
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+__all__ = ["CHECKPOINT_MODES", "LOSS_REDUCTIONS", "PipelineSchedule", "check_plan", "resolve"]
+
 LOSS_REDUCTIONS = ("mean", "sum")
-
-
-def resolve(schedule, ranks: int, microbatches: int, stages: int, placement: Sequence[int] | None = None) -> Actions:
-    """The validated per-rank actions of ``schedule`` (a registered name or per-rank action lists)."""
-    if isinstance(schedule, str):
-        found = spec(schedule)
-        if stages % ranks:
-            raise ValueError(f"{stages} stages do not divide evenly over {ranks} pipeline ranks")
-        found.check(ranks, microbatches, stages // ranks)
-        want = found.placement(ranks, stages)
-        if placement is not None and tuple(placement) != tuple(want):
-            raise ValueError(f"schedule {schedule!r} places stages on ranks {list(want)}, but the stage was built "
-                             f"with placement {list(placement)}: pass Stage(..., placement={list(want)})")  # fmt: skip
-        actions = found.build(ranks, microbatches, stages // ranks)
-    else:
-        actions = as_actions(schedule)
-        if len(actions) != ranks:
-            raise ValueError(f"the schedule lists actions for {len(actions)} ranks, the pipeline has {ranks}")
-    validate(actions, microbatches, stages, placement)
-    return actions
-
-
-def check_plan(schedule, stages: int, ranks: int, microbatches: int, checkpoint: str = "never",
-               placement: Sequence[int] | None = None) -> int:  # fmt: skip
-    """Validate a pipeline configuration before any process starts; return v (stages per rank)."""
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"unknown checkpoint mode {checkpoint!r}: choose from {', '.join(CHECKPOINT_MODES)}")
-    if microbatches < 1:
-        raise ValueError(f"micro-batches must be >= 1, got {microbatches}")
-    if stages < ranks:
-        raise ValueError(f"{stages} stages for {ranks} pipeline ranks: every rank needs a stage")
-    resolve(schedule, ranks, microbatches, stages, placement)
-    return stages // ranks
 
 
 class PipelineSchedule:

@@ -16,15 +16,19 @@ from commlab.pipeline.actions import (
     WEIGHT_GRAD,
     Action,
     Actions,
+    as_actions,
     check_placement,
     num_microbatches,
     num_stages,
     placement_of,
 )
 from commlab.pipeline.messages import message_order
+from commlab.pipeline.schedules import spec
 from commlab.pipeline.simulate import DeadlockError, dependencies, split_stages, walk
 
-__all__ = ["message_order", "problems", "validate"]
+__all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "resolve", "validate"]
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
 def problems(
@@ -100,3 +104,36 @@ def validate(
     found = problems(actions, microbatches, stages, placement)
     if found:
         raise ValueError("invalid pipeline schedule:\n  " + "\n  ".join(found))
+
+
+def resolve(schedule, ranks: int, microbatches: int, stages: int, placement: Sequence[int] | None = None) -> Actions:
+    """The validated per-rank actions of ``schedule`` (a registered name or per-rank action lists)."""
+    if isinstance(schedule, str):
+        found = spec(schedule)
+        if stages % ranks:
+            raise ValueError(f"{stages} stages do not divide evenly over {ranks} pipeline ranks")
+        found.check(ranks, microbatches, stages // ranks)
+        want = found.placement(ranks, stages)
+        if placement is not None and tuple(placement) != tuple(want):
+            raise ValueError(f"schedule {schedule!r} places stages on ranks {list(want)}, but the stage was built "
+                             f"with placement {list(placement)}: pass Stage(..., placement={list(want)})")  # fmt: skip
+        actions = found.build(ranks, microbatches, stages // ranks)
+    else:
+        actions = as_actions(schedule)
+        if len(actions) != ranks:
+            raise ValueError(f"the schedule lists actions for {len(actions)} ranks, the pipeline has {ranks}")
+    validate(actions, microbatches, stages, placement)
+    return actions
+
+
+def check_plan(schedule, stages: int, ranks: int, microbatches: int, checkpoint: str = "never",
+               placement: Sequence[int] | None = None) -> int:  # fmt: skip
+    """Validate a pipeline configuration before any process starts; return v (stages per rank)."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown checkpoint mode {checkpoint!r}: choose from {', '.join(CHECKPOINT_MODES)}")
+    if microbatches < 1:
+        raise ValueError(f"micro-batches must be >= 1, got {microbatches}")
+    if stages < ranks:
+        raise ValueError(f"{stages} stages for {ranks} pipeline ranks: every rank needs a stage")
+    resolve(schedule, ranks, microbatches, stages, placement)
+    return stages // ranks
