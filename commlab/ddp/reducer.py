@@ -143,6 +143,7 @@ class Reducer:
             self._ready_order = []
         if self.find_unused:
             self._unused = unreachable(outputs, self._accumulator_index)
+        self._queued: dict[int, Any] = {}
         self._forward_end = self.clock.stamp()
 
     def on_backward_start(self) -> None:
@@ -229,6 +230,7 @@ class Reducer:
     def _done(self, bucket: Bucket, handle: Any, future: torch.futures.Future) -> Any:
         value = future.value()  # re-raises a failed collective into the chained future
         bucket.done_at = self.clock.stamp()
+        self._queued[bucket.position] = bucket.launched_at  # handed over (timing.py: queued)
         if handle is not None and handle.launched is not None:  # when it really started (timing.py)
             bucket.launched_at = handle.launched
         return value
@@ -275,11 +277,16 @@ class Reducer:
         issued after every bucket so the collective order is the same on all ranks."""
         used = torch.ones(len(self.params), dtype=torch.int32, device=self.device)
         used[self._unused] = 0
-        start = self.clock.stamp()
+        start: list[Any] = []
+
+        def reduce_flags() -> None:
+            start.append(self.clock.stamp())  # after the wait for the group's queue (not counted)
+            dist.all_reduce(used, group=self.group)
+
         # On the group's one path: never inside another thread's p2p batch (collectives/worker.py).
-        collectives.run_ordered(self.group, lambda: dist.all_reduce(used, group=self.group))
+        collectives.run_ordered(self.group, reduce_flags)
         unused = (used == 0).tolist()
-        self._unused_span = (start, self.clock.stamp())
+        self._unused_span = (start[0], self.clock.stamp())
         return unused
 
     def _write_back(self, bucket: Bucket, globally_unused: list[bool] | None) -> None:
@@ -300,7 +307,10 @@ class Reducer:
     # -- timings -----------------------------------------------------------------------------
     def _record(self) -> None:
         end = self.clock.stamp()
-        buckets = [(b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at) for b in self.buckets]
+        buckets = [
+            (b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at, self._queued[b.position])
+            for b in self.buckets
+        ]
         self._raw.append(
             RawIteration(self._start, self._forward_end, end, buckets, self._backward_end,
                          self._unused_span, self._write_back_spans)
