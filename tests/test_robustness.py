@@ -49,7 +49,7 @@ def test_timing_columns_follow_their_definitions():  # point 17
     # Stamps are seconds on a CPU clock; t0 = 10.
     raw = RawIteration(
         start=10.0, forward_end=11.0, end=20.0,
-        buckets=[(100, 2, 12.0, 12.5, 14.0), (50, 1, 13.0, 14.0, 17.0)],
+        buckets=[(100, 2, 12.0, 12.5, 14.0, 12.2), (50, 1, 13.0, 14.0, 17.0)],
         backward_end=15.0, unused=(17.0, 17.5), write_back=[(17.5, 18.0), (18.0, 19.0)],
     )  # fmt: skip
     t = resolve(CpuClock(), raw)
@@ -57,6 +57,7 @@ def test_timing_columns_follow_their_definitions():  # point 17
     assert t.exposed_comm == 2.0  # backward end (15) -> last done (17)
     assert (t.unused_allreduce, t.write_back) == (0.5, 1.5)
     assert [(b.ready, b.launched, b.done) for b in t.buckets] == [(2.0, 2.5, 4.0), (3.0, 4.0, 7.0)]
+    assert t.buckets[0].queued == pytest.approx(2.2) and t.buckets[1].queued != t.buckets[1].queued  # NaN: not given
     # Every bucket done before backward ends: nothing exposed (not negative).
     early = RawIteration(10.0, 11.0, 20.0, [(8, 1, 12.0, 12.0, 13.0)], backward_end=15.0)
     assert resolve(CpuClock(), early).exposed_comm == 0.0
@@ -165,7 +166,7 @@ def _timing_and_bounds():
         "buckets": len(b),
         # overlap=False queues every bucket at once: each starts after the one before is done.
         "serial": all(b[k].launched >= b[k - 1].done for k in range(1, len(b))),
-        "ordered": all(x.ready <= x.launched <= x.done for x in b),
+        "ordered": all(x.ready <= x.queued <= x.launched <= x.done for x in b),
         "write_back": t.write_back,
         "exposed": t.exposed_comm,
         "backward_end": t.forward + t.backward_compute,

@@ -147,6 +147,7 @@ class Reducer:
             self._ready_order = []
         self._unused = self.usage.unused_at_start(outputs, self._accumulator_index)
         self._locally_unused = list(self._unused)
+        self._queued: dict[int, Any] = {}
         self._forward_end = self.clock.stamp()
 
     def on_backward_start(self) -> None:
@@ -235,6 +236,7 @@ class Reducer:
     def _done(self, bucket: Bucket, handle: Any, future: torch.futures.Future) -> Any:
         value = future.value()  # re-raises a failed collective into the chained future
         bucket.done_at = self.clock.stamp()
+        self._queued[bucket.position] = bucket.launched_at  # handed over (timing.py: queued)
         if handle is not None and handle.launched is not None:  # when it really started (timing.py)
             bucket.launched_at = handle.launched
         return value
@@ -262,10 +264,10 @@ class Reducer:
         if self.rebuild_pending:
             self._ready_order.extend(self.usage.rebuild_tail())
         self._launch_in_order()  # everything, when overlap=False
-        tracked, start = self.usage.tracking, self.clock.stamp()
-        globally_unused = self.usage.end_of_backward(self._locally_unused, self.group, self.device)
+        tracked = self.usage.tracking
+        globally_unused = self.usage.end_of_backward(self._locally_unused, self.group, self.device, self.clock.stamp)
         if tracked:  # the unused-parameter all-reduce ran: its own timing column
-            self._unused_span = (start, self.clock.stamp())
+            self._unused_span = self.usage.span
         with torch.no_grad():
             for bucket in self.buckets:
                 result = self._wait(bucket)
@@ -311,7 +313,10 @@ class Reducer:
     # -- timings -----------------------------------------------------------------------------
     def _record(self) -> None:
         end = self.clock.stamp()
-        buckets = [(b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at) for b in self.buckets]
+        buckets = [
+            (b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at, self._queued[b.position])
+            for b in self.buckets
+        ]
         self._raw.append(
             RawIteration(self._start, self._forward_end, end, buckets, self._backward_end,
                          self._unused_span, self._write_back_spans)

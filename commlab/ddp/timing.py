@@ -7,6 +7,8 @@ same on CPU and CUDA (the DDP paper's latency breakdown, Li et al. VLDB 2020, se
 
 Per bucket:
 - ``ready``: its last gradient was copied into it (compute stream on CUDA);
+- ``queued``: it was handed to its channel (the all-reduce call or the comm hook returned to the
+  reducer's launch); ``launched - queued`` is the time it waited behind earlier collectives;
 - ``launched``: its collective actually started on its channel: when the group's comm worker
   began running it (commlab's p2p algorithms), when the backend call was issued (``native``; the
   backend's own queue is not observable on Gloo), when the comm hook was called (a hook), on CUDA
@@ -20,8 +22,8 @@ Per iteration:
 - ``comm``: the first bucket launched -> the last bucket done (wall span of communication);
 - ``exposed_comm``: end of backward compute -> the last bucket done, 0 if every bucket finished
   before backward did: the communication backward did not hide;
-- ``unused_allreduce``: the all-reduce of "used locally" flags (``find_unused_parameters``), 0
-  without it;
+- ``unused_allreduce``: the all-reduce of "used locally" flags (``find_unused_parameters``), from
+  its issue (once the group's queue has drained) to the flags on the host; 0 without it;
 - ``write_back``: copying the reduced buckets into ``.grad`` (waiting for a bucket not included);
 - ``total``: forward start -> gradients synchronised and written back (end of backward).
 
@@ -47,6 +49,7 @@ class BucketTiming:
     ready: float  # its last gradient arrived
     launched: float  # its collective started on its channel
     done: float  # its collective completed
+    queued: float = float("nan")  # it was handed to its channel (<= launched)
 
 
 @dataclass
@@ -107,8 +110,8 @@ class RawIteration:
     start: Any
     forward_end: Any
     end: Any
-    # (nbytes, num_params, ready, launched, done) per bucket in reduction order
-    buckets: list[tuple[int, int, Any, Any, Any]]
+    # (nbytes, num_params, ready, launched, done[, queued]) per bucket in reduction order
+    buckets: list[tuple]
     backward_end: Any = None  # end of backward compute; None: the last bucket's ready
     # (start, end) stamps of the unused-parameter all-reduce (None without one) and of each
     # bucket's write-back
@@ -121,8 +124,8 @@ def resolve(clock: CpuClock | CudaClock, raw: RawIteration) -> IterationTiming:
     s = clock.seconds
     t0 = raw.start
     buckets = [
-        BucketTiming(i, nbytes, n, s(t0, ready), s(t0, launched), s(t0, done))
-        for i, (nbytes, n, ready, launched, done) in enumerate(raw.buckets)
+        BucketTiming(i, b[0], b[1], s(t0, b[2]), s(t0, b[3]), s(t0, b[4]), s(t0, b[5]) if len(b) > 5 else float("nan"))
+        for i, b in enumerate(raw.buckets)
     ]
     forward = s(t0, raw.forward_end)
     total = s(t0, raw.end)

@@ -39,6 +39,7 @@ class UnusedParameters:
         self._no_hook: list[int] = []  # this iteration's parameters whose hook never ran
         self._static_globally_unused: list[bool] | None = None
         self._last_locally_unused: list[int] | None = None  # None: no iteration yet
+        self.span: tuple | None = None  # (start, end) of the last used-map all-reduce, when stamped
         self.unfinished: list[int] = []  # torch's require_finalize_ left set, with its culprits
 
     @property
@@ -64,15 +65,23 @@ class UnusedParameters:
         one records none): its unused parameters, in index order, as torch's rebuilt buckets show."""
         return list(self._static_unused) if self.static and not self.static_first else []
 
-    def end_of_backward(self, locally_unused: Sequence[int], group, device) -> list[bool] | None:
+    def end_of_backward(self, locally_unused: Sequence[int], group, device, stamp=None) -> list[bool] | None:
         """Which parameters no rank used (None: all were used, nothing to skip). Collective in
-        the dynamic mode and the first static iteration; issue it after every bucket."""
+        the dynamic mode and the first static iteration; issue it after every bucket. ``stamp``
+        (a clock) times the all-reduce itself into ``self.span``."""
         if not self.tracking:
             return self._static_globally_unused
         self._last_locally_unused = list(locally_unused)
         used = self.local_used_map(device)
+        start: list = []
+
+        def reduce_flags() -> None:
+            start.append(stamp() if stamp else None)  # after the group's queue drained: not counted
+            dist.all_reduce(used, group=group)
+
         # On the group's one ordered path: never inside another thread's p2p batch (collectives/worker.py).
-        collectives.run_ordered(group, lambda: dist.all_reduce(used, group=group))
+        collectives.run_ordered(group, reduce_flags)
+        self.span = (start[0], stamp() if stamp else None)
         flags = (used == 0).tolist()
         globally_unused = flags if any(flags) else None
         if self.static_first:
