@@ -180,7 +180,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync = grad and self.require_backward_grad_sync
         joining = self._join_config.enable  # set by ddp.join(), as in torch
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
-            self.reducer.usage.check_prior_finished(dist.get_rank(self.process_group))
+            self.reducer.usage.check_prior_finished(self.process_group)
         if joining:
             uneven.notify(self)
         if grad:

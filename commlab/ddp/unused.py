@@ -99,10 +99,11 @@ class UnusedParameters:
         used[self._last_locally_unused] = 0
         return used
 
-    def check_prior_finished(self, rank: int) -> None:
+    def check_prior_finished(self, group) -> None:
         """Raise torch's error if the last synchronised backward left parameters without gradient."""
-        if self.unfinished:
-            raise RuntimeError(prior_reduction_error([self.names[i] for i in self.unfinished], self, rank))
+        if self.unfinished:  # (the rank is looked up only here: get_rank costs on every forward)
+            missing = [self.names[i] for i in self.unfinished]
+            raise RuntimeError(prior_reduction_error(missing, self, dist.get_rank(group)))
 
 
 def prior_reduction_error(missing: Sequence[str], mode: UnusedParameters, rank: int) -> str:
