@@ -92,7 +92,8 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
 
     halving = hd_reduce_scatter_steps(virtual, p)
     # Reused across calls (p2p.Comm.scratch): half the largest message stays allocated.
-    scratch = comm.scratch("halving_doubling", max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0), flat)
+    largest = max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0)
+    scratch = comm.scratch("halving_doubling", largest, flat)
     sent: list = []
     for step in halving:
         _exchange_and_reduce(comm, flat, scratch, span(step.send), span(step.recv), step.peer, op, sent)
