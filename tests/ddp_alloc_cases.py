@@ -85,13 +85,16 @@ def run() -> dict:
     for impl in ("commlab", "torch"):
         for set_to_none in (True, False):
             for as_view in (True, False):
-                out[impl, set_to_none, as_view, "native", None] = ddp_iteration(impl, set_to_none, as_view, "native", None)
+                key = (impl, set_to_none, as_view, "native", None)
+                out[key] = ddp_iteration(*key)
         for hook in ("allreduce", "fp16"):
             for as_view in (True, False):
-                out[impl, True, as_view, "native", hook] = ddp_iteration(impl, True, as_view, "native", hook)
+                key = (impl, True, as_view, "native", hook)
+                out[key] = ddp_iteration(*key)
     for set_to_none in (True, False):
         for as_view in (True, False):
-            out["commlab", set_to_none, as_view, "ring", None] = ddp_iteration("commlab", set_to_none, as_view, "ring", None)
+            key = ("commlab", set_to_none, as_view, "ring", None)
+            out[key] = ddp_iteration(*key)
     for algorithm in collectives.algorithm_names():
         out["collective", algorithm] = collective_calls(algorithm)
     return out

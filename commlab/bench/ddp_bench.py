@@ -165,7 +165,9 @@ def _algorithms() -> list[str]:
               help="leave glibc's heap trimming as is (default: fixed thresholds, see _keep_freed_memory)")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds before the launch is abandoned")
-def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout):
+def bench_ddp(
+    model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout
+):
     """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
     import commlab
     from commlab.runtime import resolve_backend

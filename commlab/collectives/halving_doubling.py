@@ -13,6 +13,11 @@ MPICH" (IJHPCA 2005), section 4.4. With p' the largest power of two <= p:
 Every step is one exchange with one partner, so the latency term is 2 log2 p' (+2 when folding)
 instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. The index maths
 is in :mod:`commlab.collectives.schedules`.
+
+Segmenting (Gloo): a halving step's exchange is posted as pieces of ``PIECE_BYTES``, all at
+once (the whole received half has its place in the scratch), and each piece is reduced as soon
+as it has arrived, so the reduction of one piece overlaps the transfer of the next, as in the
+ring. Both partners cut the exchanged range identically, so the pieces pair up in order.
 """
 
 from __future__ import annotations
@@ -23,11 +28,38 @@ from commlab.collectives.p2p import Comm, wait_all
 from commlab.collectives.reduce_ops import combine_, finish_
 from commlab.collectives.schedules import (
     chunk_bounds,
+    pieces,
     hd_all_gather_steps,
     hd_fold,
     hd_reduce_scatter_steps,
     largest_power_of_two,
 )
+
+
+PIECE_BYTES = 2 << 20
+
+
+def _exchange_and_reduce(
+    comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, send: tuple[int, int], recv: tuple[int, int],
+    peer: int, op: str, sent: list,
+) -> None:
+    """One halving step: send ``flat[send]``, receive the peer's ``recv`` range into ``scratch``
+    and reduce it into ``flat[recv]`` piece by piece as the pieces arrive."""
+    (sa, sb), (ra, rb) = send, recv
+    if comm.coalesce:  # NCCL pipelines inside its one grouped call
+        _exchange(comm, flat[sa:sb], scratch[: rb - ra], peer, sent)
+        combine_(flat[ra:rb], scratch[: rb - ra], op)
+        return
+    piece = max(1, PIECE_BYTES // flat.element_size())
+    arriving = pieces(ra, rb, piece)
+    recv_works, send_works = comm.post(
+        sends=[(flat[a:b], peer) for a, b in pieces(sa, sb, piece)],
+        recvs=[(scratch[a - ra : b - ra], peer) for a, b in arriving],
+    )
+    sent.extend(send_works)
+    for (a, b), work in zip(arriving, recv_works):
+        work.wait()
+        combine_(flat[a:b], scratch[a - ra : b - ra], op)
 
 
 def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, peer: int, sent: list) -> None:
@@ -60,12 +92,11 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
 
     halving = hd_reduce_scatter_steps(virtual, p)
     # Reused across calls (p2p.Comm.scratch): half the largest message stays allocated.
-    scratch = comm.scratch("halving_doubling", max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0), flat)
+    largest = max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0)
+    scratch = comm.scratch("halving_doubling", largest, flat)
     sent: list = []
     for step in halving:
-        (sa, sb), (ra, rb) = span(step.send), span(step.recv)
-        _exchange(comm, flat[sa:sb], scratch[: rb - ra], step.peer, sent)
-        combine_(flat[ra:rb], scratch[: rb - ra], op)
+        _exchange_and_reduce(comm, flat, scratch, span(step.send), span(step.recv), step.peer, op, sent)
     lo, hi = bounds[virtual]
     finish_(flat[lo:hi], op, p)
     wait_all(sent)  # the all-gather receives into the ranges the halving sent
