@@ -72,8 +72,8 @@ def pipeline() -> None:
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
-@click.option("--backward", default=1, show_default=True, type=click.IntRange(min=1), help="ticks per backward (I and W: half each)")
-def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int) -> None:
+@click.option("--backward", type=click.IntRange(min=1), help="ticks per backward (I and W: half each) [1, or 2 for I/W schedules]")
+def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int | None) -> None:
     """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
     from commlab.pipeline import format_actions, from_csv, grid, validate
 
@@ -89,7 +89,10 @@ def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, vi
         for r, line in enumerate(format_actions(actions)):
             click.echo(f"rank {r}: {line}")
     else:
-        click.echo(grid(actions, backward))
+        try:
+            click.echo(grid(actions, backward))
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--backward") from None
 
 
 @pipeline.command()
