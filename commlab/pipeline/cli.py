@@ -117,8 +117,9 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
         for name in _names(schedules, _schedule_names(), "--schedules"):
             v = _virtual(name, virtual)
             sim = run(_actions(name, ranks, m, v), forward / v, backward / v, comm)
-            formula = bubble_formula(ranks, m, v)
-            click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula:>8.3f}  {list(sim.peak_in_flight)}")
+            # The closed form is GPipe's / 1F1B's / interleaved's; a split backward has none here.
+            formula = f"{bubble_formula(ranks, m, v):8.3f}" if "I" not in REGISTRY[name].kinds else f"{'-':>8}"
+            click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
             panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline))
     if figure:
         from commlab.pipeline.render import gantt_figure
