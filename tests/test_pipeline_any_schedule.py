@@ -130,3 +130,20 @@ def test_send_waits_release_sends_early_without_deadlock():
     # receive was posted: exactly torch's Schedule1F1B pattern.
     waits = send_waits(build("1f1b", 2, 4))
     assert waits[Action(0, "B", 0)] == (Action(0, "F", 1),) and waits[Action(1, "F", 1)] == (Action(1, "B", 0),)
+
+
+def test_show_reads_torch_csv_and_lists_every_registered_schedule(tmp_path):
+    from click.testing import CliRunner
+
+    from commlab.cli import main
+
+    path = tmp_path / "zbv.csv"
+    path.write_text(torch_csv("ScheduleZBVZeroBubble", 2, 4, [0, 3], 4))
+    result = CliRunner().invoke(main, ["pipeline", "show", "--csv", str(path), "--actions"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].startswith("rank 0: 0F0 0F1 0F2 3F0 3I0 3W0")
+    result = CliRunner().invoke(main, ["pipeline", "show", "--schedule", "zb-v", "-p", "2", "-m", "4"])
+    assert result.exit_code == 0 and "3I0" in result.output
+    path.write_text("0F0,0SEND_F0\n")
+    result = CliRunner().invoke(main, ["pipeline", "show", "--csv", str(path)])
+    assert result.exit_code == 2 and "communication action" in result.output

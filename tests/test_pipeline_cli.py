@@ -58,6 +58,7 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     for column in ("bubble_measured", "idle_waiting", "idle_data_ready", "bubble_simulated", "bubble_replayed"):
         assert ((summary[column] >= 0) & (summary[column] < 1)).all(), column
     assert plain["bubble_formula"].tolist()[:2] == pytest.approx([1 / 3, 1 / 5])  # gpipe, m = 2 and 4
+    assert (summary["predicted_s"] > 0).all() and summary["prediction_error"].notna().all()
     stages = pd.read_csv(run / "stages.csv")
     first = stages[(stages["stage"] == 0) & (stages["checkpoint"] == "never")].set_index(["schedule", "microbatches"])
     # 1F1B keeps p = 2 of m = 4 micro-batches on stage 0, GPipe all four.

@@ -16,7 +16,8 @@ import commlab
 from commlab.pipeline import PipelineSchedule
 from commlab.pipeline.hybrid import DataParallelStage
 
-CASES = [("gpipe", [4, 4], "never"), ("1f1b", [3, 5], "except_last"), ("interleaved", [2, 2, 2, 2], "never")]
+CASES = [("gpipe", [4, 4], "never"), ("1f1b", [3, 5], "except_last"), ("interleaved", [2, 2, 2, 2], "never"),
+         ("interleaved", [3, 1, 2, 2], "always")]  # stage 1 is a Tanh alone: no parameters, no DDP
 BATCH = 16  # 8 per replica, 4 micro-batches of 2
 
 
@@ -52,8 +53,8 @@ def _hybrid():
         stage = DataParallelStage(model, balance, topo, bucket_cap_mb=0.001)
         pipe = PipelineSchedule(stage, schedule, microbatches=4, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=100)
         loss = pipe.step(x[half] if stage.is_first else None, target=y[half] if stage.is_last else None)
-        syncs = {s: len(m.iteration_timings) for s, m in stage.modules.items()}
-        out[schedule] = (None if loss is None else loss.item(), _grads(model), syncs)
+        syncs = {s: len(m.iteration_timings) for s, m in stage.modules.items() if hasattr(m, "iteration_timings")}
+        out[_key(schedule, balance)] = (None if loss is None else loss.item(), _grads(model), syncs)
     return out
 
 
@@ -72,7 +73,11 @@ def test_topology_groups_follow_the_grid(hybrid):
     assert all("2 x 2" not in r["bad_dims"] and "world has 4 ranks" in r["bad_dims"] for r in hybrid)
 
 
-@pytest.mark.parametrize("schedule", [c[0] for c in CASES])
+def _key(schedule, balance):
+    return f"{schedule} {balance}"
+
+
+@pytest.mark.parametrize("schedule", [_key(c[0], c[1]) for c in CASES])
 def test_hybrid_matches_unpartitioned_model(hybrid, schedule):
     model = _model()
     x, y = _data(BATCH)
@@ -92,3 +97,6 @@ def test_hybrid_matches_unpartitioned_model(hybrid, schedule):
     # One gradient synchronisation per stage module per mini-batch (DDP records one per sync).
     for r in hybrid:
         assert set(r[schedule][2].values()) == {1}
+    # The parameter-free stage (a Tanh alone) is left unwrapped; every other stage has its DDP.
+    if schedule == _key("interleaved", [3, 1, 2, 2]):
+        assert set(hybrid[2][schedule][2]) == {3} and set(hybrid[0][schedule][2]) == {0, 2}  # ranks 2, 3 hold stages 1, 3

@@ -266,6 +266,7 @@ def stage_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict
     for r in per_rank:
         for stage, nbytes in r["saved_bytes"].items():
             rows.append({**_columns(cfg), "rank": r["rank"], "stage": stage, "saved_bytes": nbytes,
+                         "rank_peak_bytes": r.get("rank_peak_bytes"),
                          "cuda_peak_bytes": r["cuda_peak"], "forward_s": fwd[stage], "backward_s": bwd[stage]})  # fmt: skip
     return rows
 

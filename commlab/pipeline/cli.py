@@ -72,8 +72,8 @@ def pipeline() -> None:
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
-@click.option("--backward", default=1, show_default=True, type=click.IntRange(min=1), help="ticks per backward (I and W: half each)")
-def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int) -> None:
+@click.option("--backward", type=click.IntRange(min=1), help="ticks per backward (I and W: half each) [1, or 2 for I/W schedules]")
+def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int | None) -> None:
     """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
     from commlab.pipeline import format_actions, from_csv, grid, validate
 
@@ -89,7 +89,10 @@ def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, vi
         for r, line in enumerate(format_actions(actions)):
             click.echo(f"rank {r}: {line}")
     else:
-        click.echo(grid(actions, backward))
+        try:
+            click.echo(grid(actions, backward))
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--backward") from None
 
 
 @pipeline.command()
@@ -114,8 +117,9 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
         for name in _names(schedules, _schedule_names(), "--schedules"):
             v = _virtual(name, virtual)
             sim = run(_actions(name, ranks, m, v), forward / v, backward / v, comm)
-            formula = bubble_formula(ranks, m, v)
-            click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula:>8.3f}  {list(sim.peak_in_flight)}")
+            # The closed form is GPipe's / 1F1B's / interleaved's; a split backward has none here.
+            formula = f"{bubble_formula(ranks, m, v):8.3f}" if "I" not in REGISTRY[name].kinds else f"{'-':>8}"
+            click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
             panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline))
     if figure:
         from commlab.pipeline.render import gantt_figure

@@ -50,19 +50,28 @@ class DataParallelStage(Stage):
             raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
         super().__init__(model, balance, placement, group=topology.pp_group, device=device)
         self.topology = topology
-        # Wrap in stage order: DDP's constructor is collective over the data-parallel group.
+        # Wrap in stage order: DDP's constructor is collective over the data-parallel group. A stage
+        # without trainable parameters (an activation, Dropout) has nothing to synchronise: it
+        # stays as it is on every replica alike, so no group waits for it.
         self.modules = {
-            s: DistributedDataParallel(m, process_group=topology.dp_group, **ddp_options)
+            s: DistributedDataParallel(m, process_group=topology.dp_group, **ddp_options) if _trainable(m) else m
             for s, m in sorted(self.modules.items())
         }
 
     def forward_context(self, stage: int) -> ContextManager:
-        return self.modules[stage].no_sync()
+        ddp = self.modules[stage]
+        return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
 
     def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor]) -> ContextManager:
         ddp = self.modules[stage]
+        if not isinstance(ddp, DistributedDataParallel):
+            return contextlib.nullcontext()
         if not last:
             return ddp.no_sync()
         ddp.reducer.start_iteration()
         ddp.reducer.prepare_for_backward(list(outputs))
         return contextlib.nullcontext()
+
+
+def _trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())

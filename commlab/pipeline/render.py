@@ -16,12 +16,17 @@ from commlab.pipeline.simulate import Timed, simulate
 SIMULATED_UNIT = "units of the --forward/--backward costs"
 
 
-def grid(actions: Actions, backward: int = 1) -> str:
+def grid(actions: Actions, backward: int | None = None) -> str:
     """The step x rank table of a schedule, as printed by ``commlab pipeline show``.
 
-    A forward takes one tick, a backward ``backward`` ticks (a split one: I and W half each);
-    an action taking several ticks is written in each.
+    A forward takes one tick, a backward ``backward`` ticks (a split one: I and W half each;
+    default 1, or 2 when the schedule splits, so I and W take a tick each); an action taking
+    several ticks is written in each.
     """
+    if backward is None:
+        backward = 2 if any(a.kind in "IW" for rank in actions for a in rank) else 1
+    if any(a.kind in "IW" for rank in actions for a in rank) and backward % 2:
+        raise ValueError(f"a split backward needs an even number of ticks, got {backward}")
     sim = simulate(actions, 1.0, float(backward))
     ranks = len(actions)
     steps = int(round(sim.step_time))
