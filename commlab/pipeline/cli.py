@@ -219,12 +219,12 @@ def _balance(mode: str, depth: int, width: int, batch: int, stages: int) -> list
 def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size) -> None:
     import pandas as pd
 
-    from commlab.sweep.metadata import environment
     from commlab._atomic import write_text
+    from commlab.runtime.metadata import command_line, environment
 
     for file, rows in (("summary.csv", summary), ("stages.csv", stages), ("timeline.csv", timeline)):
         write_text(run_dir / file, pd.DataFrame(rows).to_csv(index=False))
-    meta = {"command": "commlab pipeline bench", **common, "backend": backend, "world_size": world_size, "environment": environment()}
+    meta = {"command": command_line(click.get_current_context()), **common, "backend": backend, "world_size": world_size, "environment": environment()}
     write_text(run_dir / "metadata.json", json.dumps(meta, indent=2, default=str))
 
 
