@@ -124,3 +124,41 @@ def test_table_sizes_cover_the_buckets_that_occur():
     assert table_sizes(48 << 20) == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 48 << 20]
     small = table_sizes(35_000)
     assert len(small) >= 2 and small[-1] >= 35_000 and small == sorted(set(small))
+
+
+def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_multirank_ddp(tmp_path, monkeypatch):
+    """A stale entry (too old) or one lacking an algorithm is measured again, not used; a fresh
+    complete one is used as is. (calibrate is replaced by a stub: no process is spawned.)"""
+    import time
+
+    from commlab.predict import calibrate as cal
+    from commlab.predict import measure
+
+    workload = cal.Workload("mlp", "depth=2,width=64", 32)
+    calls = []
+
+    def fake(w, *, backend, world_size, threads=None, algorithms=("native",), echo=None, **_):
+        nbytes, shapes = cal.parameter_sizes(w)
+        calls.append(tuple(algorithms))
+        key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=w.model,
+                            model_args=w.model_args, batch_per_rank=w.batch_per_rank)
+        return {"key": key, "created": time.time(),
+                "params": {"nbytes": nbytes, "ready_order": list(range(len(nbytes))),
+                           "signature": prof.param_signature(nbytes, shapes)},
+                "compute": {f: 0.0 for f in prof.REQUIRED["compute"]}, "contention": {},
+                "collectives": {a: {} for a in algorithms}}
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    path, kw = tmp_path / "p.json", dict(backend="gloo", world_size=2, threads=1)
+    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
+    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
+    assert calls == [("native",)]  # fresh: reused
+    cal.profile_for(workload, path=path, algorithms=("native", "ring"), **kw)
+    assert calls[-1] == ("native", "ring")  # lacking an algorithm: recalibrated
+    said = []
+    cal.profile_for(workload, path=path, algorithms=("native",), max_age_s=0.0, echo=said.append, **kw)
+    assert len(calls) == 3 and "recalibrating" in said[-1]  # stale: recalibrated, and said so
+    # the rank side refuses to profile DDP on a group of more than one rank
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="one-rank"):
+        measure._ddp_run({}, None, None, object(), bucket_mb=1.0)

@@ -12,7 +12,10 @@
 2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
-4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once.
+4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
+5. on Gloo, the native all-reduce's concurrency: two of about 8 MiB issued together against the
+   same two one after the other (Gloo's process group runs two collectives at once on its two
+   worker threads; commlab's p2p algorithms run one at a time on the group's worker).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
     out["corun"] = _corun(model, workload, batch, spec["reps"])
+    if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
+        size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
+        out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
     return out
 
 
@@ -84,6 +90,10 @@ def _profile_ddp(spec: dict[str, Any], loss_fn, batch, group) -> dict[str, Any]:
 
 
 def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> dict[str, Any]:
+    # Calibration must never run the configurations it will predict (issue 13): a DDP
+    # iteration here is always on a one-rank group.
+    if dist.get_world_size(group) != 1:
+        raise RuntimeError("calibration profiles DDP on a one-rank process group only")
     model = _fresh_model(spec)
     ddp = commlab.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb, overlap=False)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -177,6 +187,28 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
     med = lambda xs: float(statistics.median(xs))  # noqa: E731
     return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
             "comm_both_s": med(both_m), "nbytes": nbytes}
+
+
+def _two_at_once(nbytes: int, reps: int) -> dict[str, float]:
+    """Step 5: two native all-reduces one after the other, then both queued at once."""
+    a, b = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(2))
+    apart, together = [], []
+    for it in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        collectives.all_reduce(a, "sum", algorithm="native")
+        collectives.all_reduce(b, "sum", algorithm="native")
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        handles = [collectives.all_reduce(x, "sum", algorithm="native", async_op=True) for x in (a, b)]
+        for h in handles:
+            h.wait()
+        if it:  # the first pair warms the buffers and Gloo's pairs up
+            apart.append(t1 - start)
+            together.append(time.perf_counter() - t2)
+    return {"apart_s": float(statistics.median(apart)), "together_s": float(statistics.median(together)),
+            "nbytes": nbytes}
 
 
 def _corun(model, workload, batch, reps: int) -> dict[str, float]:
