@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
          backend: str = "gloo", world_size: int = 2, threads: int | None = None,
-         algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None, recalibrate: bool = False) -> dict[str, Any]:
+         algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
+         recalibrate: bool = False) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
