@@ -162,3 +162,21 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
     monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(RuntimeError, match="one-rank"):
         measure._ddp_run({}, None, None, object(), bucket_mb=1.0)
+
+
+def test_validation_table_takes_worst_cases_over_agreeing_measurements_only():
+    import pandas as pd
+
+    from commlab.predict.compare import format_table, workload_table
+
+    w = dict(model="mlp", model_args="depth=2", backend="gloo", world_size=2, batch_per_rank=32)
+    both = pd.DataFrame([{**w, "error": e, "shape_error": s, "agreement": a}
+                         for e, s, a in [(0.1, 0.02, 0.05), (-0.2, -0.04, 0.08), (0.9, 0.6, 0.5)]])
+    taus = pd.DataFrame([{**w, "overlap": True, "tau": 1.0, "resolved": True},
+                         {**w, "overlap": False, "tau": -1.0, "resolved": False}])
+    row, total = workload_table(both, taus).to_dict("records")
+    assert row["configs"] == 3 and row["steady"] == 2
+    assert row["abs_worst"] == pytest.approx(0.2) and row["shape_worst"] == pytest.approx(0.04)  # 0.9 disagreed
+    assert row["abs_median"] == pytest.approx(0.2) and row["shape_median"] == pytest.approx(0.04)
+    assert row["tau_min"] == 1.0 and row["resolved_series"] == "1/2"  # the unresolved -1 is not counted
+    assert total["workload"] == "all" and "mlp depth=2 w2" in format_table(workload_table(both, taus))
