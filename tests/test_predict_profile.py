@@ -180,3 +180,23 @@ def test_validation_table_takes_worst_cases_over_agreeing_measurements_only():
     assert row["abs_median"] == pytest.approx(0.2) and row["shape_median"] == pytest.approx(0.04)
     assert row["tau_min"] == 1.0 and row["resolved_series"] == "1/2"  # the unresolved -1 is not counted
     assert total["workload"] == "all" and "mlp depth=2 w2" in format_table(workload_table(both, taus))
+
+
+def test_write_back_is_calibrated_from_ddps_own_span_not_the_exposed_time(monkeypatch):
+    """exposed_comm ends when the last all-reduce is done (commlab/ddp/timing.py); the write-back
+    comes after it. Solving for the write-back from the exposed time gave ~0 s where DDP's own
+    write-back span said 8-25 ms for 48 MiB."""
+    from commlab.predict import measure
+
+    spec = {"model": "mlp", "model_kwargs": {"depth": 2, "width": 512}}
+    total = sum(p.numel() * 4 for p in measure._fresh_model(spec).parameters())
+    runs = {True: dict(buckets=1, exposed_s=0.0005, tail_s=0.0105, write_back_s=0.010),
+            False: dict(buckets=5, exposed_s=0.0010, tail_s=0.0125, write_back_s=0.0105)}
+
+    def fake(spec, loss_fn, batch, group, bucket_mb):
+        return {"forward_s": 0.1, **runs[bucket_mb > total / 2**20]}
+
+    monkeypatch.setattr(measure, "_ddp_run", fake)
+    out = measure._profile_ddp(spec, None, None, None)
+    assert out["writeback_s_per_byte"] == pytest.approx(0.010 / total)
+    assert out["bucket_fixed_s"] == pytest.approx((0.0125 - 0.0105 - 0.0105 + 0.010) / 4)
