@@ -114,12 +114,17 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
     both = compare.join(store.read_tables(out / "predicted")[2], measured)
     both = both.merge(measured[["config", "agreement"]], on="config", how="left")
     for t in tunes:  # the recommendation is judged by the tune check, not in the error table
-        row = both[both["config"] == t["config"]].iloc[0]
-        same = both[(both["model"] == row["model"]) & (both["model_args"] == row["model_args"])
-                    & (both["world_size"] == row["world_size"]) & (both["config"] != t["config"])]
-        best = same.loc[same["measured_s"].idxmin()]
+        rows = both[both["config"] == t["config"]]
+        model, args, world = t["workload"][0], t["workload"][1], t["workload"][4]
+        same = both[(both["model"] == model) & (both["model_args"] == args)
+                    & (both["world_size"] == world) & (both["config"] != t["config"])]
+        if rows.empty or same.empty:  # a failed run: say so rather than lose the whole validation
+            t.update(measured_s=float("nan"), grid_best="", grid_best_s=float("nan"), within=float("nan"))
+            continue
+        row, best = rows.iloc[0], same.loc[same["measured_s"].idxmin()]
         t.update(measured_s=float(row["measured_s"]), grid_best=str(best["config"]),
                  grid_best_s=float(best["measured_s"]), within=float(row["measured_s"] / best["measured_s"] - 1))
+    for t in tunes:
         if t["config"] not in {c.id for c in groups[t["workload"]]}:
             both = both[both["config"] != t["config"]]
     taus = compare.series_taus(both)
@@ -142,7 +147,8 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
     for t in tunes:
         echo(f"tune check {t['workload'][0]}: recommended {t['config']} measured {t['measured_s'] * 1e3:.1f} ms, "
              f"grid best {t['grid_best']} {t['grid_best_s'] * 1e3:.1f} ms: {t['within'] * 100:+.1f}% "
-             f"({'within' if t['within'] <= 0.05 else 'NOT within'} 5%)")
+             f"({'within' if t['within'] <= 0.05 else 'NOT within'} 5%)" if t["grid_best"] else
+             f"tune check {t['workload'][0]}: {t['config']} or the grid was not measured (see the runs tables)")
     echo(f"validation took {result['duration_s'] / 60:.1f} min -> {out}")
     return {"both": both, "taus": taus, **result}
 
