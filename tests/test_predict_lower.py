@@ -77,3 +77,16 @@ def test_lowering_rejects_inconsistent_costs():
         lower(costs(ready_s=(0.1,)), DDPSetting(), [[1], [0]])
     with pytest.raises(ValueError):
         DDPSetting(groups=0)
+
+
+def test_two_lanes_run_queued_all_reduces_at_once_with_the_measured_gain():
+    # Overlap off: both buckets launch after backward (.5 and .51), 0.05 s of all-reduce each.
+    # One lane: FIFO, .51-.56 then .56-.61 (the test above). Two lanes, gain 1.2: ar0 alone
+    # .51-.52 (0.01 done), then both at 0.6: ar0's last 0.04 takes 1/15 s; ar1 has 0.01 left
+    # and ends alone.
+    _, _, row, rows = run(costs(lanes=2, lane_gain=1.2), DDPSetting(bucket_cap_mb=1, overlap=False))
+    t0 = .52 + .04 / .6
+    assert [r["done"] for r in rows] == pytest.approx([t0, t0 + (.05 - .04)])
+    # gain 1: two lanes only share the link; the last all-reduce ends when FIFO's would
+    _, _, row1, rows1 = run(costs(lanes=2, lane_gain=1.0), DDPSetting(bucket_cap_mb=1, overlap=False))
+    assert rows1[-1]["done"] == pytest.approx(.61) and rows[-1]["done"] < .61 - 0.005

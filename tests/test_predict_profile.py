@@ -124,3 +124,79 @@ def test_table_sizes_cover_the_buckets_that_occur():
     assert table_sizes(48 << 20) == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 48 << 20]
     small = table_sizes(35_000)
     assert len(small) >= 2 and small[-1] >= 35_000 and small == sorted(set(small))
+
+
+def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_multirank_ddp(tmp_path, monkeypatch):
+    """A stale entry (too old) or one lacking an algorithm is measured again, not used; a fresh
+    complete one is used as is. (calibrate is replaced by a stub: no process is spawned.)"""
+    import time
+
+    from commlab.predict import calibrate as cal
+    from commlab.predict import measure
+
+    workload = cal.Workload("mlp", "depth=2,width=64", 32)
+    calls = []
+
+    def fake(w, *, backend, world_size, threads=None, algorithms=("native",), echo=None, **_):
+        nbytes, shapes = cal.parameter_sizes(w)
+        calls.append(tuple(algorithms))
+        key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=w.model,
+                            model_args=w.model_args, batch_per_rank=w.batch_per_rank)
+        return {"key": key, "created": time.time(),
+                "params": {"nbytes": nbytes, "ready_order": list(range(len(nbytes))),
+                           "signature": prof.param_signature(nbytes, shapes)},
+                "compute": {f: 0.0 for f in prof.REQUIRED["compute"]}, "contention": {},
+                "collectives": {a: {} for a in algorithms}}
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    path, kw = tmp_path / "p.json", dict(backend="gloo", world_size=2, threads=1)
+    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
+    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
+    assert calls == [("native",)]  # fresh: reused
+    cal.profile_for(workload, path=path, algorithms=("native", "ring"), **kw)
+    assert calls[-1] == ("native", "ring")  # lacking an algorithm: recalibrated
+    said = []
+    cal.profile_for(workload, path=path, algorithms=("native",), max_age_s=0.0, echo=said.append, **kw)
+    assert len(calls) == 3 and "recalibrating" in said[-1]  # stale: recalibrated, and said so
+    # the rank side refuses to profile DDP on a group of more than one rank
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="one-rank"):
+        measure._ddp_run({}, None, None, object(), bucket_mb=1.0)
+
+
+def test_validation_table_takes_worst_cases_over_agreeing_measurements_only():
+    import pandas as pd
+
+    from commlab.predict.compare import format_table, workload_table
+
+    w = dict(model="mlp", model_args="depth=2", backend="gloo", world_size=2, batch_per_rank=32)
+    both = pd.DataFrame([{**w, "error": e, "shape_error": s, "agreement": a}
+                         for e, s, a in [(0.1, 0.02, 0.05), (-0.2, -0.04, 0.08), (0.9, 0.6, 0.5)]])
+    taus = pd.DataFrame([{**w, "overlap": True, "tau": 1.0, "resolved": True},
+                         {**w, "overlap": False, "tau": -1.0, "resolved": False}])
+    row, total = workload_table(both, taus).to_dict("records")
+    assert row["configs"] == 3 and row["steady"] == 2
+    assert row["abs_worst"] == pytest.approx(0.2) and row["shape_worst"] == pytest.approx(0.04)  # 0.9 disagreed
+    assert row["abs_median"] == pytest.approx(0.2) and row["shape_median"] == pytest.approx(0.04)
+    assert row["tau_min"] == 1.0 and row["resolved_series"] == "1/2"  # the unresolved -1 is not counted
+    assert total["workload"] == "all" and "mlp depth=2 w2" in format_table(workload_table(both, taus))
+
+
+def test_write_back_is_calibrated_from_ddps_own_span_not_the_exposed_time(monkeypatch):
+    """exposed_comm ends when the last all-reduce is done (commlab/ddp/timing.py); the write-back
+    comes after it. Solving for the write-back from the exposed time gave ~0 s where DDP's own
+    write-back span said 8-25 ms for 48 MiB."""
+    from commlab.predict import measure
+
+    spec = {"model": "mlp", "model_kwargs": {"depth": 2, "width": 512}}
+    total = sum(p.numel() * 4 for p in measure._fresh_model(spec).parameters())
+    runs = {True: dict(buckets=1, exposed_s=0.0005, tail_s=0.0105, write_back_s=0.010),
+            False: dict(buckets=5, exposed_s=0.0010, tail_s=0.0125, write_back_s=0.0105)}
+
+    def fake(spec, loss_fn, batch, group, bucket_mb):
+        return {"forward_s": 0.1, **runs[bucket_mb > total / 2**20]}
+
+    monkeypatch.setattr(measure, "_ddp_run", fake)
+    out = measure._profile_ddp(spec, None, None, None)
+    assert out["writeback_s_per_byte"] == pytest.approx(0.010 / total)
+    assert out["bucket_fixed_s"] == pytest.approx((0.0125 - 0.0105 - 0.0105 + 0.010) / 4)

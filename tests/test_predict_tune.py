@@ -42,3 +42,40 @@ def test_recommendation_is_never_worse_than_the_default():
     assert rec.predicted_step_s <= step_time(c, DDPSetting()) + 1e-12
     with pytest.raises(ValueError):
         search({})
+
+
+def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch):
+    """commlab.tune(nn.Module) calibrates the module itself (its ranks load the saved instance):
+    the profile's parameter bytes are the module's, and a second call finds the cached entry."""
+    import json
+
+    import torch
+    from torch import nn
+
+    import commlab
+    from commlab.predict import instance
+
+    monkeypatch.setenv("COMMLAB_MODULE_DIR", str(tmp_path / "modules"))
+    net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 3))
+    profile = tmp_path / "profile.json"
+    kw = dict(world_size=1, algorithms=("native",), batch_per_rank=4, profile=profile)
+    rec = commlab.tune(net, **kw)
+    assert set(rec["ddp_kwargs"]) == {"bucket_cap_mb"} and rec["predicted_step_s"] > 0
+    entries = json.loads(profile.read_text())["entries"]
+    (entry,) = entries.values()
+    assert entry["key"]["model"] == instance.FACTORY
+    assert sorted(entry["params"]["nbytes"]) == sorted(p.numel() * 4 for p in net.parameters())
+    # same shapes, other weights -> same name, so the cached calibration is reused (no new entry)
+    twin = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 3))
+    assert instance.as_name(twin) == instance.as_name(net)
+    assert commlab.tune(twin, **kw) == rec
+    # a package.module:factory string gets its own entry
+    commlab.tune("examples.heldout_models:convnet", model_args="channels=4,hidden=16", **kw)
+    assert len(json.loads(profile.read_text())["entries"]) == 2
+    with pytest.raises(TypeError, match="nn.Module"):
+        commlab.tune(42, **kw)
+    with pytest.raises(ValueError, match="no trainable"):
+        commlab.tune(nn.ReLU(), **kw)
+    with pytest.raises(ValueError, match="sizes of a named model"):
+        commlab.tune(net, model_args="depth=2", **kw)
+    assert isinstance(instance.load(instance.as_name(net)[1].split("=")[1]), torch.nn.Sequential)

@@ -1,31 +1,45 @@
 """Predicting DDP from a calibration: profiles, cost terms, the lowering onto commlab.sim, tuning.
 
     commlab calibrate / commlab predict SPEC / commlab tune        (commlab/predict/cli.py)
-    commlab.tune("mlp", world_size=2)                               (this module)
+    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (this module)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def tune(model_or_name: str, *, model_args: str | dict = "", batch_per_rank: int = 32, backend: str = "gloo",
-         world_size: int = 2, threads: int | None = None, algorithms: tuple[str, ...] = ("native", "ring"),
-         profile: str | Path | None = None, recalibrate: bool = False) -> dict[str, Any]:
+def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
+         backend: str = "gloo", world_size: int = 2, threads: int | None = None,
+         algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
+         recalibrate: bool = False) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
-    ``model_or_name`` is a built-in model name or ``package.module:factory`` (ranks are spawned
-    and build the model themselves). Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...},
-    "predicted_step_s": ..., "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords.
+    ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
+    instance (saved once, whole, so that the spawned ranks can load it: commlab/predict/instance.py;
+    its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
+    Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
+    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords.
     """
     from commlab.models import check_workload
     from commlab.predict.calibrate import DEFAULT_PROFILE, Workload, profile_for
     from commlab.predict.session import tune_entry
     from commlab.sweep.spec import canonical_model_args, parse_model_args
 
-    if not isinstance(model_or_name, str):
-        raise TypeError("commlab.tune takes a model name or 'package.module:factory' (ranks build the model), "
+    import torch
+
+    if isinstance(model_or_name, torch.nn.Module):
+        from commlab.predict.instance import as_name
+
+        if model_args:
+            raise ValueError("model_args are the sizes of a named model; an nn.Module instance takes none")
+        model_or_name, model_args = as_name(model_or_name)
+    elif not isinstance(model_or_name, str):
+        raise TypeError("commlab.tune takes an nn.Module, a model name or 'package.module:factory', "
                         f"got {type(model_or_name).__name__}")
     check_workload(model_or_name, **parse_model_args(model_args))
     if batch_per_rank < 1 or world_size < 1:

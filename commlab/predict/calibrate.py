@@ -106,6 +106,15 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
     for algorithm, c in results[0]["contention"].items():
         kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
         contention[algorithm] = {"kc": kc, "km": km, "raw": c}
+    concurrency = {}
+    for algorithm, c in results[0].get("concurrency", {}).items():
+        # The slowest rank's times, as for the table; the gain is clipped to [1, 2]: below 1 is
+        # noise (two at once cannot be slower than in turn for long), above 2 is impossible.
+        apart = max(r["concurrency"][algorithm]["apart_s"] for r in results)
+        together = max(r["concurrency"][algorithm]["together_s"] for r in results)
+        gain = min(max(apart / together, 1.0), 2.0) if together > 0 else 1.0
+        concurrency[algorithm] = {"lanes": 2, "gain": gain, "raw": {"apart_s": apart, "together_s": together,
+                                                                    "nbytes": c["nbytes"]}}
     corun = results[0]["corun"]
     factor = corun["together_s"] / corun["alone_s"] if corun["alone_s"] > 0 and len(results) > 1 else 1.0
     return {
@@ -120,6 +129,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                                               "many_buckets": ddp["small_run"]}},
         "contention": contention,
         "collectives": collectives,
+        "concurrency": concurrency,
     }
 
 

@@ -127,3 +127,47 @@ def draw(both: pd.DataFrame, path: Path) -> list[Path]:
         out.append(path.with_suffix(suffix))
     plt.close(fig)
     return out
+
+
+def workload_table(both: pd.DataFrame, taus: pd.DataFrame, agree: float = 0.10) -> pd.DataFrame:
+    """Issue 13's validation table, one row per workload and one for all of them together.
+
+    Medians over every configuration; worst cases over those whose two measurements (forward and
+    reverse) agree within ``agree`` (``agreement`` column; all when absent); Kendall's tau over
+    the resolved series only (measured spread >= 3x noise).
+    """
+    def row(name: str, b: pd.DataFrame, t: pd.DataFrame) -> dict:
+        steady = b[b["agreement"] <= agree] if "agreement" in b else b
+        resolved = t[t["resolved"]] if len(t) else t
+        taus_ = resolved["tau"].dropna() if len(resolved) else pd.Series(dtype=float)
+        return {"workload": name, "configs": len(b), "steady": len(steady),
+                "shape_median": float(b["shape_error"].abs().median()),
+                "shape_worst": float(steady["shape_error"].abs().max()) if len(steady) else float("nan"),
+                "abs_median": float(b["error"].abs().median()),
+                "abs_worst": float(steady["error"].abs().max()) if len(steady) else float("nan"),
+                "resolved_series": f"{len(taus_)}/{len(t)}",
+                "tau_min": float(taus_.min()) if len(taus_) else float("nan")}
+
+    keys = [k for k in WORKLOAD if k in both]
+    rows = []
+    for values, b in both.groupby(keys, dropna=False):
+        sel = np.ones(len(taus), bool)
+        for k, v in zip(keys, values):
+            if k in taus:
+                sel &= (taus[k] == v).to_numpy()
+        name = f"{values[0]} {values[1]} w{values[3]}".replace("examples.heldout_models:", "")
+        rows.append(row(name, b, taus[sel] if len(taus) else taus))
+    rows.append(row("all", both, taus))
+    return pd.DataFrame(rows)
+
+
+def format_table(table: pd.DataFrame) -> str:
+    """The table as fixed-width text (percentages)."""
+    lines = [f"{'workload':<44s} {'n':>3s} {'shape med':>9s} {'worst':>6s} {'abs med':>8s} {'worst':>6s} "
+             f"{'tau min (resolved)':>18s}"]
+    pct = lambda x: "  n/a" if x != x else f"{x * 100:4.1f}%"  # noqa: E731
+    for r in table.itertuples(index=False):
+        tau = "n/a" if r.tau_min != r.tau_min else f"{r.tau_min:+.2f}"
+        lines.append(f"{r.workload[:44]:<44s} {r.configs:3d} {pct(r.shape_median):>9s} {pct(r.shape_worst):>6s} "
+                     f"{pct(r.abs_median):>8s} {pct(r.abs_worst):>6s} {tau + ' (' + r.resolved_series + ')':>18s}")
+    return "\n".join(lines)

@@ -12,10 +12,12 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 - a gradient's time includes its copy into the bucket (it was profiled inside DDP);
 - bucket k is launched (a compute task of the reducer's fixed cost per bucket) as soon as its last
   gradient is ready and bucket k-1 was launched; with overlap off, all launches follow backward;
-- its all-reduce runs on channel k mod groups, after the previous bucket of that channel;
+- its all-reduce runs on channel k mod groups, after the previous bucket of that channel (on one of
+  the channel's ``lanes`` in turn: Gloo runs two queued native all-reduces at once);
 - the end of backward writes buckets back in order, each once its all-reduce is done;
 - while compute and communication run at once, compute advances at 1/(1+kc) and communication
-  at 1/(1+km); concurrent channels share one link (no aggregate gain is assumed);
+  at 1/(1+km); concurrent channels and lanes share one link, at ``lane_gain`` times one
+  collective's aggregate speed when more than one runs (measured, not assumed);
 - the model's compute is stretched by the co-run factor when more than one rank computes.
 """
 
@@ -46,6 +48,12 @@ class StepCosts:
     kc: float
     km: float
     allreduce: Callable[[int], float]  # bytes -> seconds, for this algorithm and world size
+    # Collectives one channel runs at once: Gloo's process group has two worker threads
+    # (ProcessGroupGloo::Options, threads=2), so two queued native all-reduces run together;
+    # commlab's p2p algorithms run one at a time on the group's single worker. lane_gain is the
+    # aggregate speed of two at once over one (issue 13 measured 1.07-1.18x for 8-32 MB).
+    lanes: int = 1
+    lane_gain: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,10 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         previous = costs.ready_s[j]
         while k < len(buckets) and launch_after[k] == j:
             compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
-            tasks.append(Task(f"allreduce{k}", f"chan{k % setting.groups}", costs.allreduce(nbytes[k]),
+            channel = f"chan{k % setting.groups}"
+            if costs.lanes > 1:
+                channel += f".{(k // setting.groups) % costs.lanes}"
+            tasks.append(Task(f"allreduce{k}", channel, costs.allreduce(nbytes[k]),
                               (f"launch{k}",), "allreduce", host, meta={"bucket": k, "nbytes": nbytes[k]}))
             k += 1
     for k, size in enumerate(nbytes):
@@ -114,15 +125,16 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
     return tasks
 
 
-def contention_rate(kc: float, km: float) -> Callable[[Task, Sequence[Task]], float]:
+def contention_rate(kc: float, km: float, lane_gain: float = 1.0) -> Callable[[Task, Sequence[Task]], float]:
     """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
-    beside compute and 1/n among n concurrent channels."""
+    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others)."""
 
     def rate(task: Task, others: Sequence[Task]) -> float:
         comm = [o for o in others if o.kind in COMM_KINDS]
         if task.kind in COMM_KINDS:
             slow = (1.0 + km) if len(comm) < len(others) else 1.0
-            return 1.0 / (slow * (1 + len(comm)))
+            gain = lane_gain if comm else 1.0
+            return gain / (slow * (1 + len(comm)))
         return 1.0 / (1.0 + kc) if comm else 1.0
 
     return rate
@@ -131,7 +143,7 @@ def contention_rate(kc: float, km: float) -> Callable[[Task, Sequence[Task]], fl
 def simulate_step(costs: StepCosts, setting: DDPSetting) -> tuple[SimResult, list[list[int]]]:
     buckets = assign_buckets(costs, setting)
     tasks = lower(costs, setting, buckets)
-    return simulate(tasks, contention_rate(costs.kc, costs.km)), buckets
+    return simulate(tasks, contention_rate(costs.kc, costs.km, costs.lane_gain)), buckets
 
 
 def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCosts) -> tuple[dict, list[dict]]:

@@ -5,14 +5,17 @@
 1. the DDP loop itself at world size 1 (a one-rank process group per rank, only rank 0 timed,
    the others waiting): forward, each parameter's gradient-ready time in backward order (taken
    after DDP's own hook has copied it into its bucket, so the copy-in is included), the no_sync
-   micro-batch, the optimizer, and, from two bucket caps with overlap off, the reducer's fixed
-   cost per bucket and the write-back per byte. The DDP loop profiles better than the bare model:
+   micro-batch, the optimizer, the write-back per byte (DDP's own write-back span), and, from
+   two bucket caps with overlap off, the reducer's fixed cost per bucket. The DDP loop profiles better than the bare model:
    the gradients are copied from memory not in cache, and the allocator state is a DDP process's
    (issue 13's prototype: the bare model came out ~40% fast on overlap-on configurations);
 2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
-4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once.
+4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
+5. on Gloo, the native all-reduce's concurrency: two of about 8 MiB issued together against the
+   same two one after the other (Gloo's process group runs two collectives at once on its two
+   worker threads; commlab's p2p algorithms run one at a time on the group's worker).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
     out["corun"] = _corun(model, workload, batch, spec["reps"])
+    if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
+        size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
+        out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
     return out
 
 
@@ -77,13 +83,23 @@ def _profile_ddp(spec: dict[str, Any], loss_fn, batch, group) -> dict[str, Any]:
     small_mb = max(total / 2**20 / 16, 0.01)  # about 16 buckets (fewer where parameters are large)
     small = _ddp_run(spec, loss_fn, batch, group, bucket_mb=small_mb)
     extra = small["buckets"] - big["buckets"]
-    fixed = max((small["exposed_s"] - big["exposed_s"]) / extra, 0.0) if extra > 0 else 0.0
-    writeback = max(big["exposed_s"] - fixed * big["buckets"], 0.0) / total
+    # Everything after the last gradient, less the write-backs (the same bytes in both runs):
+    # launches, the one-rank all-reduces and the waits, per bucket.
+    fixed = max((small["tail_s"] - small["write_back_s"] - big["tail_s"] + big["write_back_s"]) / extra, 0.0) \
+        if extra > 0 else 0.0
+    # The write-back is timed by DDP itself (IterationTiming.write_back); it is not in
+    # exposed_comm, which ends when the last all-reduce is done (commlab/ddp/timing.py), so
+    # solving for it from the exposed time found ~0 where it is 8-25 ms for 48 MiB here.
+    writeback = big["write_back_s"] / total
     return {**big, "bucket_fixed_s": fixed, "writeback_s_per_byte": writeback, "total_bytes": total,
-            "small_run": {k: small[k] for k in ("buckets", "exposed_s")}}
+            "small_run": {k: small[k] for k in ("buckets", "exposed_s", "tail_s", "write_back_s")}}
 
 
 def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> dict[str, Any]:
+    # Calibration must never run the configurations it will predict (issue 13): a DDP
+    # iteration here is always on a one-rank group.
+    if dist.get_world_size(group) != 1:
+        raise RuntimeError("calibration profiles DDP on a one-rank process group only")
     model = _fresh_model(spec)
     ddp = commlab.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb, overlap=False)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +126,8 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         t0 = opt_start - timing.total  # DDP's t0: the synchronised forward's start
         order = sorted(stamps, key=stamps.get)
         rows.append({"forward": timing.forward, "ready": {i: stamps[i] - t0 - timing.forward for i in order},
-                     "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt})
+                     "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt,
+                     "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back})
     for h in handles:
         h.remove()
     rows = rows[spec["warmup"]:]
@@ -122,6 +139,8 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         # cumulative time from the end of forward at which each parameter (in ready order) is ready
         "ready_s": [med([r["ready"][i] for r in rows]) for i in order],
         "exposed_s": med([r["exposed"] for r in rows]),
+        "tail_s": med([r["tail"] for r in rows]),
+        "write_back_s": med([r["write_back"] for r in rows]),
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
@@ -177,6 +196,28 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
     med = lambda xs: float(statistics.median(xs))  # noqa: E731
     return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
             "comm_both_s": med(both_m), "nbytes": nbytes}
+
+
+def _two_at_once(nbytes: int, reps: int) -> dict[str, float]:
+    """Step 5: two native all-reduces one after the other, then both queued at once."""
+    a, b = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(2))
+    apart, together = [], []
+    for it in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        collectives.all_reduce(a, "sum", algorithm="native")
+        collectives.all_reduce(b, "sum", algorithm="native")
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        handles = [collectives.all_reduce(x, "sum", algorithm="native", async_op=True) for x in (a, b)]
+        for h in handles:
+            h.wait()
+        if it:  # the first pair warms the buffers and Gloo's pairs up
+            apart.append(t1 - start)
+            together.append(time.perf_counter() - t2)
+    return {"apart_s": float(statistics.median(apart)), "together_s": float(statistics.median(together)),
+            "nbytes": nbytes}
 
 
 def _corun(model, workload, batch, reps: int) -> dict[str, float]:

@@ -38,12 +38,15 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
     else:
         kc = km = 0.0
     c, p = entry["compute"], entry["params"]
+    # optional (profiles made before it was measured price one collective at a time)
+    lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
     return StepCosts(
         forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
         param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"],
         writeback_s_per_byte=c["writeback_s_per_byte"], bucket_fixed_s=c["bucket_fixed_s"],
         corun=c["corun"] if world_size > 1 else 1.0, kc=kc, km=km,
-        allreduce=cost_from_entry(entry["collectives"][algorithm]))
+        allreduce=cost_from_entry(entry["collectives"][algorithm]),
+        lanes=int(lanes["lanes"]), lane_gain=float(lanes["gain"]))
 
 
 def setting_of(cfg: Config) -> DDPSetting:

@@ -81,11 +81,11 @@ def check_run_dir(run_dir: Path) -> None:
             old.unlink()
 
 
-def tune_entry(entry: dict, world_size: int | None = None) -> dict[str, Any]:
+def tune_entry(entry: dict, world_size: int | None = None, **search_options) -> dict[str, Any]:
     """The recommendation (commlab/predict/tuning.py) for one profile entry, as JSON-ready data."""
     from commlab.predict.predict import costs_from_entry
     from commlab.predict.tuning import search
 
     world = world_size or entry["key"]["world_size"]
     costs = {a: costs_from_entry(entry, a, world) for a in entry["collectives"]}
-    return search(costs).as_json()
+    return search(costs, **search_options).as_json()

@@ -39,8 +39,13 @@ def step_time(costs: StepCosts, setting: DDPSetting) -> float:
 
 
 def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GRID_MB,
-           overlaps: Sequence[bool] = (True, False), default_algorithm: str = "native") -> Recommendation:
-    """The fastest (algorithm, setting) over the grid; ties go to the larger bucket (fewer launches)."""
+           overlaps: Sequence[bool] = (True, False), default_algorithm: str = "native",
+           first_buckets: Sequence[float | None] = (None, 1.0)) -> Recommendation:
+    """The fastest (algorithm, setting) over the grid; ties go to the larger bucket (fewer launches).
+
+    ``first_buckets``: None is a first bucket as large as the others (what an explicit
+    bucket_cap_mb gives in torch, and what `commlab sweep` measures), 1.0 is torch's 1 MiB.
+    """
     if not costs:
         raise ValueError("tune needs the costs of at least one algorithm")
     if default_algorithm not in costs:
@@ -50,7 +55,7 @@ def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GR
     for algorithm, c in sorted(costs.items()):
         for overlap in overlaps:
             for mb in grid_mb:
-                for first in (None, 1.0):
+                for first in first_buckets:
                     if first is not None and first >= mb:
                         continue
                     setting = DDPSetting(bucket_cap_mb=mb, first_bucket_mb=first, overlap=overlap)

@@ -1,0 +1,56 @@
+"""Model families the predictor was never developed on, as ``package.module:factory`` models.
+
+    commlab predict --model examples.heldout_models:convnet --model-args channels=64 ...
+
+(run from the repository root, or with it on PYTHONPATH). The predictor was calibrated and
+tuned on the built-in MLP only; these are its held-out workloads (commlab/predict/validate.py).
+Each factory returns an nn.Module with an ``input_shape`` attribute (commlab/models.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class ConvNet(nn.Module):
+    """Three 3x3 conv blocks (channels, 2x, 4x; stride-2 pooling) and a wide two-layer head.
+
+    The head holds most of the bytes (gradients ready first in backward), the convolutions most
+    of the compute (ready last): the opposite of an MLP's even spread, which is the point.
+    """
+
+    def __init__(self, channels: int = 32, side: int = 16, hidden: int = 2048, classes: int = 10):
+        super().__init__()
+        self.input_shape = (3, side, side)
+        c = channels
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(2 * c, 4 * c, 3, padding=1), nn.ReLU(),
+        )
+        flat = 4 * c * (side // 4) ** 2
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def convnet(channels: int = 32, side: int = 16, hidden: int = 2048) -> ConvNet:
+    return ConvNet(channels, side, hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer blocks on a float sequence (no embedding): attention and MLP."""
+
+    def __init__(self, d_model: int = 256, layers: int = 2, heads: int = 4, seq: int = 32):
+        super().__init__()
+        self.input_shape = (seq, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def blocks(d_model: int = 256, layers: int = 2, heads: int = 4, seq: int = 32) -> Block:
+    return Block(d_model, layers, heads, seq)
