@@ -72,6 +72,7 @@ class Reducer:
         self.clock = make_clock(self.device)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
+        self.sparse: Any = None  # the SparseReducer beside this one (commlab/ddp/sparse.py), if any
         self.rebuild_pending = will_rebuild(find_unused_parameters, static_graph)
         limits = initial_size_limits(first_cap, cap, find_unused_parameters, static_graph)
         self._install(initial_buckets(self.params, limits))
@@ -168,6 +169,8 @@ class Reducer:
         """
         if not self.expect_hooks:  # no_sync, or a backward that did not go through forward
             return
+        if self.sparse is not None:  # may raise, as torch does at its first hook
+            self.sparse.on_first_hook()
         if not self._started:
             self.on_backward_start()
         if self.rebuild_pending and not self.usage.static_first:  # torch records no order then
@@ -259,6 +262,10 @@ class Reducer:
         self._write_back_spans: list[tuple[Any, Any]] = []
         self._unused_span: tuple[Any, Any] | None = None
         self.expect_hooks = False
+        if self.sparse is not None and not self.sparse.finish(self.usage.tracking):
+            for bucket in self.buckets[: self._next_launch]:  # torch does not finalize: no write-back
+                self._wait(bucket)
+            return
         if 0 in self._marked and not self._fill_missing():
             return
         if self.rebuild_pending:
