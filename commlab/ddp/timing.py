@@ -33,7 +33,7 @@ Memory is bounded: a reducer keeps the last :data:`MAX_ITERATIONS` iterations.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,10 +64,15 @@ class IterationTiming:
     unused_allreduce: float = 0.0
 
     def as_row(self) -> dict[str, float]:
-        """The scalar columns, for a tidy table (per-bucket rows come from ``buckets``)."""
+        """The scalar columns (:data:`COLUMNS`), for a tidy table (per-bucket rows come from ``buckets``)."""
         row = asdict(self)
         row.pop("buckets")
         return row
+
+
+# The per-iteration columns, in order: what the sweep stores (commlab/sweep/store.py) and what
+# the predictor writes in its place (commlab/predict/lower.py), from this one definition.
+COLUMNS = [f.name for f in fields(IterationTiming) if f.name != "buckets"]
 
 
 class CpuClock:
