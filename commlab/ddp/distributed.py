@@ -20,7 +20,7 @@ from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
-from commlab.ddp.sparse import SparseReducer, sparse_parameters
+from commlab.ddp.sparse import sparse_parameters, sparse_reducer
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
@@ -92,7 +92,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
             )
-        _check_supported(module, [p for _, p in named])
+        options.check_one_device([p for _, p in named])
         self.module = module
         self.process_group = options.process_group_from(process_group, device_mesh)
         self.device = named[0][1].device
@@ -130,7 +130,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             weakref.finalize(self, collectives.release_groups, list(self.comm_groups), destroy=False)
         sparse_ids = sparse_parameters(module)
         dense = [i for i, p in enumerate(params) if id(p) not in sparse_ids]
-        self._sparse = _sparse_reducer(params, names, dense, self.process_group, algorithm)
+        self._sparse = sparse_reducer(params, names, dense, self.process_group, algorithm)
         self.sparse_fallback = self._sparse.fallback if self._sparse else None
         self.reducer = Reducer(
             [params[i] for i in dense],
@@ -272,24 +272,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.comm_hook = hook
 
 
-def _check_supported(module: nn.Module, params: list[torch.Tensor]) -> None:
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-
-
 def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
     ref = weakref.WeakMethod(method)
     return lambda: (ref() or (lambda: None))()
-
-
-def _sparse_reducer(params, names, dense, group, algorithm) -> SparseReducer | None:
-    sparse = [i for i in range(len(params)) if i not in set(dense)]
-    if not sparse:
-        return None
-    if not dense:
-        raise NotImplementedError(
-            "a model whose trainable parameters all have sparse gradients (Embedding(sparse=True)) "
-            "is not supported by commlab's DistributedDataParallel: it needs a dense parameter too"
-        )
-    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)

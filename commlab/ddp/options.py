@@ -72,6 +72,13 @@ def process_group_from(process_group, device_mesh) -> dist.ProcessGroup:
     return process_group if process_group is not None else dist.group.WORLD
 
 
+def check_one_device(params: Sequence[torch.Tensor]) -> None:
+    """commlab reduces single-device modules only (torch also takes multi-device CUDA modules)."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+
+
 def device_settings(device_ids, output_device, device: torch.device) -> tuple[list[int] | None, int | None]:
     """(device_ids, output_device) as torch's constructor sets them for a module on ``device``.
 

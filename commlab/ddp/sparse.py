@@ -44,6 +44,19 @@ def sparse_parameters(module: nn.Module) -> set[int]:
     }
 
 
+def sparse_reducer(params, names, dense: list[int], group, algorithm: str) -> SparseReducer | None:
+    """The SparseReducer of the parameters not in ``dense`` (indices), or None if there are none."""
+    sparse = [i for i in range(len(params)) if i not in set(dense)]
+    if not sparse:
+        return None
+    if not dense:
+        raise NotImplementedError(
+            "a model whose trainable parameters all have sparse gradients (Embedding(sparse=True)) "
+            "is not supported by commlab's DistributedDataParallel: it needs a dense parameter too"
+        )
+    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
+
+
 class SparseGradBucket:
     """A sparse parameter's bucket as a comm hook sees it (torch's GradBucket of a sparse
     bucket: ``buffer()`` is the un-divided sparse gradient, ``gradients()`` is empty)."""

@@ -33,6 +33,7 @@ Memory is bounded: a reducer keeps the last :data:`MAX_ITERATIONS` iterations.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -152,3 +153,25 @@ def resolve(clock: CpuClock | CudaClock, raw: RawIteration) -> IterationTiming:
         write_back=sum(span(pair) for pair in raw.write_back),
         unused_allreduce=span(raw.unused),
     )
+
+
+class TimingLog:
+    """The last ``maxlen`` iterations: stamps as recorded, resolved into seconds only when read
+    (on CUDA resolving waits for the events, which must not happen during backward)."""
+
+    def __init__(self, clock: CpuClock | CudaClock, maxlen: int):
+        self.clock = clock
+        self._raw: deque[RawIteration] = deque(maxlen=maxlen)
+        self._resolved: deque[IterationTiming] = deque(maxlen=maxlen)
+
+    def append(self, raw: RawIteration) -> None:
+        self._raw.append(raw)
+
+    def resolved(self) -> list[IterationTiming]:
+        while self._raw:
+            self._resolved.append(resolve(self.clock, self._raw.popleft()))
+        return list(self._resolved)
+
+    def clear(self) -> None:
+        self._raw.clear()
+        self._resolved.clear()
