@@ -141,7 +141,9 @@ class SparseReducer:
                 bucket = SparseGradBucket(self.first_index + index, param, param.grad)
                 future = self.comm_hook(self.comm_state, bucket)
             else:
-                grad = param.grad.coalesce() / self.world_size  # divide first, as torch
+                # Divided first, in place, and reduced itself, as torch (mark_variable_ready_sparse:
+                # the gradient itself is the bucket), so an unfinished iteration leaves the same.
+                grad = param.grad.div_(self.world_size)
                 work = collectives.run_ordered(self.group, lambda: dist.all_reduce(grad, group=self.group, async_op=True))
                 future = work.get_future()
         self._in_flight[index] = future
