@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
@@ -130,14 +131,20 @@ class IntBuffers(nn.Module):
 
 
 class SparseEmbedding(nn.Module):
-    """An Embedding with sparse=True (indices from the data) next to a dense layer."""
+    """An Embedding with sparse=True (indices from the data) next to a dense layer; ``dead``
+    adds a layer no output uses, ``skip_call`` leaves the embedding out of that forward (from 0)."""
 
-    def __init__(self, bag: bool = False):
+    def __init__(self, bag: bool = False, dead: bool = False, skip_call: int | None = None):
         super().__init__()
         self.emb = nn.EmbeddingBag(20, 4, sparse=True) if bag else nn.Embedding(20, 4, sparse=True)
         self.fc = nn.Linear(16, 4)
+        self.dead = nn.Linear(4, 4) if dead else None
+        self.skip_call, self.calls = skip_call, 0
 
     def forward(self, x):
+        self.calls += 1
+        if self.calls - 1 == self.skip_call:
+            return self.fc(x)
         idx = (x.abs() * 10).long() % 20
         e = self.emb(idx) if isinstance(self.emb, nn.EmbeddingBag) else self.emb(idx).mean(1)
         return self.fc(x) + e
@@ -175,6 +182,29 @@ def bucket_names(ddp: TorchDDP) -> list[list[str]]:
     return [[name[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
+def construction(**kwargs) -> dict:
+    """Build both DDPs around a CPU module with these device keywords: each one's error
+    (type, message) or the (device_ids, output_device, dim) it kept."""
+    out = {}
+    for name, make in (("ours", commlab.DistributedDataParallel), ("torch", TorchDDP)):
+        try:
+            ddp = make(nn.Linear(4, 4), **kwargs)
+            out[name] = (ddp.device_ids, ddp.output_device, ddp.dim)
+        except Exception as e:  # noqa: BLE001 -- the type is compared
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+DEVICE_KEYWORDS = {
+    "cpu_device_ids": {"device_ids": [0]},
+    "cpu_device_ids_two": {"device_ids": [0, 1]},
+    "cpu_device_ids_device": {"device_ids": [torch.device("cpu")]},
+    "cpu_output_device": {"output_device": 1},
+    "cpu_output_device_zero": {"output_device": 0},  # falsy: torch lets it pass
+    "cpu_empty_ids_dim": {"device_ids": [], "dim": 1},
+}
+
+
 def default_step(ddp, step):
     x, y = _data(step)
     loss_of(ddp(x), y).backward()
@@ -185,12 +215,15 @@ def side_by_side(build, steps=4, step_fn=default_step, lr=0.1, plain_sgd=False, 
     torch.manual_seed(dist.get_rank())
     module = build().to(commlab.Runtime.current().device)
     ours_only = {k: kwargs.pop(k) for k in COMMLAB_ONLY if k in kwargs}
+    hook = kwargs.pop("comm_hook", None)
     out: dict = {"errors": {}}
     ddps = []
     for name, make in (("ours", commlab.DistributedDataParallel), ("torch", TorchDDP)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers / check_reduction
             ddp = make(copy.deepcopy(module), **kwargs, **(ours_only if name == "ours" else {}))
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
         decay = {} if plain_sgd else {"momentum": 0.9, "weight_decay": 0.1}  # SGD has no sparse weight decay
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, **decay)
         for step in range(steps):
@@ -245,6 +278,13 @@ def fp_overflow_step(ddp, step):
     (ddp(x).sum() * 5000).backward()
 
 
+def halved_sum(state, bucket):
+    """A comm hook that sums, then halves: not torch's average, so a sparse bucket that missed
+    the hook, or that was divided before it, shows at world sizes other than 2."""
+    future = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+    return future.then(lambda f: f.value()[0] / 2)
+
+
 def cases(world: int) -> dict:
     heads = lambda kind: (lambda: Heads(kind))  # noqa: E731
     tiny = 1e-9
@@ -289,21 +329,29 @@ def cases(world: int) -> dict:
         "sparse": side_by_side(SparseEmbedding, plain_sgd=True),
         "sparse_bag_tiny": side_by_side(lambda: SparseEmbedding(bag=True), plain_sgd=True, bucket_cap_mb=tiny),
         "sparse_ring": side_by_side(SparseEmbedding, plain_sgd=True, algorithm="ring", step_fn=no_sync_after_first),
+        "sparse_find_unused": side_by_side(lambda: SparseEmbedding(dead=True), plain_sgd=True, find_unused_parameters=True),
+        "sparse_static": side_by_side(lambda: SparseEmbedding(dead=True), plain_sgd=True, static_graph=True, step_fn=no_sync_after_first),
+        "sparse_hook": side_by_side(SparseEmbedding, plain_sgd=True, comm_hook=default_hooks.allreduce_hook),
+        "sparse_hook_unused": side_by_side(lambda: SparseEmbedding(dead=True), plain_sgd=True, find_unused_parameters=True, comm_hook=halved_sum),
+        "sparse_unused_raises": side_by_side(lambda: SparseEmbedding(skip_call=1), plain_sgd=True, find_unused_parameters=True),
+        "sparse_static_unused_raises": side_by_side(lambda: SparseEmbedding(skip_call=0), plain_sgd=True, static_graph=True),
+        "sparse_noflag_unused_raises": side_by_side(lambda: SparseEmbedding(skip_call=1), plain_sgd=True),
         # 9: low precision and integer buffers
         "fp16": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1),
         "fp16_ring": side_by_side(lambda: nn.Linear(4, 1).half(), step_fn=fp_overflow_step, steps=1, algorithm="ring"),
         "bf16": side_by_side(lambda: nn.Linear(4, 1).bfloat16(), step_fn=fp_overflow_step, steps=1),
         "int_buffers": side_by_side(IntBuffers),
     }
+    out["device_keywords"] = {name: construction(**kw) for name, kw in DEVICE_KEYWORDS.items()}
     ddp = commlab.DistributedDataParallel(IntBuffers())
     out["int_buffer_values"] = [b.tolist() for b in ddp.module.buffers()]
     out["fp16_grad"], out["fp16_ring_grad"] = out["fp16"]["first_grad"], out["fp16_ring"]["first_grad"]
     out["sparse_fallback"] = commlab.DistributedDataParallel(SparseEmbedding(), algorithm="ring").sparse_fallback
     try:
-        commlab.DistributedDataParallel(SparseEmbedding(), find_unused_parameters=True)
-        out["sparse_unused"] = ""
+        commlab.DistributedDataParallel(nn.Embedding(20, 4, sparse=True))
+        out["sparse_only"] = ""
     except NotImplementedError as e:
-        out["sparse_unused"] = str(e)
+        out["sparse_only"] = str(e)
     torch.manual_seed(dist.get_rank())
     ddp = commlab.DistributedDataParallel(WithIgnored())
     default_step(ddp, 0)

@@ -17,6 +17,8 @@ from commlab.collectives.p2p import Comm
 from commlab.collectives.ring import all_reduce_ring
 from commlab.collectives.tree import all_reduce_tree
 
+from _helpers import error_of
+
 ALGOS = ["ring", "tree", "halving_doubling", "native"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 _DIST_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -147,18 +149,10 @@ def _world3():
     short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
     if rank == 0:
         handle = C.all_reduce(torch.ones(100), algorithm="ring", group=short, async_op=True)
-        out["timeout"] = _error_of(handle.wait)
-        out["after_timeout"] = _error_of(lambda: C.all_reduce(torch.ones(100), algorithm="tree", group=short))
+        out["timeout"] = error_of(handle.wait)
+        out["after_timeout"] = error_of(lambda: C.all_reduce(torch.ones(100), algorithm="tree", group=short))
     dist.barrier()  # on the world group: rank 1 stays alive (its pair open) until rank 0 is done
     return out
-
-
-def _error_of(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001  (the test reads the message)
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def test_world_three_matrix_building_blocks_async_and_errors():

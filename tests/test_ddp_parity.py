@@ -30,9 +30,11 @@ TRAINED = [
     "structure_nested", "ring_unused", "tree_unused", "static_dead", "static_dead_tiny", "static_no_sync",
     "ignored", "init_sync_off", "check_reduction", "forward_sync_off", "no_grad_between", "checkpoint",
     "checkpoint_unused", "fp16", "fp16_ring", "bf16", "int_buffers", "join", "join_effective_world", "join_unused", "join_ring",
-    "sparse", "sparse_bag_tiny", "sparse_ring",
+    "sparse", "sparse_bag_tiny", "sparse_ring", "sparse_find_unused", "sparse_static", "sparse_hook", "sparse_hook_unused",
 ]  # fmt: skip
-RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dynamic_changed"]
+RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dynamic_changed", "sparse_noflag_unused_raises"]
+# A sparse parameter that torch's find_unused_parameters / static_graph finds unused.
+SPARSE_RAISING = {"sparse_unused_raises": 1, "sparse_static_unused_raises": 0}
 
 
 def _same_as_torch(r, case, rank):
@@ -62,6 +64,14 @@ def test_raises_where_torch_raises(world, case):
         _same_as_torch(r, case, rank)  # and the state before the error is the same
 
 
+@pytest.mark.parametrize("case", SPARSE_RAISING)
+def test_unused_sparse_parameter_raises_where_torch_raises(world, case):
+    for rank, result in enumerate(world):
+        r = result[case]
+        assert r["errors"]["ours"] == r["errors"]["torch"] == (SPARSE_RAISING[case], "Expected sparse gradient to be defined."), (case, rank)
+        _same_as_torch(r, case, rank)
+
+
 def test_join_throws_as_torch_on_every_rank(world):
     # Rank r has 2 + 2r batches: rank 0 runs out first and says so; the others are told.
     for rank, result in enumerate(world):
@@ -75,11 +85,14 @@ def test_join_throws_as_torch_on_every_rank(world):
 
 def test_sparse_gradients_stay_sparse_and_fall_back_to_native(world):
     for result in world:
-        for case in ("sparse", "sparse_bag_tiny", "sparse_ring"):
+        for case in ("sparse", "sparse_bag_tiny", "sparse_ring", "sparse_hook"):
             assert result[case]["sparse_grads"] == [True, False, False], case  # emb.weight, fc.w, fc.b
+        for case in ("sparse_find_unused", "sparse_static", "sparse_hook_unused"):  # + dead.w, dead.b: None
+            assert result[case]["sparse_grads"] == [True, False, False, False, False], case
+            assert result[case]["grads_none"] == [False, False, False, True, True], case
             assert result[case]["buckets"] is None  # torch cannot list a sparse bucket to compare
         assert "'ring' reduces dense buffers" in result["sparse_fallback"] and "emb.weight" in result["sparse_fallback"]
-        assert "find_unused_parameters" in result["sparse_unused"]
+        assert "dense parameter" in result["sparse_only"]  # torch takes it; commlab refuses clearly
 
 
 def test_unused_heads_keep_none_grads(world):
@@ -112,6 +125,17 @@ def test_fp16_average_does_not_overflow(world):
     # (divided before summing, as torch) is 40000.
     for result in world:
         assert result["fp16_grad"] == 40000.0 and result["fp16_ring_grad"] == 40000.0
+
+
+@pytest.mark.parametrize("case", ddp_parity_cases.DEVICE_KEYWORDS)
+def test_device_keywords_on_cpu_as_torch(world, case):
+    # torch keeps device_ids/output_device only for a CUDA module (tests/test_gpu.py runs that).
+    for result in world:
+        got = result["device_keywords"][case]
+        assert got["ours"] == got["torch"], (case, got)
+    accepted = world[0]["device_keywords"]
+    assert accepted["cpu_empty_ids_dim"]["ours"] == (None, None, 1)
+    assert accepted["cpu_device_ids"]["ours"][0] == "ValueError"
 
 
 # -- the constructor, without processes ------------------------------------------------------------

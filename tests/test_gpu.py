@@ -4,7 +4,8 @@ Skipped without CUDA, with the reason; scripts/gpu_check.py runs this file on a 
 - world 1 on NCCL: a p2p collective runs on its channel's own stream, which waits on the compute
   stream through an event, its future completes on that stream (the waiter's stream waits, the
   host does not), and DDP's bucket timings are ordered ready <= launched <= done;
-- world 2 on one GPU over Gloo with CUDA tensors: commlab's DDP equals torch's DDP.
+- world 2 on one GPU over Gloo with CUDA tensors: commlab's DDP equals torch's DDP, and CPU
+  inputs are moved to device_ids[0] as torch moves them (output_device and dim kept).
 """
 
 from __future__ import annotations
@@ -79,6 +80,30 @@ def test_comm_stream_events_and_timings_on_nccl_world_one():
     assert all(out.values()), out
 
 
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, pair, scale=None):
+        return self.fc(pair[0] + pair[1]) * scale["s"]
+
+
+def _device_keywords(device: torch.device) -> bool:
+    """As torch's forward: CPU inputs (nested, and in kwargs) reach the module on device_ids[0];
+    output_device and dim are kept, and the legacy gather helper concatenates along dim."""
+    model = _Nested().to(device)
+    a, b, s = torch.randn(2, 4), torch.randn(2, 4), torch.full((1,), 3.0)
+    got = []
+    for make in (commlab.DistributedDataParallel, TorchDDP):
+        ddp = make(copy.deepcopy(model), device_ids=[device], output_device=device.index, dim=1)
+        out = ddp((a, b), scale={"s": s})
+        gathered = ddp.gather([out, out], device.index)
+        got.append(((ddp.device_ids, ddp.output_device, ddp.dim), out.device, out.detach().cpu(), tuple(gathered.shape)))
+    (mine, theirs) = got
+    return mine[0] == theirs[0] and mine[1] == theirs[1] == device and torch.equal(mine[2], theirs[2]) and mine[3] == theirs[3] == (2, 8)
+
+
 def _gloo_on_one_gpu() -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -98,11 +123,11 @@ def _gloo_on_one_gpu() -> dict:
     t = ours.iteration_timings[-1]
     eps = 1e-5
     ordered = all(-eps <= b.ready <= b.launched + eps <= b.done + 2 * eps for b in t.buckets)
-    return {"diff": diff, "ordered": ordered, "buckets": len(t.buckets)}
+    return {"diff": diff, "ordered": ordered, "buckets": len(t.buckets), "device_keywords": _device_keywords(device)}
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gloo_with_cuda_tensors_two_ranks_on_one_gpu_matches_torch_ddp():
     for out in commlab.launch(_gloo_on_one_gpu, world_size=2, backend="gloo", timeout=180):
-        assert out["diff"] <= 1e-6 and out["ordered"] and out["buckets"] > 1, out
+        assert out["diff"] <= 1e-6 and out["ordered"] and out["buckets"] > 1 and out["device_keywords"], out

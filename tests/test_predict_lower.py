@@ -27,7 +27,7 @@ def test_overlap_launches_each_bucket_when_its_gradient_is_ready():
     # ar1 .52-.57; writeback0 .52-.54; writeback1 .57-.59; optimizer .59-.62
     assert [r[k] for r in rows for k in ("ready", "launched", "done")] == pytest.approx([.3, .3, .36, .51, .51, .57])
     assert row == pytest.approx({"forward": .2, "backward_compute": .31, "comm": .27, "exposed_comm": .08,
-                                 "total": .59, "accumulate_time": 0.0, "optimizer": .03, "step": .62})
+                                 "total": .59, "write_back": .04, "unused_allreduce": 0.0, "accumulate_time": 0.0, "optimizer": .03, "step": .62})
 
 
 def test_overlap_off_launches_after_backward_in_order_on_one_channel():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import sys
 import threading
 import time
 
@@ -30,6 +31,8 @@ from commlab.collectives.p2p import Comm
 from commlab.ddp import sync
 from commlab.ddp.timing import CpuClock, RawIteration, resolve
 from commlab.models import mlp
+
+from _helpers import error_of
 
 
 # -- pure ------------------------------------------------------------------------------------
@@ -108,14 +111,6 @@ def _train(ddp, steps=3):
         opt.step()
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001  (the test reads the message)
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _ordered_path():
     """Point 10: every collective DDP issues on its group waits for the group's worker."""
     violations = []
@@ -143,6 +138,40 @@ def _ordered_path():
     t = ddp.iteration_timings[-1]
     return {"violations": violations, "unused_allreduce": t.unused_allreduce, "buckets": len(t.buckets),
             "grads_none": [p.grad is None for p in ddp.module.dead.parameters()]}  # fmt: skip
+
+
+def _join_flags_ordered():
+    """Point 10 for join(): every flag collective goes through the group's ordered path (on the
+    worker or in run_ordered), except torch's own Join loop count, issued when nothing is in flight."""
+    local = threading.local()
+    real_inline = W.CommWorker.run_inline
+
+    def inline(self, job):
+        def flagged():
+            local.on = True
+            try:
+                return job()
+            finally:
+                local.on = False
+
+        return real_inline(self, flagged)
+
+    calls, real = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        ordered = getattr(local, "on", False) or any(w.on_worker() for w in list(W._WORKERS.values()))
+        calls.append((sys._getframe(1).f_code.co_name, ordered))
+        return real(tensor, *args, **kwargs)
+
+    torch.manual_seed(0)
+    ddp = commlab.DistributedDataParallel(_Branchy(), bucket_cap_mb=0.1, find_unused_parameters=True, algorithm="ring")
+    W.CommWorker.run_inline, dist.all_reduce = inline, spy
+    try:
+        with ddp.join():
+            _train(ddp, 1 + 2 * dist.get_rank())  # rank 0 joins early, shadows rank 1's steps
+    finally:
+        W.CommWorker.run_inline, dist.all_reduce = real_inline, real
+    return {"unordered": sorted({name for name, ordered in calls if not ordered}), "calls": len(calls)}
 
 
 def _timing_and_bounds():
@@ -183,9 +212,9 @@ def _stale_message_after_failure():
         Comm.of(short, tag).post(recvs=[(torch.empty(4), peer)])
         raise RuntimeError("injected failure")
 
-    first = _error(lambda: W.run_collective(fail, torch.zeros(8), short, False))
+    first = error_of(lambda: W.run_collective(fail, torch.zeros(8), short, False))
     x = torch.arange(8, dtype=torch.float32) + 10 * rank
-    then = _error(lambda: C.all_reduce(x, "sum", algorithm="ring", group=short))
+    then = error_of(lambda: C.all_reduce(x, "sum", algorithm="ring", group=short))
     return {"first": first, "then": then, "value": x.tolist()}
 
 
@@ -201,7 +230,7 @@ def _reentrant_callbacks():
         return fut.value()
 
     chained = C.all_reduce(x, "sum", algorithm="ring", async_op=True).get_future().then(callback)
-    outcome = _error(lambda: W.wait_future(chained, 30.0, "chained callback"))
+    outcome = error_of(lambda: W.wait_future(chained, 30.0, "chained callback"))
     gate.wait()
     return {"outcome": outcome, "x": x.tolist(), "y": y.tolist(), "z": z.tolist()}
 
@@ -268,7 +297,7 @@ def _failure_names_bucket_and_algorithm():
         ring.combine_ = lambda *a: (_ for _ in ()).throw(RuntimeError("injected reduction failure"))
     try:
         x, y = _data(0)
-        return _error(lambda: nn.functional.cross_entropy(ddp(x), y).backward())
+        return error_of(lambda: nn.functional.cross_entropy(ddp(x), y).backward())
     finally:
         ring.combine_ = real
 
@@ -294,6 +323,7 @@ def _release_on_delete():
 def _ranks():
     out = {
         "ordered": _ordered_path(),
+        "join": _join_flags_ordered(),
         "timing": _timing_and_bounds(),
         "reentrant": _reentrant_callbacks(),
         "hook": _hook_with_blocking_callback(),
@@ -316,6 +346,12 @@ def test_ddp_collectives_wait_for_the_groups_worker(world2):  # point 10
         r = out["ordered"]
         assert r["violations"] == [] and r["buckets"] > 1
         assert r["unused_allreduce"] > 0 and r["grads_none"] == [True, True]
+
+
+def test_join_flag_collectives_take_the_ordered_path(world2):  # point 10, join()
+    for out in world2:
+        assert out["join"]["unordered"] in ([], ["_get_num_nonjoined_procs"]), out["join"]
+        assert out["join"]["calls"] > 5
 
 
 def test_launched_is_the_real_start_and_history_is_bounded(world2):  # point 17

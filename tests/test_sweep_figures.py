@@ -87,6 +87,23 @@ def test_trace_is_chrome_trace_json(run_dir):
     assert result.exit_code == 2 and "no configuration 'nope'" in result.output
 
 
+def test_trace_exposed_comm_ends_at_the_last_buckets_completion():
+    # timing.py's definition: end of backward compute -> last bucket done; the write-back and
+    # the rest of backward's end follow, up to total (here 1 ms after the last bucket).
+    import pandas as pd
+
+    it = {"config": "c", "repetition": 0, "rank": 0, "iteration": 0, "accumulate": 1, "accumulate_time": 0.0,
+          "forward": 0.010, "backward_compute": 0.020, "comm": 0.015, "exposed_comm": 0.005, "total": 0.036,
+          "write_back": 0.001, "unused_allreduce": 0.0, "optimizer": 0.002, "step": 0.038}
+    bks = [{"config": "c", "repetition": 0, "rank": 0, "iteration": 0, "bucket": k, "nbytes": 4, "num_params": 1,
+            "ready": ready, "launched": ready, "done": done} for k, (ready, done) in enumerate([(0.02, 0.028), (0.03, 0.035)])]
+    spans = [e for e in chrome_trace(pd.DataFrame([it]), pd.DataFrame(bks), "c")["traceEvents"] if e["ph"] == "X"]
+    (exposed,) = [e for e in spans if e["name"] == "exposed comm"]
+    assert exposed["ts"] == pytest.approx(30_000) and exposed["ts"] + exposed["dur"] == pytest.approx(35_000)
+    last_done = max(e["ts"] + e["dur"] for e in spans if e["name"] == "all-reduce")
+    assert exposed["ts"] + exposed["dur"] == pytest.approx(last_done)
+
+
 def test_breakdown_parts_add_up_to_the_plotted_step():
     """Per-phase medians of different iterations do not add up to a step; the breakdown's do."""
     import pandas as pd

@@ -40,6 +40,40 @@ class Bucket:
         self.future = None
         self.ready_at = self.launched_at = self.done_at = None
 
+    def fill(self, slot: int, divide_by: int | None, as_view: bool) -> None:
+        """Copy parameter ``slot``'s gradient into the buffer, divided by ``divide_by`` on the way
+        (torch pre-divides unless a comm hook owns the bucket: ``None``)."""
+        p, view = self.params[slot], self.views[slot]
+        grad = p.grad
+        if grad is None:  # locally unused: contributes zeros (torch's mark_variable_ready_dense)
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():  # already a view into the bucket
+            if divide_by is not None:
+                view.div_(divide_by)
+        else:
+            if divide_by is not None:
+                torch.mul(grad, 1.0 / divide_by, out=view)  # divide while copying: one pass
+            else:
+                view.copy_(grad)
+            if as_view:
+                p.grad = view
+
+    def write_back(self, globally_unused: list[bool] | None, as_view: bool) -> None:
+        """Reduced values into ``.grad``; ``globally_unused`` (by parameter index) are skipped."""
+        if globally_unused is None and not as_view and all(p.grad is not None for p in self.params):
+            torch._foreach_copy_([p.grad for p in self.params], self.views)  # one op per bucket
+            return
+        for i, p, view in zip(self.param_indices, self.params, self.views):
+            if globally_unused is not None and globally_unused[i]:
+                continue  # as torch: a parameter no rank used keeps its .grad untouched
+            if as_view:
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
 
 class GradBucket:
     """The bucket as a communication hook sees it (torch's GradBucket interface)."""

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
-from torch.utils._pytree import tree_map
 
 from commlab import collectives
 from commlab.ddp import join as uneven
@@ -20,7 +20,7 @@ from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
-from commlab.ddp.sparse import SparseReducer, sparse_parameters
+from commlab.ddp.sparse import sparse_parameters, sparse_reducer
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
 
@@ -92,13 +92,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
             )
-        _check_supported(module, [p for _, p in named])
+        options.check_one_device([p for _, p in named])
         self.module = module
         self.process_group = options.process_group_from(process_group, device_mesh)
         self.device = named[0][1].device
-        self.device_ids = _check_device_ids(device_ids, self.device, output_device)
-        self.output_device = None if self.device_ids is None else _device_index(output_device, self.device_ids)
+        # torch uses these only for a single-device CUDA module: the inputs go to device_ids[0];
+        # output_device is kept (torch 2.13 does not move outputs), dim is scatter/gather's.
+        self.device_ids, self.output_device = options.device_settings(device_ids, output_device, self.device)
         self.dim = dim
+        self.use_side_stream_for_tensor_copies = options.side_stream_copies()
         init_sync_buffers, self.forward_sync_buffers = options.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -119,7 +121,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             verify_param_shapes(names, params, self.process_group)
             initial = [p.data for n, p in module.named_parameters() if n not in ignored]
             broadcast_coalesced(initial + (self._module_buffers if init_sync_buffers else []), self.process_group)
-        self.comm_groups = _comm_groups(round_robin_groups, self.process_group)
+        self.comm_groups = options.comm_groups(round_robin_groups, self.process_group)
         if isinstance(round_robin_groups, int) and round_robin_groups > 1:
             # The groups made here stop their workers with it but are not destroyed: torch names a
             # locally synchronised group by its ranks and the number of live groups
@@ -128,7 +130,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             weakref.finalize(self, collectives.release_groups, list(self.comm_groups), destroy=False)
         sparse_ids = sparse_parameters(module)
         dense = [i for i, p in enumerate(params) if id(p) not in sparse_ids]
-        self._sparse = _sparse_reducer(params, names, dense, self.process_group, algorithm, find_unused_parameters, static_graph)
+        self._sparse = sparse_reducer(params, names, dense, self.process_group, algorithm)
         self.sparse_fallback = self._sparse.fallback if self._sparse else None
         self.reducer = Reducer(
             [params[i] for i in dense],
@@ -143,6 +145,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             first_cap=first_cap,
             cap=cap,
         )
+        if self._sparse is not None:  # the dense reducer drives the sparse one (sparse.py)
+            self.reducer.sparse = self._sparse
+            self._sparse.start_backward = _weak_call(self.reducer.on_backward_start)
         self._hook_registered = False
 
     # -- what users and the sweep read ---------------------------------------------------------
@@ -180,7 +185,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync = grad and self.require_backward_grad_sync
         joining = self._join_config.enable  # set by ddp.join(), as in torch
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
-            self.reducer.usage.check_prior_finished(self.process_group)
+            self.reducer.usage.check_prior_finished(self.process_group, self._sparse.unfinished if self._sparse else ())
         if joining:
             uneven.notify(self)
         if grad:
@@ -188,19 +193,23 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync:
             self.reducer.start_iteration()
             if self._sparse is not None:
-                self._sparse.prepare_for_backward()
+                self._sparse.first_index = len(self.reducer.buckets)
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
             source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
             broadcast_coalesced(self._module_buffers, self.process_group, source)
         if joining:
             uneven.announce_sync(self, sync)
-        if self.device_ids:
-            inputs, kwargs = tree_map(_mover(self.device), (inputs, kwargs))
+        if self.device_ids and (inputs or kwargs):  # torch's _pre_forward, with torch's helper
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
+            inputs, kwargs = moved[0], moved_kwargs[0]
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
         if sync:
             usage = self.reducer.usage
-            self.reducer.prepare_for_backward(list(find_tensors(output)) if usage.dynamic else [])
+            outputs = list(find_tensors(output)) if usage.dynamic else []
+            self.reducer.prepare_for_backward(outputs)
+            if self._sparse is not None:
+                self._sparse.prepare_for_backward(outputs if usage.dynamic else None)
             if usage.tracking:  # torch's _DDPSink: dynamic search, or the first static iteration
                 output = through_sink(output, self.reducer.on_backward_start)
         return output
@@ -223,9 +232,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
-    # torch's scatter / gather helpers (kept by torch for backward compatibility), along ``dim``.
+    # torch's scatter / to_kwargs / gather helpers (kept by torch for backward compatibility).
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> Any:
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id), self.use_side_stream_for_tensor_copies)
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         return gather(outputs, output_device, dim=self.dim)
@@ -253,68 +265,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
         if not callable(hook):
             raise ValueError(f"hook must be callable, got {type(hook).__name__}")
-        if self._sparse is not None:
-            raise NotImplementedError("register_comm_hook: commlab's comm hooks see dense buckets only, and this model has sparse gradients")
         self._hook_registered = True
+        if self._sparse is not None:  # as torch: the hook also gets each sparse bucket, un-divided
+            self._sparse.comm_state, self._sparse.comm_hook = state, hook
         self.reducer.comm_state = state
         self.reducer.comm_hook = hook
 
 
-def _mover(device: torch.device) -> Callable[[Any], Any]:
-    return lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-
-
-def _check_supported(module: nn.Module, params: list[torch.Tensor]) -> None:
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-
-
-def _sparse_reducer(params, names, dense, group, algorithm, find_unused, static_graph) -> SparseReducer | None:
-    sparse = [i for i in range(len(params)) if i not in set(dense)]
-    if not sparse:
-        return None
-    if find_unused or static_graph or not dense:
-        raise NotImplementedError(
-            "sparse gradients (Embedding(sparse=True)) with find_unused_parameters, static_graph, or "
-            "without any dense parameter are not supported by commlab's DistributedDataParallel"
-        )
-    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
-
-
-def _check_device_ids(device_ids, device: torch.device, output_device=None) -> list[int] | None:
-    if not device_ids:  # None, or torch's backward-compatible empty list
-        if output_device is not None:
-            raise ValueError("output_device only works with device_ids naming the module's one CUDA device")
-        return None
-    if device.type != "cuda" or len(device_ids) != 1:
-        raise ValueError("device_ids must be None for CPU modules, or one CUDA device holding the module")
-    wanted = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-    if wanted != device:
-        raise ValueError(f"device_ids {list(device_ids)} do not match the module's device {device}")
-    return [device.index]
-
-
-def _device_index(output_device, device_ids: list[int]) -> int:
-    """torch's default: the output goes to device_ids[0]."""
-    if output_device is None:
-        return device_ids[0]
-    return output_device if isinstance(output_device, int) else torch.device(output_device).index
-
-
-def _comm_groups(round_robin: int | Sequence[dist.ProcessGroup], group: dist.ProcessGroup) -> list:
-    """Groups the buckets take in turn (the DDP paper's round-robin process groups, section 3.3)."""
-    if not isinstance(round_robin, int):
-        groups = list(round_robin)
-        if not groups:
-            raise ValueError("round_robin_groups must be a positive integer or a non-empty list of groups")
-        return groups
-    if round_robin < 1:
-        raise ValueError(f"round_robin_groups must be >= 1, got {round_robin}")
-    if round_robin == 1:
-        return [group]
-    ranks = dist.get_process_group_ranks(group)
-    backend = dist.get_backend(group)
-    # Local synchronisation: only the group's own ranks take part, so this also works for a
-    # data-parallel subgroup inside a larger (e.g. pipeline x data) job.
-    return [dist.new_group(ranks, backend=backend, use_local_synchronization=True) for _ in range(round_robin)]
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    ref = weakref.WeakMethod(method)
+    return lambda: (ref() or (lambda: None))()

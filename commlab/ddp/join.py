@@ -33,10 +33,18 @@ if TYPE_CHECKING:
     from commlab.ddp.distributed import DistributedDataParallel
 
 
+def _ordered(ddp: DistributedDataParallel, issue):
+    """Issue a flag collective on the group's one ordered path (commlab/collectives/worker.py):
+    after the group's queued collectives, never inside another thread's p2p batch (issue 11,
+    point 10). torch's own Join loop (_get_num_nonjoined_procs) runs only once this rank's
+    shadow collectives have completed, so nothing of the group is in flight then."""
+    return collectives.run_ordered(ddp.process_group, issue)
+
+
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
     """The largest group rank among those passing ``candidate`` (torch's _find_common_rank)."""
     rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    _ordered(ddp, lambda: dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group))
     if rank.item() < 0:
         raise RuntimeError("join: no rank qualified as the source of the model state")
     return int(rank.item())
@@ -44,7 +52,7 @@ def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
 
 def notify(ddp: DistributedDataParallel) -> None:
     """Step 1 for a rank still training; sets this iteration's divide factor."""
-    work = Join.notify_join_context(ddp)
+    work = _ordered(ddp, lambda: Join.notify_join_context(ddp))
     reducer = ddp.reducer
     reducer.world_size = dist.get_world_size(ddp.process_group)
     if work is not None and not ddp._divide_by_initial_world_size:
@@ -55,7 +63,7 @@ def notify(ddp: DistributedDataParallel) -> None:
 def announce_sync(ddp: DistributedDataParallel, sync: bool) -> None:
     """Step 4 for a rank still training (torch waits on nothing here either)."""
     flag = torch.ones(1, device=ddp.device) if sync else torch.zeros(1, device=ddp.device)
-    dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    _ordered(ddp, lambda: dist.all_reduce(flag, group=ddp.process_group, async_op=True))
 
 
 class DDPJoinHook(JoinHook):
@@ -71,14 +79,15 @@ class DDPJoinHook(JoinHook):
         if ddp.forward_sync_buffers and ddp.require_forward_param_sync and ddp._module_buffers:
             broadcast_coalesced(ddp._module_buffers, ddp.process_group, common_rank(ddp, False))
         flag = torch.zeros(1, device=ddp.device)
-        dist.all_reduce(flag, group=ddp.process_group)
+        _ordered(ddp, lambda: dist.all_reduce(flag, group=ddp.process_group))
         ddp.require_forward_param_sync = sync = flag.item() != 0
         if not sync:
             return
         _shadow_buckets(ddp)
         if reducer.usage.tracking:
             # torch's joined rank reduces its own last local map, not zeros (_match_unused_params_allreduce)
-            dist.all_reduce(reducer.usage.local_used_map(ddp.device), group=ddp.process_group)
+            used = reducer.usage.local_used_map(ddp.device)
+            _ordered(ddp, lambda: dist.all_reduce(used, group=ddp.process_group))
         if reducer.rebuild_pending and len(reducer._ready_order) != len(reducer.params):
             reducer._ready_order = list(range(len(reducer.params)))  # torch's _push_all_rebuilt_params
 

@@ -18,9 +18,7 @@ docs/design.md, and the C++ original is torch/csrc/distributed/c10d/reducer.cpp)
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -34,9 +32,10 @@ from commlab.ddp.assignment import (
     initial_size_limits,
     will_rebuild,
 )
-from commlab.ddp.bucket import Bucket, GradBucket
+from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators
-from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, make_clock, resolve
+from commlab.ddp import inflight
+from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
 
 
@@ -72,6 +71,7 @@ class Reducer:
         self.clock = make_clock(self.device)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
+        self.sparse: Any = None  # the SparseReducer beside this one (commlab/ddp/sparse.py), if any
         self.rebuild_pending = will_rebuild(find_unused_parameters, static_graph)
         limits = initial_size_limits(first_cap, cap, find_unused_parameters, static_graph)
         self._install(initial_buckets(self.params, limits))
@@ -94,8 +94,7 @@ class Reducer:
         self._start: Any = None
         self._forward_end: Any = None
         # Bounded (timing.MAX_ITERATIONS): a long run does not grow without limit.
-        self._raw: deque[RawIteration] = deque(maxlen=MAX_ITERATIONS)
-        self._timings: deque[IterationTiming] = deque(maxlen=MAX_ITERATIONS)
+        self._log = TimingLog(self.clock, MAX_ITERATIONS)
         self._timeout = collectives.group_timeout(group)
 
     def __del__(self) -> None:
@@ -168,6 +167,8 @@ class Reducer:
         """
         if not self.expect_hooks:  # no_sync, or a backward that did not go through forward
             return
+        if self.sparse is not None:  # may raise, as torch does at its first hook
+            self.sparse.on_first_hook()
         if not self._started:
             self.on_backward_start()
         if self.rebuild_pending and not self.usage.static_first:  # torch records no order then
@@ -188,29 +189,12 @@ class Reducer:
             )
         self._marked[index] = 1
         bucket, slot = self.locate[index]
-        self._fill(bucket, slot)
+        bucket.fill(slot, self.world_size if self.comm_hook is None else None, self.as_view)
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.ready_at = self.clock.stamp()
             if self.overlap:
                 self._launch_in_order()
-
-    def _fill(self, bucket: Bucket, slot: int) -> None:
-        p, view = bucket.params[slot], bucket.views[slot]
-        grad = p.grad
-        divide = self.comm_hook is None
-        if grad is None:  # locally unused: contributes zeros (torch's mark_variable_ready_dense)
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr():  # already a view into the bucket
-            if divide:
-                view.div_(self.world_size)
-        else:
-            if divide:
-                torch.mul(grad, 1.0 / self.world_size, out=view)  # divide while copying: one pass
-            else:
-                view.copy_(grad)
-            if self.as_view:
-                p.grad = view
 
     def _launch_in_order(self) -> None:
         """Step 3."""
@@ -219,39 +203,12 @@ class Reducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.launched_at = self.clock.stamp()
-        if self.comm_hook is not None:
-            is_last = bucket.position == len(self.buckets) - 1
-            future = self.comm_hook(self.comm_state, GradBucket(bucket, is_last))
-        else:
-            group = self.comm_groups[bucket.position % len(self.comm_groups)]
-            work = collectives.all_reduce(bucket.buffer, "sum", algorithm=self.algorithm, group=group, async_op=True)
-            future = work.get_future()
-        # "done" is stamped when the collective completes (on the thread completing it), not when
-        # the end of backward gets round to waiting; waiting on the chained future also makes the
-        # stamp visible before the iteration is recorded.
-        handle = work if self.comm_hook is None else None
-        bucket.future = future.then(partial(self._done, bucket, handle))
-
-    def _done(self, bucket: Bucket, handle: Any, future: torch.futures.Future) -> Any:
-        value = future.value()  # re-raises a failed collective into the chained future
-        bucket.done_at = self.clock.stamp()
-        self._queued[bucket.position] = bucket.launched_at  # handed over (timing.py: queued)
-        if handle is not None and handle.launched is not None:  # when it really started (timing.py)
-            bucket.launched_at = handle.launched
-        return value
+        inflight.launch(bucket, last=len(self.buckets) - 1, hook=self.comm_hook, state=self.comm_state,
+                        groups=self.comm_groups, algorithm=self.algorithm, clock=self.clock, queued=self._queued)
 
     def _wait(self, bucket: Bucket) -> torch.Tensor:
-        """Wait for a bucket (bounded); a failure names the bucket and the algorithm on every rank."""
         how = "its comm hook" if self.comm_hook is not None else f"all-reduce algorithm {self.algorithm!r}"
-        try:
-            return collectives.wait_future(bucket.future, 2 * self._timeout, f"bucket {bucket.position}")
-        except Exception as exc:
-            raise RuntimeError(
-                f"DistributedDataParallel: bucket {bucket.position} of {len(self.buckets)} "
-                f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) failed on rank "
-                f"{dist.get_rank(self.group)} in {how}: {type(exc).__name__}: {exc}"
-            ) from exc
+        return inflight.wait(bucket, buckets=len(self.buckets), timeout=self._timeout, how=how, group=self.group)
 
     def _finalize(self) -> None:
         """Step 4: runs on the autograd engine once the whole backward graph has executed."""
@@ -259,6 +216,10 @@ class Reducer:
         self._write_back_spans: list[tuple[Any, Any]] = []
         self._unused_span: tuple[Any, Any] | None = None
         self.expect_hooks = False
+        if self.sparse is not None and not self.sparse.finish(self.usage.tracking):
+            for bucket in self.buckets[: self._next_launch]:  # torch does not finalize: no write-back
+                self._wait(bucket)
+            return
         if 0 in self._marked and not self._fill_missing():
             return
         if self.rebuild_pending:
@@ -274,7 +235,7 @@ class Reducer:
                 start = self.clock.stamp()
                 if self.comm_hook is not None and result.data_ptr() != bucket.buffer.data_ptr():
                     bucket.buffer.copy_(result.view(-1))
-                self._write_back(bucket, globally_unused)
+                bucket.write_back(globally_unused, self.as_view)
                 self._write_back_spans.append((start, self.clock.stamp()))
         self._record()
 
@@ -295,43 +256,23 @@ class Reducer:
                 self._mark_ready(i)
         return True
 
-    def _write_back(self, bucket: Bucket, globally_unused: list[bool] | None) -> None:
-        if globally_unused is None and not self.as_view and all(p.grad is not None for p in bucket.params):
-            torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)  # one op per bucket
-            return
-        for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
-            if globally_unused is not None and globally_unused[i]:
-                continue  # as torch: a parameter no rank used keeps its .grad untouched
-            if self.as_view:
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-
     # -- timings -----------------------------------------------------------------------------
     def _record(self) -> None:
-        end = self.clock.stamp()
         buckets = [
             (b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at, self._queued[b.position])
             for b in self.buckets
         ]
-        self._raw.append(
-            RawIteration(self._start, self._forward_end, end, buckets, self._backward_end,
+        self._log.append(
+            RawIteration(self._start, self._forward_end, self.clock.stamp(), buckets, self._backward_end,
                          self._unused_span, self._write_back_spans)
         )
 
     @property
     def timings(self) -> list[IterationTiming]:
-        # Resolved lazily: on CUDA this waits for the events, which must not happen in backward.
-        while self._raw:
-            self._timings.append(resolve(self.clock, self._raw.popleft()))
-        return list(self._timings)
+        return self._log.resolved()
 
     def reset_timings(self) -> None:
-        self._raw.clear()
-        self._timings.clear()
+        self._log.clear()
 
 
 def _hook(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:

@@ -2,22 +2,36 @@
 
 torch gives every parameter that expects a sparse gradient a bucket of its own
 (``compute_bucket_assignment_by_size``) and all-reduces the sparse tensor itself, divided by
-the world size first (reducer.cpp, ``mark_variable_ready_sparse``). commlab does the same
-beside its dense buckets: a sparse gradient is divided and its all-reduce started from its
-hook, on the native backend -- commlab's ring/tree/halving-doubling reduce flat dense buffers,
-so they fall back to native for these, and ``fallback`` says so (recorded on the DDP as
-``sparse_fallback``). Each rank issues these in autograd order, which is the same on every rank.
+the world size first unless a comm hook owns the bucket (reducer.cpp,
+``mark_variable_ready_sparse``). commlab does the same beside its dense buckets: a sparse
+gradient's all-reduce (or the comm hook) starts from its hook, on the native backend --
+commlab's ring/tree/halving-doubling reduce flat dense buffers, so they fall back to native for
+these, and ``fallback`` says so (recorded on the DDP as ``sparse_fallback``). Each rank issues
+these in autograd order, which is the same on every rank, on the group's one ordered path.
+
+What torch does when a sparse parameter gets no gradient, kept here (tried on torch 2.13):
+
+- its hook runs with an undefined gradient, or, with ``find_unused_parameters`` or
+  ``static_graph``, the parameter is unused: "Expected sparse gradient to be defined." from
+  backward (at the start of backward in the dynamic mode, at its end in the first static one);
+- otherwise its bucket never completes and the next forward raises "Expected to have finished
+  reduction in the prior iteration", naming it (``unfinished`` here).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
+
+from commlab import collectives
+from commlab.ddp.graph import grad_accumulators, unreachable
+
+UNDEFINED = "Expected sparse gradient to be defined."  # torch's REDUCER_CHECK message
 
 
 def sparse_parameters(module: nn.Module) -> set[int]:
@@ -30,8 +44,51 @@ def sparse_parameters(module: nn.Module) -> set[int]:
     }
 
 
+def sparse_reducer(params, names, dense: list[int], group, algorithm: str) -> SparseReducer | None:
+    """The SparseReducer of the parameters not in ``dense`` (indices), or None if there are none."""
+    sparse = [i for i in range(len(params)) if i not in set(dense)]
+    if not sparse:
+        return None
+    if not dense:
+        raise NotImplementedError(
+            "a model whose trainable parameters all have sparse gradients (Embedding(sparse=True)) "
+            "is not supported by commlab's DistributedDataParallel: it needs a dense parameter too"
+        )
+    return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
+
+
+class SparseGradBucket:
+    """A sparse parameter's bucket as a comm hook sees it (torch's GradBucket of a sparse
+    bucket: ``buffer()`` is the un-divided sparse gradient, ``gradients()`` is empty)."""
+
+    def __init__(self, index: int, param: torch.Tensor, grad: torch.Tensor, is_last: bool = False):
+        self._index, self._param, self._buffer, self._is_last = index, param, grad, is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return []
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._param]
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
 class SparseReducer:
-    """Hooks, in-flight all-reduces and the end-of-backward write-back of sparse gradients."""
+    """Hooks, in-flight all-reduces and the end-of-backward write-back of sparse gradients.
+
+    The dense Reducer drives it: ``on_first_hook`` from each of its hooks and
+    ``finish`` first thing at its end of backward.
+    """
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, group, algorithm: str):
         self.params, self.names, self.group = list(params), list(names), group
@@ -42,45 +99,81 @@ class SparseReducer:
             else f"sparse gradients of {self.names} use the native backend's sparse all-reduce: "
             f"{algorithm!r} reduces dense buffers"
         )
+        self.comm_hook: Callable | None = None
+        self.comm_state: Any = None
+        self.first_index = 0  # a hook's bucket index: numbered after the dense buckets
+        self.start_backward: Callable[[], None] = lambda: None  # the dense reducer's, set by the DDP
         self.expect_hooks = False
-        self._in_flight: list[tuple[torch.Tensor, torch.futures.Future]] = []
+        self.unfinished: list[str] = []
+        self._unreachable: list[int] = []
+        self._in_flight: dict[int, torch.futures.Future] = {}
+        self._timeout = collectives.group_timeout(group)
+        self._accumulators = grad_accumulators(self.params)
+        self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me)) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
 
-    def prepare_for_backward(self) -> None:
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | None) -> None:
+        """After a synchronised forward; ``outputs`` when the dynamic mode searches the graph."""
         self.expect_hooks = True
-        self._in_flight = []
+        self._in_flight = {}
+        self._unreachable = unreachable(outputs, self._accumulator_index) if outputs is not None else []
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
+    def on_first_hook(self) -> None:
+        """Any parameter's hook; the first of a backward raises if the graph search found a sparse
+        parameter unused: torch marks unused ones ready in its first autograd hook."""
+        if self._unreachable and self.expect_hooks:
+            raise RuntimeError(UNDEFINED)
+
+    def _on_gradient(self, index: int, param: torch.Tensor) -> None:
         if not self.expect_hooks:
             return
-        if not self._in_flight:
-            Variable._execution_engine.queue_callback(self._finalize)
+        self.on_first_hook()
+        self.start_backward()
+        if param.grad is None:
+            raise RuntimeError(UNDEFINED)
         with torch.no_grad():
-            grad = param.grad.coalesce() / self.world_size  # divide first, as torch
-        work = dist.all_reduce(grad, group=self.group, async_op=True)
-        self._in_flight.append((param, work.get_future()))
+            if self.comm_hook is not None:
+                bucket = SparseGradBucket(self.first_index + index, param, param.grad)
+                future = self.comm_hook(self.comm_state, bucket)
+            else:
+                # Divided first, in place, and reduced itself, as torch (mark_variable_ready_sparse:
+                # the gradient itself is the bucket), so an unfinished iteration leaves the same.
+                grad = param.grad.div_(self.world_size)
+                work = collectives.run_ordered(self.group, lambda: dist.all_reduce(grad, group=self.group, async_op=True))
+                future = work.get_future()
+        self._in_flight[index] = future
 
-    def _finalize(self) -> None:
+    def finish(self, tracking: bool) -> bool:
+        """End of backward, before the dense buckets are written back; ``tracking``: this
+        iteration learns which parameters are used (then torch marks a missing one ready and
+        fails). Otherwise a missing one leaves its bucket unfinished, as in torch: False, nothing
+        written back, and ``unfinished`` names it for the next forward's error."""
         self.expect_hooks = False
-        if len(self._in_flight) != len(self.params):
-            raise RuntimeError(
-                "DistributedDataParallel: every sparse-gradient parameter must get a gradient in each "
-                f"synchronised backward; got {len(self._in_flight)} of {len(self.params)} ({self.names})"
-            )
-        for param, future in self._in_flight:
-            param.grad = future.wait()[0]
-        self._in_flight = []
+        missing = [i for i in range(len(self.params)) if i not in self._in_flight]
+        if missing and tracking:
+            raise RuntimeError(UNDEFINED)
+        results = {
+            i: collectives.wait_future(future, 2 * self._timeout, f"sparse bucket of {self.names[i]}")
+            for i, future in self._in_flight.items()
+        }
+        self._in_flight = {}
+        self.unfinished = [self.names[i] for i in missing]
+        if missing:
+            return False
+        for index, result in results.items():
+            self.params[index].grad = result[0] if isinstance(result, list) else result
+        return True
 
 
-def _hook(reducer: weakref.ref):
+def _hook(reducer: weakref.ref, index: int):
     def hook(param: torch.Tensor) -> None:
         live = reducer()
         if live is not None:
-            live._on_gradient(param)
+            live._on_gradient(index, param)
 
     return hook

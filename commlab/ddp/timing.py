@@ -33,7 +33,8 @@ Memory is bounded: a reducer keeps the last :data:`MAX_ITERATIONS` iterations.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,10 +65,15 @@ class IterationTiming:
     unused_allreduce: float = 0.0
 
     def as_row(self) -> dict[str, float]:
-        """The scalar columns, for a tidy table (per-bucket rows come from ``buckets``)."""
+        """The scalar columns (:data:`COLUMNS`), for a tidy table (per-bucket rows come from ``buckets``)."""
         row = asdict(self)
         row.pop("buckets")
         return row
+
+
+# The per-iteration columns, in order: what the sweep stores (commlab/sweep/store.py) and what
+# the predictor writes in its place (commlab/predict/lower.py), from this one definition.
+COLUMNS = [f.name for f in fields(IterationTiming) if f.name != "buckets"]
 
 
 class CpuClock:
@@ -147,3 +153,25 @@ def resolve(clock: CpuClock | CudaClock, raw: RawIteration) -> IterationTiming:
         write_back=sum(span(pair) for pair in raw.write_back),
         unused_allreduce=span(raw.unused),
     )
+
+
+class TimingLog:
+    """The last ``maxlen`` iterations: stamps as recorded, resolved into seconds only when read
+    (on CUDA resolving waits for the events, which must not happen during backward)."""
+
+    def __init__(self, clock: CpuClock | CudaClock, maxlen: int):
+        self.clock = clock
+        self._raw: deque[RawIteration] = deque(maxlen=maxlen)
+        self._resolved: deque[IterationTiming] = deque(maxlen=maxlen)
+
+    def append(self, raw: RawIteration) -> None:
+        self._raw.append(raw)
+
+    def resolved(self) -> list[IterationTiming]:
+        while self._raw:
+            self._resolved.append(resolve(self.clock, self._raw.popleft()))
+        return list(self._resolved)
+
+    def clear(self) -> None:
+        self._raw.clear()
+        self._resolved.clear()

@@ -99,10 +99,11 @@ class UnusedParameters:
         used[self._last_locally_unused] = 0
         return used
 
-    def check_prior_finished(self, group) -> None:
-        """Raise torch's error if the last synchronised backward left parameters without gradient."""
-        if self.unfinished:  # (the rank is looked up only here: get_rank costs on every forward)
-            missing = [self.names[i] for i in self.unfinished]
+    def check_prior_finished(self, group, sparse_unfinished: Sequence[str] = ()) -> None:
+        """Raise torch's error if the last synchronised backward left parameters without gradient
+        (``sparse_unfinished``: sparse parameters that did, commlab/ddp/sparse.py)."""
+        if self.unfinished or sparse_unfinished:  # (get_rank only here: it costs on every forward)
+            missing = [self.names[i] for i in self.unfinished] + list(sparse_unfinished)
             raise RuntimeError(prior_reduction_error(missing, self, dist.get_rank(group)))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from commlab.sim import SimResult, Task, simulate
+from commlab.sweep.store import STEP_COLUMNS
 
 COMPUTE = "compute"
 COMM_KINDS = ("allreduce",)
@@ -163,6 +164,8 @@ def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCo
     total = s[f"writeback{len(buckets) - 1}"].end - t0  # write-backs run in order: the last ends last
     row = {"forward": forward, "backward_compute": last_ready - forward,
            "comm": max(r["done"] for r in rows) - min(r["launched"] for r in rows),
-           "exposed_comm": total - last_ready, "total": total, "accumulate_time": t0,
-           "optimizer": s["optimizer"].length, "step": s["optimizer"].end}
-    return row, rows
+           "exposed_comm": total - last_ready, "total": total,
+           "write_back": sum(s[f"writeback{k}"].length for k in range(len(buckets))),
+           "unused_allreduce": 0.0,  # the lowered step has no find_unused_parameters flag all-reduce
+           "accumulate_time": t0, "optimizer": s["optimizer"].length, "step": s["optimizer"].end}
+    return {c: row[c] for c in STEP_COLUMNS}, rows  # the sweep's columns, in its order (KeyError if one is missing)

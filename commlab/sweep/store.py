@@ -25,14 +25,16 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
+from commlab.ddp import timing
 from commlab.sweep.spec import CONFIG_COLUMNS
 from commlab.sweep.stats import summarise
 
 RECORDS = "configs"
-ITERATION_COLUMNS = [
-    "repetition", "rank", "iteration", "forward", "backward_compute", "comm", "exposed_comm", "total",
-    "accumulate_time", "optimizer", "step",
-]
+# One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab/ddp/timing.py,
+# write_back and unused_allreduce included), then what the sweep worker times around it. The
+# predictor writes exactly these (commlab/predict/lower.py imports them).
+STEP_COLUMNS = [*timing.COLUMNS, "accumulate_time", "optimizer", "step"]
+ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]
 # threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
 # `threads` that the configuration asked for.
 RUN_COLUMNS = ["status", "error", "seconds", "threads_measured"]

@@ -45,7 +45,10 @@ def chrome_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str) -
             events.append(_span("forward", rank, 0, t0, it["forward"], args))
             events.append(_span("backward compute", rank, 0, t0 + it["forward"], it["backward_compute"], args))
             if it["exposed_comm"] > 0:
-                events.append(_span("exposed comm", rank, 0, t0 + it["total"] - it["exposed_comm"], it["exposed_comm"], args))
+                # commlab/ddp/timing.py: from the end of backward compute to the last bucket's
+                # completion (the write-back and the end of backward follow it, up to ``total``).
+                backward_end = t0 + it["forward"] + it["backward_compute"]
+                events.append(_span("exposed comm", rank, 0, backward_end, it["exposed_comm"], args))
             events.append(_span("optimizer", rank, 0, t0 + it["total"], it["optimizer"], args))
             mine = bks[(bks["rank"] == rank) & (bks["iteration"] == i)]
             for _, b in mine.iterrows():
