@@ -164,7 +164,9 @@ def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCo
     total = s[f"writeback{len(buckets) - 1}"].end - t0  # write-backs run in order: the last ends last
     row = {"forward": forward, "backward_compute": last_ready - forward,
            "comm": max(r["done"] for r in rows) - min(r["launched"] for r in rows),
-           "exposed_comm": total - last_ready, "total": total,
+           # timing.py's definition: end of backward compute -> last bucket done (the write-back
+           # after it is its own column), 0 when backward hid every bucket
+           "exposed_comm": max(0.0, max(r["done"] for r in rows) - last_ready), "total": total,
            "write_back": sum(s[f"writeback{k}"].length for k in range(len(buckets))),
            "unused_allreduce": 0.0,  # the lowered step has no find_unused_parameters flag all-reduce
            "accumulate_time": t0, "optimizer": s["optimizer"].length, "step": s["optimizer"].end}
