@@ -3,7 +3,7 @@
 Activations and gradients travel as plain tensors over torch.distributed point-to-point ops
 (Gloo on CPU, NCCL on GPU), so a receiver must allocate the right buffer before the data arrives.
 As torch's PipelineStage does on its first step, each stage runs its module on a one-sample zero
-batch to find its output's per-sample shape and dtype and passes it on with the micro-batch sizes,
+batch to find its output's per-sample shape and dtype (each element's, for a tuple) and passes it on with the micro-batch sizes,
 in stage order. Here the handshake runs at every step (a few small messages; the module runs again
 only when its input's shape changed), so any dimension may change between steps (a sequence
 length, the batch size), every wait obeys the schedule's timeout, and an error found on the
@@ -22,18 +22,33 @@ import torch.distributed as dist
 
 from commlab.pipeline.schedules import FORWARD, Action
 from commlab.pipeline.stage import Stage
+from commlab.pipeline.values import MAX_PARTS, Value, check_output, flat, rebuild
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """What crosses from one stage to the next: per-sample shape and dtype, and micro-batch sizes."""
+    """What crosses from one stage to the next: micro-batch sizes, and per element of the value
+    (one tensor, or each of a tuple's: ``packed``) its per-sample shape and dtype."""
 
     sizes: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    packed: bool = False
 
-    def buffer(self, microbatch: int, device: torch.device) -> torch.Tensor:
-        return torch.empty((self.sizes[microbatch], *self.shape), dtype=self.dtype, device=device)
+    @classmethod
+    def of(cls, sizes: tuple[int, ...], value: Value) -> Boundary:
+        parts = flat(value)
+        return cls(sizes, tuple(tuple(t.shape[1:]) for t in parts), tuple(t.dtype for t in parts), isinstance(value, tuple))
+
+    def buffers(self, microbatch: int, device: torch.device, grads: bool = False) -> list[torch.Tensor]:
+        """Receive buffers for the value (``grads``: for its gradient, the floating elements only)."""
+        return [torch.empty((self.sizes[microbatch], *shape), dtype=dtype, device=device)
+                for shape, dtype in zip(self.shapes, self.dtypes) if not grads or dtype.is_floating_point]  # fmt: skip
+
+    def sample(self, device: torch.device) -> Value:
+        """A one-sample zero value of this boundary's layout."""
+        zeros = [torch.zeros((1, *shape), dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes)]
+        return rebuild(zeros, self.packed)
 
 
 def split_batch(batch: torch.Tensor, microbatches: int, what: str = "batch") -> tuple[torch.Tensor, ...]:
@@ -44,9 +59,11 @@ def split_batch(batch: torch.Tensor, microbatches: int, what: str = "batch") -> 
     return torch.tensor_split(batch, microbatches, dim=0)
 
 
-def tag(action: Action, microbatches: int) -> int:
-    """A tag unique to the message ``action`` produces, so Gloo matches it whatever the posting order."""
-    return 2 * (action.stage * microbatches + action.microbatch) + (0 if action.kind == FORWARD else 1)
+def tag(action: Action, microbatches: int, part: int = 0) -> int:
+    """A tag unique to element ``part`` of the message ``action`` produces, so Gloo matches it
+    whatever the posting order."""
+    message = 2 * (action.stage * microbatches + action.microbatch) + (0 if action.kind == FORWARD else 1)
+    return message * MAX_PARTS + part
 
 
 _HANDSHAKE_TAG = 1 << 30  # above every activation / gradient tag
@@ -70,7 +87,7 @@ def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: dat
     inputs: dict[int, Boundary | str] = {}
     for s in sorted(stage.modules):
         if s == 0:
-            inputs[s] = error if error else Boundary(tuple(int(t.shape[0]) for t in first), tuple(first[0].shape[1:]), first[0].dtype)
+            inputs[s] = error if error else Boundary.of(tuple(int(t.shape[0]) for t in first), first[0])
         elif s not in inputs:
             inputs[s] = _recv_object(stage, stage.global_rank_of(s - 1), s, timeout)
         if error and not isinstance(inputs[s], str):
@@ -123,11 +140,9 @@ def _output_boundary(stage: Stage, s: int, inp: Boundary) -> Boundary:
     module.eval()  # a one-sample batch in eval mode: no batch-norm statistics or dropout RNG touched
     try:
         with torch.no_grad():
-            out = module(torch.zeros((1, *inp.shape), dtype=inp.dtype, device=stage.device))
+            out = module(inp.sample(stage.device))
     finally:
         for m, flag in zip(module.modules(), was_training):
             m.training = flag
-    if not isinstance(out, torch.Tensor):
-        # Refused on every rank: the message travels down the chain like a boundary.
-        return f"stage {s} must return one tensor, got {type(out).__name__} (tuples between stages are not supported)"
-    return Boundary(inp.sizes, tuple(out.shape[1:]), out.dtype)
+    # Refused on every rank: the message travels down the chain like a boundary.
+    return check_output(s, out) or Boundary.of(inp.sizes, out)
