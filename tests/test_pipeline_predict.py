@@ -72,3 +72,16 @@ def test_plan_command_prints_the_plan():
     assert "plan: " in result.output and "predicted" in result.output
     result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "--budget-mb", "0.0001"])
     assert result.exit_code != 0 and "no plan fits" in result.output
+
+
+def test_plan_validate_measures_the_grid_and_predicted_peaks_bound_measured():
+    # A tiny grid on 2 Gloo ranks: the table, the verdict line, and the peak bound on every plan
+    # (time is not asserted: the machine is shared).
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "64", "--batch", "8", "-m", "2,4",
+                                       "--schedules", "gpipe,1f1b,zb-h1", "--checkpoint", "never,always", "--validate",
+                                       "--iters", "2", "--warmup", "1"], catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    table = result.output.split("validating:")[1].splitlines()[2:-1]
+    assert len(table) == 12 and sum("<- pick" in line for line in table) == 1
+    assert all(" yes" in line for line in table), table  # predicted peak >= measured peak, every plan and rank
+    assert "pick measured / best measured = " in result.output and "every plan and rank: yes" in result.output

@@ -1,0 +1,112 @@
+"""Calibration from measured timelines: per-stage compute, message delay, executor overhead, and
+the step time the shared core predicts from them.
+
+A timeline is one step's actions per rank as (stage, kind, micro-batch, start, end) in
+``perf_counter`` seconds (one clock for all local ranks). The benchmark calibrates the predictor
+on steps run before the ones it is checked against (``calibration`` in the benchmark's results),
+so a prediction is never fitted to the very measurement it is compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:
+    """Iteration k's timeline per rank, in seconds from the earliest rank's start of the step."""
+    origin = min(r["origins"][k] for r in per_rank)
+    return {r["rank"]: [(s, kind, i, a - origin, b - origin) for s, kind, i, a, b in r["timelines"][k]] for r in per_rank}
+
+
+def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
+    """Median delay from a message's producer finishing to its consumer starting, counted only
+    where the consumer sat idle waiting for it: the simulator's per-message ``comm``."""
+    from commlab.pipeline.schedules import Action
+    from commlab.pipeline.simulate import dependencies
+
+    delays = []
+    for k in range(len(per_rank[0]["timelines"])):
+        timeline = aligned(per_rank, k)
+        where = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+        split = frozenset(s for s, kind, _ in where if kind == "I")
+        for r, acts in timeline.items():
+            free = 0.0
+            for s, kind, i, a, b in acts:
+                for d in dependencies(Action(s, kind, i), stages, split):
+                    rank, done = where[(d.stage, d.kind, d.microbatch)]
+                    if rank != r and done > free:
+                        delays.append(max(0.0, a - done))
+                free = b
+    return statistics.median(delays) if delays else 0.0
+
+
+def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: float) -> tuple[float, float]:
+    """Split one step's idle time (all ranks) into waiting for a peer's message and being idle
+    although the message had arrived (executor overhead, or the OS running something else).
+
+    Time after a rank's last action counts as waiting: it is the schedule's cool-down.
+    """
+    from commlab.pipeline.schedules import Action
+    from commlab.pipeline.simulate import dependencies
+
+    ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
+    split = frozenset(s for s, kind, _ in ends if kind == "I")
+    waiting = ready = 0.0
+    for r, acts in timeline.items():
+        free = 0.0
+        for s, kind, i, start, end in sorted(acts, key=lambda a: a[3]):
+            arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages, split)
+                                    if ends[(d.stage, d.kind, d.microbatch)][0] != r])  # fmt: skip
+            waiting += max(0.0, min(arrived, start) - free)
+            ready += max(0.0, start - max(arrived, free))
+            free = end
+        waiting += max(0.0, step_time - free)
+    return waiting, ready
+
+
+def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
+    """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``.
+
+    Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
+    includes its recomputation); per message: the median measured producer-to-consumer delay
+    (alpha); per action: the executor's overhead, the median time a rank sat idle with its input
+    already there, divided over its actions. Receives posted one action ahead and the send waits
+    are modelled by :func:`commlab.pipeline.predict.lower`.
+    """
+    from commlab.pipeline.predict import Costs, predict
+    from commlab.pipeline.schedules import REGISTRY
+
+    fwd, bwd = stage_times(per_rank)
+    shares = []
+    for r in per_rank:
+        for timeline in r["timelines"]:
+            i = sum(b - a for _, kind, _, a, b in timeline if kind == "I")
+            w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
+            if i + w > 0:
+                shares.append(w / (i + w))
+    overheads = []
+    for k in range(len(per_rank[0]["timelines"])):
+        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
+        overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
+    costs = Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
+                  overhead=statistics.median(overheads))  # fmt: skip
+    placement = REGISTRY[cfg["schedule"]].placement(world, stages)
+    return predict(actions, costs, placement).step_time
+
+
+def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Median measured forward and backward compute time of each stage (seconds)."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for r in per_rank:
+        for timeline in r["timelines"]:
+            for stage, kind, _, start, end in timeline:
+                durations.setdefault((stage, kind), []).append(end - start)
+    stages = 1 + max(s for s, _ in durations)
+
+    def backward(s: int) -> float:  # a split backward's B is its I plus its W
+        if (s, "B") in durations:
+            return statistics.median(durations[(s, "B")])
+        return statistics.median(durations[(s, "I")]) + statistics.median(durations[(s, "W")])
+
+    return [statistics.median(durations[(s, "F")]) for s in range(stages)], [backward(s) for s in range(stages)]
