@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from commlab.pipeline.comm import handshake, split_batch
+from commlab.pipeline.comm import agree, split_batch
 from commlab.pipeline.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.memory import Ledger, SavedBytes
 from commlab.pipeline.messages import message_order, send_waits
@@ -103,6 +103,7 @@ class PipelineSchedule:
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
         self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
+        self._known: dict = {}  # first stage's input boundary -> every stage's (comm.agree)
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
@@ -124,7 +125,7 @@ class PipelineSchedule:
                 targets = split_batch(target.to(st.device), m, "the target")
         except ValueError as err:
             error = str(err)
-        boundaries = handshake(st, chunks, self.timeout, error, self._shapes)
+        boundaries = agree(st, chunks, self.timeout, error, self._known, self._shapes)
         sizes = next(iter(boundaries.values())).sizes
         self._weights = [n / sum(sizes) if self.loss_reduction == "mean" else 1.0 for n in sizes]
         self._chunks, self._targets = chunks, targets
