@@ -85,3 +85,13 @@ def test_plan_validate_measures_the_grid_and_predicted_peaks_bound_measured():
     assert len(table) == 12 and sum("<- pick" in line for line in table) == 1
     assert all(" yes" in line for line in table), table  # predicted peak >= measured peak, every plan and rank
     assert "pick measured / best measured = " in result.output and "every plan and rank: yes" in result.output
+
+
+def test_profiled_forward_and_split_backward_set_the_planner_costs():
+    layer = LayerProfile(seconds=[3.0, 6.0], saved=[0.0] * 2, output=[0.0] * 2, params=[0.0] * 2, input_bytes=0.0,
+                         forward=[1.0, 1.0], input_grad=[1.5, 2.5], weight_grad=[1.0, 3.0])  # fmt: skip
+    plain, split = layer.costs([1, 1], split=False), layer.costs([1, 1], split=True)
+    assert list(plain.forward) == [1.0, 1.0] and list(plain.backward) == [2.0, 5.0]  # F + B minus F
+    assert list(split.backward) == [2.5, 5.5] and split.weight_share == pytest.approx(4.0 / 8.0)  # I + W > B
+    unknown = LayerProfile(seconds=[3.0], saved=[0.0], output=[0.0], params=[0.0], input_bytes=0.0).costs([1], True)
+    assert list(unknown.forward) == [1.0] and list(unknown.backward) == [2.0]  # 1 : 2 without a measurement
