@@ -14,7 +14,6 @@ import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
