@@ -70,8 +70,10 @@ def test_plan_command_prints_the_plan():
                                        "-m", "2,4", "--budget-mb", "1"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "plan: " in result.output and "predicted" in result.output
-    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "--budget-mb", "0.0001"])
-    assert result.exit_code != 0 and "no plan fits" in result.output
+    assert "calibrated on 2 Gloo ranks: executor overhead" in result.output  # before any plan is priced
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "--budget-mb", "0.0001",
+                                       "--no-calibrate"])  # fmt: skip
+    assert result.exit_code != 0 and "no plan fits" in result.output and "calibrated" not in result.output
 
 
 def test_plan_validate_measures_the_grid_and_predicted_peaks_bound_measured():
@@ -95,3 +97,47 @@ def test_profiled_forward_and_split_backward_set_the_planner_costs():
     assert list(split.backward) == [2.5, 5.5] and split.weight_share == pytest.approx(4.0 / 8.0)  # I + W > B
     unknown = LayerProfile(seconds=[3.0], saved=[0.0], output=[0.0], params=[0.0], input_bytes=0.0).costs([1], True)
     assert list(unknown.forward) == [1.0] and list(unknown.backward) == [2.0]  # 1 : 2 without a measurement
+
+
+def _measured(actions, costs, shift):
+    """One step's timelines per rank as the bench records them, from the core: each action's
+    compute interval starts ``shift`` after the core starts it (the executor's own time)."""
+    spans = predict(actions, costs).result.spans.values()
+    per_rank = [{"rank": r, "origins": [0.0], "timelines": [[]]} for r in range(len(actions))]
+    for sp in sorted((sp for sp in spans if "action" in sp.meta), key=lambda sp: sp.start):
+        a = sp.meta["action"]
+        per_rank[sp.meta["rank"]]["timelines"][0].append((a.stage, a.kind, a.microbatch, sp.start + shift, sp.end))
+    return per_rank
+
+
+def test_planner_prices_a_plan_exactly_as_the_bench_predictor():
+    from commlab.pipeline.calibrate import calibrated_costs, predicted_step
+    from commlab.pipeline.plan_calibrate import Calibration
+
+    actions = build("1f1b", 2, 4)
+    per_rank = _measured(actions, Costs([1.0, 1.5], [2.0, 3.0], alpha=0.3, overhead=0.2), shift=0.2)
+    bench = calibrated_costs(per_rank, 2)
+    assert bench.alpha > 0 and bench.overhead > 0  # both terms really enter the comparison
+    # The same costs as a profile (one layer per stage) and a plan-time calibration.
+    f, b = list(bench.forward), list(bench.backward)
+    layer = LayerProfile(seconds=[x + y for x, y in zip(f, b)], saved=[0.0] * 2, output=[0.0] * 2, params=[0.0] * 2,
+                         input_bytes=0.0, forward=f)  # fmt: skip
+    calibration = Calibration(alpha=bench.alpha, overhead=bench.overhead)
+    (plan,) = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], calibration)
+    assert plan.step_time == pytest.approx(predicted_step({"schedule": "1f1b"}, per_rank, actions, 2, 2), rel=1e-12)
+    assert plan.step_time > candidates({4: layer}, 2, [1], ["never"], ["1f1b"])[0].step_time  # compute alone is less
+
+
+def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
+    from commlab.pipeline.plan_calibrate import Calibration, fit_line
+
+    layer = LayerProfile(seconds=[3.0, 3.0, 3.0, 3.0], saved=[0.0] * 4, output=[100.0, 400.0, 100.0, 7.0], params=[0.0] * 4,
+                         input_bytes=0.0, forward=[1.0] * 4)  # fmt: skip
+    calibration = Calibration(alpha=0.1, beta=0.001, overhead=0.05)
+    (plan,) = candidates({4: layer}, 2, [1], ["always"], ["gpipe"], calibration)
+    assert plan.balance == (2, 2)
+    # The boundary after stage 0 is layer 1's output: 400 bytes, each way.
+    costs = Costs([2.0, 2.0], [4.0, 4.0], message_bytes=[400.0], alpha=0.1, beta=0.001, overhead=0.05)
+    assert plan.step_time == pytest.approx(predict(build("gpipe", 2, 4), costs, checkpointed=range(4)).step_time)
+    assert fit_line([0, 100, 200], [1.0, 2.0, 3.0]) == pytest.approx((1.0, 0.01))
+    assert fit_line([0, 100], [2.0, 1.0]) == (pytest.approx(1.5), 0.0)  # noise: no negative slope

@@ -65,17 +65,26 @@ def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: flo
     return waiting, ready
 
 
-def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
-    """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``.
+def executor_overhead(per_rank: list[dict[str, Any]], stages: int) -> float:
+    """The executor's own time per action: the median over steps of the time ranks sat idle with
+    their input already there (:func:`idle_breakdown`), divided over the step's actions."""
+    overheads = []
+    for k in range(len(per_rank[0]["timelines"])):
+        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
+        overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
+    return statistics.median(overheads) if overheads else 0.0
+
+
+def calibrated_costs(per_rank: list[dict[str, Any]], stages: int):
+    """The predictor's :class:`commlab.pipeline.predict.Costs` from the calibration steps' timelines.
 
     Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
     includes its recomputation); per message: the median measured producer-to-consumer delay
-    (alpha); per action: the executor's overhead, the median time a rank sat idle with its input
-    already there, divided over its actions. Receives posted one action ahead and the send waits
-    are modelled by :func:`commlab.pipeline.predict.lower`.
+    (``alpha``: the message cost at this run's one boundary size, so no ``beta`` term); per
+    action: :func:`executor_overhead`. The planner fills the same fields from a profile and a
+    plan-time micro-benchmark (:mod:`commlab.pipeline.plan_calibrate`).
     """
-    from commlab.pipeline.predict import Costs, predict
-    from commlab.pipeline.schedules import REGISTRY
+    from commlab.pipeline.predict import Costs
 
     fwd, bwd = stage_times(per_rank)
     shares = []
@@ -85,14 +94,19 @@ def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions,
             w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
             if i + w > 0:
                 shares.append(w / (i + w))
-    overheads = []
-    for k in range(len(per_rank[0]["timelines"])):
-        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
-        overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
-    costs = Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
-                  overhead=statistics.median(overheads))  # fmt: skip
+    return Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
+                 overhead=executor_overhead(per_rank, stages))  # fmt: skip
+
+
+def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
+    """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
+    (:func:`calibrated_costs`); receives posted one action ahead and the send waits are modelled
+    by :func:`commlab.pipeline.predict.lower`, as for the planner."""
+    from commlab.pipeline.predict import predict
+    from commlab.pipeline.schedules import REGISTRY
+
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
-    return predict(actions, costs, placement).step_time
+    return predict(actions, calibrated_costs(per_rank, stages), placement).step_time
 
 
 def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

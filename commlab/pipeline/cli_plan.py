@@ -24,11 +24,14 @@ from commlab.pipeline.schedules import REGISTRY
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
 @click.option("--validate", is_flag=True, help="then measure every plan that fits on --ranks Gloo ranks, alternating")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top, validate, iters, warmup, timeout) -> None:
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top, calibrate, validate, iters, warmup,
+         timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
@@ -59,7 +62,17 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         profiles = {m: profile(model, torch.randn(batch // m, width)) for m in ms}
     finally:
         torch.set_num_threads(threads)
-    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names)
+    from commlab.pipeline.plan_calibrate import Calibration
+    from commlab.pipeline.plan_calibrate import calibrate as measure_costs
+
+    costs = Calibration()
+    if calibrate and ranks > 1:
+        # Every boundary a plan can have is some layer's output at some micro-batch size.
+        sizes = {int(b) for p in profiles.values() for b in p.output}
+        costs = measure_costs(ranks, sorted(sizes), timeout=timeout)
+        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overhead * 1e6:.0f} us/action, message "
+                   f"{costs.alpha * 1e6:.0f} us + {costs.beta * 1e9:.3f} ns/byte")  # fmt: skip
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs)
     budget = budget_mb * 2**20
     chosen = best(plans, budget)
     click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")

@@ -1,7 +1,11 @@
 """The planner: the fastest schedule x micro-batches x stages per rank x checkpointing that fits a memory budget.
 
 Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
-times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`). Its peak
+times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`) with the
+bench predictor's lowering and cost terms: per-action compute from the profile, the executor's
+per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
+sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
+are measured once at plan time (:mod:`commlab.pipeline.plan_calibrate`, a few seconds). Its peak
 memory per rank is predicted from the action order (:func:`peak_bytes`): parameters and their
 gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
 input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
@@ -11,10 +15,11 @@ send per boundary. Candidates over the budget are dropped; the fastest survivor 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Actions, num_microbatches
 from commlab.pipeline.partition import partition
+from commlab.pipeline.plan_calibrate import Calibration
 from commlab.pipeline.predict import Costs, checkpointed_microbatches, predict
 from commlab.pipeline.schedules import REGISTRY
 
@@ -35,8 +40,15 @@ class LayerProfile:
     input_grad: Sequence[float] = ()
     weight_grad: Sequence[float] = ()
 
-    def costs(self, balance: Sequence[int], split: bool) -> Costs:
-        """Per-stage action costs under ``balance``; ``split``: the schedule runs I and W."""
+    def costs(self, balance: Sequence[int], split: bool, calibration: Calibration = Calibration()) -> Costs:
+        """Per-stage action costs under ``balance``; ``split``: the schedule runs I and W;
+        ``calibration``: the per-message and per-action terms, priced at this split's boundaries."""
+        compute = self._compute(balance, split)
+        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
+        return replace(compute, message_bytes=[float(self.output[e]) for e in ends], alpha=calibration.alpha,
+                       beta=calibration.beta, overhead=calibration.overhead)  # fmt: skip
+
+    def _compute(self, balance: Sequence[int], split: bool) -> Costs:
         total = _stage_sums(self.seconds, balance)
         if not self.forward:
             return Costs([t / 3 for t in total], [t * 2 / 3 for t in total])
@@ -90,10 +102,11 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
 
 
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
-               schedules: Sequence[str] | None = None) -> list[Plan]:  # fmt: skip
+               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration()) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
-    ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m.
+    ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
+    ``calibration``: the per-message and per-action costs (zero: compute alone).
     """
     plans = []
     for m, profile in sorted(profiles.items()):
@@ -114,7 +127,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 inputs = [profile.input_bytes] + [profile.output[e] for e in ends[:-1]]
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
-                costs = profile.costs(balance, INPUT_GRAD in spec.kinds)
+                costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
                     step = predict(actions, costs, placement, recomputed).step_time
