@@ -16,6 +16,7 @@ reference runs only for ``checkpoint=never``. The predicted step time is calibra
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -170,7 +171,8 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
         own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
         replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
     calibration = [{"rank": r["rank"], **r["calibration"]} for r in per_rank]  # steps run before the timed ones
-    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd)))
+    # Ranks beyond the machine's cores share them (summarise runs on the machine that measured).
+    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd), os.cpu_count()))
     row["prediction_error"] = row["predicted_s"] / ours - 1.0
     row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
                idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,

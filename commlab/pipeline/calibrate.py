@@ -75,20 +75,42 @@ def executor_overhead(per_rank: list[dict[str, Any]], stages: int) -> float:
     return statistics.median(overheads) if overheads else 0.0
 
 
-def calibrated_costs(per_rank: list[dict[str, Any]], stages: int):
+def nominal(per_rank: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
+    """``per_rank`` with each action's interval shortened to its work at full speed: the inverse of
+    the predictor's host sharing (:func:`commlab.pipeline.predict.sharing`). While n actions of
+    any rank ran at once, each advanced at min(1, cores / n), so its work is that rate's integral."""
+    out = [{**r, "timelines": []} for r in per_rank]
+    for k in range(len(per_rank[0]["timelines"])):
+        spans = [(a, b) for r in per_rank for *_, a, b in r["timelines"][k]]
+        for r, o in zip(per_rank, out):
+            timeline = []
+            for s, kind, i, a, b in r["timelines"][k]:
+                cuts = sorted({a, b, *(x for span in spans for x in span if a < x < b)})
+                work = 0.0
+                for lo, hi in zip(cuts, cuts[1:]):
+                    running = sum(1 for c, d in spans if c < hi and d > lo)  # this action included
+                    work += (hi - lo) * min(1.0, cores / max(1, running))
+                timeline.append((s, kind, i, a, a + work))
+            o["timelines"].append(timeline)
+    return out
+
+
+def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None):
     """The predictor's :class:`commlab.pipeline.predict.Costs` from the calibration steps' timelines.
 
     Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
     includes its recomputation); per message: the median measured producer-to-consumer delay
     (``alpha``: the message cost at this run's one boundary size, so no ``beta`` term); per
     action: :func:`executor_overhead`. The planner fills the same fields from a profile and a
-    plan-time micro-benchmark (:mod:`commlab.pipeline.plan_calibrate`).
+    plan-time micro-benchmark (:mod:`commlab.pipeline.plan_calibrate`). With more ranks than
+    ``cores``, compute is the work at full speed (:func:`nominal`): the predictor slows it again.
     """
-    from commlab.pipeline.predict import Costs
+    from commlab.pipeline.predict import Costs, shared
 
-    fwd, bwd = stage_times(per_rank)
+    compute = nominal(per_rank, cores) if shared(len(per_rank), cores) else per_rank
+    fwd, bwd = stage_times(compute)
     shares = []
-    for r in per_rank:
+    for r in compute:
         for timeline in r["timelines"]:
             i = sum(b - a for _, kind, _, a, b in timeline if kind == "I")
             w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
@@ -98,7 +120,7 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int):
                  overhead=executor_overhead(per_rank, stages))  # fmt: skip
 
 
-def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
+def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None) -> float:
     """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
     (:func:`calibrated_costs`); receives posted one action ahead and the send waits are modelled
     by :func:`commlab.pipeline.predict.lower`, as for the planner."""
@@ -106,7 +128,7 @@ def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions,
     from commlab.pipeline.schedules import REGISTRY
 
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
-    return predict(actions, calibrated_costs(per_rank, stages), placement).step_time
+    return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores).step_time
 
 
 def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

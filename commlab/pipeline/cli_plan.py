@@ -72,7 +72,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         costs = measure_costs(ranks, sorted(sizes), timeout=timeout)
         click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overhead * 1e6:.0f} us/action, message "
                    f"{costs.alpha * 1e6:.0f} us + {costs.beta * 1e9:.3f} ns/byte")  # fmt: skip
-    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs)
+    # Ranks beyond the cores share them: each rank's compute slows while others compute.
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count())
     budget = budget_mb * 2**20
     chosen = best(plans, budget)
     click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")

@@ -102,11 +102,13 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
 
 
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
-               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration()) -> list[Plan]:  # fmt: skip
+               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration(),
+               cores: int | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
-    ``calibration``: the per-message and per-action costs (zero: compute alone).
+    ``calibration``: the per-message and per-action costs (zero: compute alone); ``cores``: the
+    host's, for the sharing of cores among more ranks (:func:`commlab.pipeline.predict.sharing`).
     """
     plans = []
     for m, profile in sorted(profiles.items()):
@@ -130,7 +132,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, costs, placement, recomputed).step_time
+                    step = predict(actions, costs, placement, recomputed, cores).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
