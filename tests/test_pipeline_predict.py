@@ -165,7 +165,7 @@ def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
     recovered = calibrated_costs(per_rank, 3, cores=2)
     assert list(recovered.forward) == pytest.approx([1.0, 1.5, 1.0]) and list(recovered.backward) == pytest.approx([2.0, 3.0, 2.0])
     assert list(calibrated_costs(per_rank, 3).backward) != pytest.approx([2.0, 3.0, 2.0])  # as measured: slowed
-    # (Not exactly: idle_breakdown reads the posting rule's waits as a little executor overhead.)
+    # (Not exact: idle_breakdown reads the posting rule's waits as a little executor overhead.)
     assert predicted_step({"schedule": "1f1b"}, per_rank, actions, 3, 3, cores=2) == pytest.approx(measured, rel=0.01)
     # Without the term the slowed medians hold for every action, overlapped or not: 5% too slow here.
     assert predicted_step({"schedule": "1f1b"}, per_rank, actions, 3, 3) > measured * 1.03
@@ -174,3 +174,14 @@ def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
                          forward=[1.0, 1.5, 1.0])  # fmt: skip
     (plan,) = candidates({6: layer}, 3, [1], ["never"], ["1f1b"], cores=2)
     assert plan.step_time == pytest.approx(measured)
+
+
+def test_waiting_for_a_core_is_not_executor_overhead():
+    from commlab.pipeline.calibrate import idle_breakdown
+
+    # Rank 1's input arrives at 1 but it starts at 2; meanwhile ranks 0 and 2 compute, so on 2
+    # cores it could have had 2/3 of a core: 2/3 s of overhead, not 1 s.
+    timeline = {0: [(0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 4.0)], 1: [(1, "F", 0, 2.0, 3.0)], 2: [(0, "F", 2, 0.0, 3.0)]}
+    assert idle_breakdown(timeline, 2, 0.0) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert idle_breakdown(timeline, 2, 0.0, cores=2)[1] == pytest.approx(2 / 3)
+    assert idle_breakdown(timeline, 2, 0.0, cores=3)[1] == pytest.approx(1.0)

@@ -41,15 +41,18 @@ def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
     return statistics.median(delays) if delays else 0.0
 
 
-def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: float) -> tuple[float, float]:
+def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: float, cores: int | None = None) -> tuple[float, float]:
     """Split one step's idle time (all ranks) into waiting for a peer's message and being idle
     although the message had arrived (executor overhead, or the OS running something else).
 
-    Time after a rank's last action counts as waiting: it is the schedule's cool-down.
+    Time after a rank's last action counts as waiting: it is the schedule's cool-down. With
+    ``cores`` (fewer than ranks), a ready gap counts as the work the rank could do in it at the
+    predictor's shared rate (:func:`_work`): the OS giving the cores to others is not overhead.
     """
     from commlab.pipeline.schedules import Action
     from commlab.pipeline.simulate import dependencies
 
+    spans = [(a, b) for acts in timeline.values() for *_, a, b in acts]
     ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
     split = frozenset(s for s, kind, _ in ends if kind == "I")
     waiting = ready = 0.0
@@ -59,18 +62,20 @@ def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: flo
             arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages, split)
                                     if ends[(d.stage, d.kind, d.microbatch)][0] != r])  # fmt: skip
             waiting += max(0.0, min(arrived, start) - free)
-            ready += max(0.0, start - max(arrived, free))
+            lo = max(arrived, free)
+            if start > lo:
+                ready += _work(lo, start, spans, cores, extra=1) if cores else start - lo
             free = end
         waiting += max(0.0, step_time - free)
     return waiting, ready
 
 
-def executor_overhead(per_rank: list[dict[str, Any]], stages: int) -> float:
+def executor_overhead(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None) -> float:
     """The executor's own time per action: the median over steps of the time ranks sat idle with
     their input already there (:func:`idle_breakdown`), divided over the step's actions."""
     overheads = []
     for k in range(len(per_rank[0]["timelines"])):
-        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
+        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0, cores)
         overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
     return statistics.median(overheads) if overheads else 0.0
 
@@ -85,14 +90,20 @@ def nominal(per_rank: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
         for r, o in zip(per_rank, out):
             timeline = []
             for s, kind, i, a, b in r["timelines"][k]:
-                cuts = sorted({a, b, *(x for span in spans for x in span if a < x < b)})
-                work = 0.0
-                for lo, hi in zip(cuts, cuts[1:]):
-                    running = sum(1 for c, d in spans if c < hi and d > lo)  # this action included
-                    work += (hi - lo) * min(1.0, cores / max(1, running))
-                timeline.append((s, kind, i, a, a + work))
+                timeline.append((s, kind, i, a, a + _work(a, b, spans, cores)))  # this action is in spans
             o["timelines"].append(timeline)
     return out
+
+
+def _work(lo: float, hi: float, spans: list[tuple[float, float]], cores: int, extra: int = 0) -> float:
+    """Seconds of full-speed work in [lo, hi] for a task sharing ``cores`` with the ``spans``
+    running then (plus ``extra`` not among them): the integral of min(1, cores / n)."""
+    cuts = sorted({lo, hi, *(x for span in spans for x in span if lo < x < hi)})
+    work = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        running = extra + sum(1 for c, d in spans if c < b and d > a)
+        work += (b - a) * min(1.0, cores / max(1, running))
+    return work
 
 
 def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None):
@@ -117,7 +128,7 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | N
             if i + w > 0:
                 shares.append(w / (i + w))
     return Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
-                 overhead=executor_overhead(per_rank, stages))  # fmt: skip
+                 overhead=executor_overhead(per_rank, stages, cores if shared(len(per_rank), cores) else None))  # fmt: skip
 
 
 def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None) -> float:

@@ -87,8 +87,11 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> Calibration:
     """Measure :class:`Calibration` on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
+    import os
+
     import commlab
     from commlab.pipeline.calibrate import comm_latency, executor_overhead
+    from commlab.pipeline.predict import shared
 
     if ranks < 2:
         return Calibration()
@@ -97,4 +100,5 @@ def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int
                               world_size=ranks, backend="gloo", timeout=timeout)  # fmt: skip
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
-    return Calibration(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks))
+    cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
+    return Calibration(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
