@@ -65,5 +65,9 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     assert first.loc[("1f1b", 4), "saved_bytes"] / first.loc[("gpipe", 4), "saved_bytes"] == pytest.approx(0.5)
     timeline = pd.read_csv(run / "timeline.csv")
     assert set(timeline["source"]) == {"measured", "simulated"}
-    assert all((run / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "timeline.png", "metadata.json"))
+    assert all((run / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "peak_memory.png",
+                                                       "timeline.png", "metadata.json"))  # fmt: skip
+    # The figure of peak memory per schedule is drawn from each rank's ledger peak: GPipe's above 1F1B's.
+    peaks = stages[stages["checkpoint"] == "never"].groupby(["schedule", "microbatches"])["rank_peak_bytes"].max()
+    assert peaks[("1f1b", 4)] < peaks[("gpipe", 4)]
     assert not list(run.glob(".*.tmp"))  # atomic writes leave no temporary files

@@ -10,14 +10,18 @@ into its predicted bubble (with the median measured message delay as ``comm``). 
 bubble feeds each step's own action times to the simulator: on a loaded machine compute times
 vary from one micro-batch to the next, which a per-stage median cannot predict. Activation memory is the bytes saved for backward (saved-tensor hooks),
 plus the CUDA allocator's peak on GPUs. torch has no checkpointing in its schedules, so the
-reference runs only for ``checkpoint=never``.
+reference runs only for ``checkpoint=never``. The predicted step time is calibrated on
+``calibrate`` commlab steps run before the timed ones (:mod:`commlab.pipeline.calibrate`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
+
+from commlab.pipeline.calibrate import aligned, comm_latency, idle_breakdown, predicted_step, stage_times
 
 COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtual=2)
 
@@ -62,6 +66,20 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     cuda = rt.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in runs}
+    # Calibration steps first (commlab alone, after one warm-up step): the predictor's costs come
+    # from these, never from the timed steps it is checked against.
+    calibration: dict[str, list] = {"timelines": [], "origins": []}
+    for i in range(1 + common.get("calibrate", 3)):
+        ours_model.zero_grad(set_to_none=False)
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        runs["commlab"][1]()
+        sync()
+        if i:
+            calibration["origins"].append(start)
+            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, ours.started_at + t.start,
+                                              ours.started_at + t.end) for t in ours.timeline])  # fmt: skip
     timelines, origins, cuda_peak = [], [], None
     for i in range(common["warmup"] + common["iters"]):
         for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:  # neither always goes first
@@ -89,7 +107,7 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     counted = PipelineSchedule(stage, cfg["schedule"], **options)
     counted.step(x if stage.is_first else None, target=y if stage.is_last else None)
     ours_model.zero_grad(set_to_none=True)
-    return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "cuda_peak": cuda_peak,
+    return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "cuda_peak": cuda_peak, "calibration": calibration,
             "saved_bytes": dict(counted.peak_saved_bytes), "rank_peak_bytes": counted.memory.peak}  # fmt: skip
 
 
@@ -125,58 +143,6 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
     return step
 
 
-def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:
-    """Iteration k's timeline per rank, in seconds from the earliest rank's start of the step."""
-    origin = min(r["origins"][k] for r in per_rank)
-    return {r["rank"]: [(s, kind, i, a - origin, b - origin) for s, kind, i, a, b in r["timelines"][k]] for r in per_rank}
-
-
-def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
-    """Median delay from a message's producer finishing to its consumer starting, counted only
-    where the consumer sat idle waiting for it: the simulator's per-message ``comm``."""
-    from commlab.pipeline.schedules import Action
-    from commlab.pipeline.simulate import dependencies
-
-    delays = []
-    for k in range(len(per_rank[0]["timelines"])):
-        timeline = aligned(per_rank, k)
-        where = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
-        split = frozenset(s for s, kind, _ in where if kind == "I")
-        for r, acts in timeline.items():
-            free = 0.0
-            for s, kind, i, a, b in acts:
-                for d in dependencies(Action(s, kind, i), stages, split):
-                    rank, done = where[(d.stage, d.kind, d.microbatch)]
-                    if rank != r and done > free:
-                        delays.append(max(0.0, a - done))
-                free = b
-    return statistics.median(delays) if delays else 0.0
-
-
-def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: float) -> tuple[float, float]:
-    """Split one step's idle time (all ranks) into waiting for a peer's message and being idle
-    although the message had arrived (executor overhead, or the OS running something else).
-
-    Time after a rank's last action counts as waiting: it is the schedule's cool-down.
-    """
-    from commlab.pipeline.schedules import Action
-    from commlab.pipeline.simulate import dependencies
-
-    ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
-    split = frozenset(s for s, kind, _ in ends if kind == "I")
-    waiting = ready = 0.0
-    for r, acts in timeline.items():
-        free = 0.0
-        for s, kind, i, start, end in sorted(acts, key=lambda a: a[3]):
-            arrived = max([free] + [ends[(d.stage, d.kind, d.microbatch)][1] for d in dependencies(Action(s, kind, i), stages, split)
-                                    if ends[(d.stage, d.kind, d.microbatch)][0] != r])  # fmt: skip
-            waiting += max(0.0, min(arrived, start) - free)
-            ready += max(0.0, start - max(arrived, free))
-            free = end
-        waiting += max(0.0, step_time - free)
-    return waiting, ready
-
-
 def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int) -> dict[str, Any]:
     """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
     from commlab.pipeline.schedules import Action, build
@@ -204,60 +170,15 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
     for k in range(len(measured)):
         own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
         replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
-    row.update(predicted_s=predicted_step(cfg, per_rank, actions, world, len(fwd)))
+    calibration = [{"rank": r["rank"], **r["calibration"]} for r in per_rank]  # steps run before the timed ones
+    # Ranks beyond the machine's cores share them (summarise runs on the machine that measured).
+    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd), os.cpu_count()))
     row["prediction_error"] = row["predicted_s"] / ours - 1.0
     row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
                idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
                bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
                bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
     return row
-
-
-def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int) -> float:
-    """The step time the shared core predicts from this run's calibration.
-
-    Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
-    includes its recomputation); per message: the median measured producer-to-consumer delay
-    (alpha); per action: the executor's overhead, the median time a rank sat idle with its input
-    already there, divided over its actions. Receives posted one action ahead and the send waits
-    are modelled by :func:`commlab.pipeline.predict.lower`.
-    """
-    from commlab.pipeline.predict import Costs, predict
-    from commlab.pipeline.schedules import REGISTRY
-
-    fwd, bwd = stage_times(per_rank)
-    shares = []
-    for r in per_rank:
-        for timeline in r["timelines"]:
-            i = sum(b - a for _, kind, _, a, b in timeline if kind == "I")
-            w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
-            if i + w > 0:
-                shares.append(w / (i + w))
-    overheads = []
-    for k in range(len(per_rank[0]["timelines"])):
-        _, ready = idle_breakdown(aligned(per_rank, k), stages, 0.0)
-        overheads.append(ready / max(1, sum(len(r["timelines"][k]) for r in per_rank)))
-    costs = Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
-                  overhead=statistics.median(overheads))  # fmt: skip
-    placement = REGISTRY[cfg["schedule"]].placement(world, stages)
-    return predict(actions, costs, placement).step_time
-
-
-def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """Median measured forward and backward compute time of each stage (seconds)."""
-    durations: dict[tuple[int, str], list[float]] = {}
-    for r in per_rank:
-        for timeline in r["timelines"]:
-            for stage, kind, _, start, end in timeline:
-                durations.setdefault((stage, kind), []).append(end - start)
-    stages = 1 + max(s for s, _ in durations)
-
-    def backward(s: int) -> float:  # a split backward's B is its I plus its W
-        if (s, "B") in durations:
-            return statistics.median(durations[(s, "B")])
-        return statistics.median(durations[(s, "I")]) + statistics.median(durations[(s, "W")])
-
-    return [statistics.median(durations[(s, "F")]) for s in range(stages)], [backward(s) for s in range(stages)]
 
 
 def stage_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,11 +4,13 @@
     commlab pipeline simulate --ranks 4 --microbatches 8 --backward 2      bubble of every schedule
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 16                         fastest plan under a memory budget
+    commlab pipeline plan --validate ...                                   ... and its pick measured against the grid
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -141,12 +143,13 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="timed steps each")
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="untimed steps each")
+@click.option("--calibrate", default=3, show_default=True, type=click.IntRange(min=1), help="commlab steps before the timed ones that calibrate the prediction")
 @click.option("--out", default="results", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--name", help="results sub-directory [pipeline-<time>]")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="seconds")
 @click.option("--no-figures", is_flag=True)
 def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backend, virtual, depth, width, batch,
-          iters, warmup, out, name, timeout, no_figures) -> None:  # fmt: skip
+          iters, warmup, calibrate, out, name, timeout, no_figures) -> None:  # fmt: skip
     """commlab's pipeline vs torch.distributed.pipelining, alternating; bubble, memory, figures."""
     import commlab
     from commlab.pipeline.bench import measure_rank, stage_rows, summarise, timeline_rows
@@ -157,7 +160,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
         backend = resolve_backend(backend, world_size)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--backend") from None
-    common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
+    common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, calibrate=calibrate, timeout=timeout)
     configs = []
     balances: dict[tuple[str, int], list[int]] = {}  # one balance per mode and stage count, shared by all schedules
     for schedule in _names(schedules, _schedule_names(), "--schedules"):
@@ -166,7 +169,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
             if (mode, world_size * v) not in balances:
                 # Profiled at the micro-batch size the pipeline runs (the smallest asked for).
                 mb = max(1, batch // max(_ints(microbatches, "--microbatches")))
-                balances[(mode, world_size * v)] = _balance(mode, depth, width, mb, world_size * v)
+                balances[(mode, world_size * v)] = _balance(mode, depth, width, mb, world_size * v, world_size)
             balance = balances[(mode, world_size * v)]
             for m in _ints(microbatches, "--microbatches"):
                 if m > batch:
@@ -199,7 +202,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
             click.echo(f"wrote {path}")
 
 
-def _balance(mode: str, depth: int, width: int, batch: int, stages: int) -> list[int]:
+def _balance(mode: str, depth: int, width: int, batch: int, stages: int, world_size: int) -> list[int]:
     """The balance decided once, in the parent, so every rank splits the model the same way."""
     import torch
 
@@ -213,7 +216,16 @@ def _balance(mode: str, depth: int, width: int, batch: int, stages: int) -> list
     if mode == "uniform":
         return partition([1.0] * len(model), stages)
     sample = torch.randn(batch, width)
-    return balance_by_time(model, sample, stages, repeat=5) if mode == "time" else balance_by_size(model, sample, stages)
+    if mode != "time":
+        return balance_by_size(model, sample, stages)
+    # Profile with a rank's threads (commlab.launch gives each cores // world), not the parent's.
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        return balance_by_time(model, sample, stages, repeat=5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size) -> None:
@@ -240,46 +252,10 @@ def _print(summary, stages) -> None:
                    f"{row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:10.2f}")  # fmt: skip
 
 
-@pipeline.command()
-@click.option("--ranks", "-p", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--budget-mb", default=64.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="per-rank memory budget, MiB")
-@click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True)
-@click.option("--microbatches", "-m", default="2,4,8,16", show_default=True, help="comma-separated")
-@click.option("--virtual", "-v", default="1,2", show_default=True, help="stages per rank to try (interleaved)")
-@click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True)
-@click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
-@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
-@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
-@click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top) -> None:
-    """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
+def _register_plan() -> None:
+    from commlab.pipeline.cli_plan import plan
 
-    Layers are profiled at each micro-batch size, and every plan is predicted on the shared
-    simulator core with its peak memory per rank.
-    """
-    import torch
+    pipeline.add_command(plan)
 
-    from commlab.models import mlp
-    from commlab.pipeline.executor import CHECKPOINT_MODES
-    from commlab.pipeline.plan import best, candidates, profile
 
-    names = _names(schedules, _schedule_names(), "--schedules")
-    modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
-    ms = [m for m in _ints(microbatches, "--microbatches") if m <= batch]
-    if not ms:
-        raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
-    torch.manual_seed(0)
-    model = mlp(depth, width)
-    profiles = {m: profile(model, torch.randn(batch // m, width)) for m in ms}
-    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names)
-    budget = budget_mb * 2**20
-    chosen = best(plans, budget)
-    click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")
-    for p in plans[:top]:
-        mark = "" if max(p.peak_bytes) <= budget else "  over budget"
-        click.echo(f"{p.schedule:<12} {p.microbatches:>3} {p.virtual:>2} {p.checkpoint:<12} {p.step_time * 1e3:8.2f} "
-                   f"{max(p.peak_bytes) / 2**20:14.2f}  {list(p.balance)}{mark}")  # fmt: skip
-    if chosen is None:
-        raise click.ClickException(f"no plan fits {budget_mb:g} MiB per rank (smallest needs {min(max(p.peak_bytes) for p in plans) / 2**20:.2f} MiB)")
-    click.echo(f"plan: {chosen.schedule}, m={chosen.microbatches}, v={chosen.virtual}, checkpoint {chosen.checkpoint}, "
-               f"balance {list(chosen.balance)}: predicted {chosen.step_time * 1e3:.2f} ms, peak {max(chosen.peak_bytes) / 2**20:.2f} MiB per rank")  # fmt: skip
+_register_plan()

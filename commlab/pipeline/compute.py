@@ -23,35 +23,37 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from commlab.pipeline.values import Value, detached, floats, pairs
+
 
 @dataclass
 class Layer:
     """One layer's forward as its own graph: a detached input, the output, its trainable weights."""
 
-    inp: torch.Tensor
-    out: torch.Tensor
+    inp: Value
+    out: Value
     params: list[torch.Tensor]
-    grad: torch.Tensor | None = None  # the output's gradient, kept by I for W
+    grad: tuple | None = None  # the output's gradient (one per floating element), kept by I for W
 
 
 @dataclass
 class Stashed:
     """What a micro-batch leaves on a stage between its forward and its backward."""
 
-    x: torch.Tensor
+    x: Value
     rng: tuple | None = None  # set when checkpointed: only x is kept, the forward is recomputed
-    y: torch.Tensor | None = None
+    y: Value | None = None
     loss: torch.Tensor | None = None
     layers: list[Layer] = field(default_factory=list)  # split backward only
     nbytes: int = 0
 
 
-def forward_layers(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[Layer]]:
+def forward_layers(module: nn.Module, x: Value) -> tuple[Value, list[Layer]]:
     """Run an nn.Sequential one layer at a time, each layer's graph cut at its input."""
     layers: list[Layer] = []
     h = x
     for k, layer in enumerate(module.children()):
-        inp = h if k == 0 or not h.is_floating_point() else h.detach().requires_grad_(True)
+        inp = h if k == 0 else detached(h, grad=True)
         out = layer(inp)
         params = [p for p in layer.parameters() if p.requires_grad]
         layers.append(Layer(inp, out, params))
@@ -59,27 +61,31 @@ def forward_layers(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, li
     return h, layers
 
 
-def input_grad(layers: list[Layer], grad: torch.Tensor | None, root: torch.Tensor | None = None) -> torch.Tensor | None:
-    """I: the gradient of the first layer's input; each layer's output gradient kept for W.
-
-    ``root`` is the loss on the last stage (then ``grad`` is None)."""
+def input_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | None = None) -> tuple | None:
+    """I: the gradient of the first layer's input (per floating element); each layer's output
+    gradient kept for W. ``root`` is the loss on the last stage (then ``grad`` is None)."""
     if root is not None:
-        grad = torch.autograd.grad(root, layers[-1].out)[0] if layers[-1].out.requires_grad else None
+        outs = [t for t in floats(layers[-1].out) if t.requires_grad]
+        found = iter(torch.autograd.grad(root, outs, allow_unused=True) if outs else ())
+        grad = tuple(next(found) if t.requires_grad else None for t in floats(layers[-1].out))
     for layer in reversed(layers):
         layer.grad = grad
-        if grad is None or not layer.out.requires_grad or not layer.inp.requires_grad:
+        outs, gs = pairs(layer.out, grad)
+        ins = [t for t in floats(layer.inp) if t.requires_grad]
+        if not outs or not ins:
             return None
-        (grad,) = torch.autograd.grad(layer.out, layer.inp, grad, retain_graph=True, allow_unused=True)
-        if grad is None:
-            grad = torch.zeros_like(layer.inp)
+        found = iter(torch.autograd.grad(outs, ins, gs, retain_graph=True, allow_unused=True))
+        grad = tuple(next(found) if t.requires_grad else None for t in floats(layer.inp))
+        grad = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grad, floats(layer.inp)))
     return grad
 
 
 def weight_grad(layers: list[Layer]) -> None:
     """W: accumulate every layer's weight gradients from the output gradients I kept."""
     for layer in layers:
-        if layer.params and layer.grad is not None and layer.out.requires_grad:
-            torch.autograd.backward(layer.out, layer.grad, inputs=layer.params)
+        outs, gs = pairs(layer.out, layer.grad)
+        if layer.params and outs:
+            torch.autograd.backward(outs, gs, inputs=layer.params)
         layer.grad = None
 
 

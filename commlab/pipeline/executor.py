@@ -8,11 +8,11 @@ torch.distributed.pipelining's CSV; any list that :func:`validate` accepts runs.
 
 The executor walks this rank's actions in order. Before an action it waits for the one message
 it needs (an activation for a forward, a gradient for B or I; W needs none); after it, in one
-``batch_isend_irecv``, it sends what the action produced and posts the receive for the next action
-(the pairing torch.distributed.pipelining's schedules use, so that NCCL can match a send with the
-peer's receive posted in the same batch; NCCL also needs :func:`message_order`). Each send is
-awaited as early as it safely can be (:func:`commlab.pipeline.messages.send_waits`), which frees
-the sent tensor: a Gloo send holds it until ``wait()``.
+batch, it sends what the action produced and posts the receive for the next action
+(:mod:`commlab.pipeline.transport`; NCCL also needs :func:`message_order`). What crosses a
+boundary may be a tuple of tensors (:mod:`commlab.pipeline.values`). Each send is awaited as early
+as it safely can be (:func:`commlab.pipeline.messages.send_waits`), which frees the sent tensor:
+a Gloo send holds it until ``wait()``.
 
 Loss scaling (``loss_reduction``): with ``"mean"`` (loss_fn averages over its micro-batch, as
 F.cross_entropy does by default) micro-batch i's loss is scaled by its share n_i / N of the
@@ -28,19 +28,20 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from commlab.pipeline.comm import Boundary, handshake, split_batch, tag
+from commlab.pipeline.comm import agree, split_batch
 from commlab.pipeline.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.memory import Ledger, SavedBytes
 from commlab.pipeline.messages import message_order, send_waits
 from commlab.pipeline.simulate import Timed, split_stages
 from commlab.pipeline.stage import Stage
+from commlab.pipeline.transport import Transport
 from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, resolve
+from commlab.pipeline.values import Value, detached, flat, floats, leaf_grads, pairs
 
 __all__ = ["CHECKPOINT_MODES", "LOSS_REDUCTIONS", "PipelineSchedule", "check_plan", "resolve"]
 
@@ -100,8 +101,9 @@ class PipelineSchedule:
         self.actions: tuple[Action, ...] = all_actions[stage.rank]
         self._waits = send_waits(all_actions, stage.placement)
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
-        self._boundaries: dict[int, Boundary] | None = None
+        self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
+        self._known: dict = {}  # first stage's input boundary -> every stage's (comm.agree)
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
@@ -123,19 +125,19 @@ class PipelineSchedule:
                 targets = split_batch(target.to(st.device), m, "the target")
         except ValueError as err:
             error = str(err)
-        self._boundaries = handshake(st, chunks, self.timeout, error, self._shapes)
-        sizes = next(iter(self._boundaries.values())).sizes
+        boundaries = agree(st, chunks, self.timeout, error, self._known, self._shapes)
+        sizes = next(iter(boundaries.values())).sizes
         self._weights = [n / sum(sizes) if self.loss_reduction == "mean" else 1.0 for n in sizes]
         self._chunks, self._targets = chunks, targets
         self._stash: dict[tuple[int, int], Stashed] = {}
-        self._local: dict[Action, torch.Tensor] = {}
         self._live = {s: 0 for s in st.modules}
         self.peak_saved_bytes = {s: 0 for s in st.modules}
         self.memory = Ledger() if self.track_memory else None
+        self._transport.start(boundaries, self._hold if self.track_memory else None)
         self.timeline = []
         self._losses: list[torch.Tensor] = []
         in_flight: dict[Action, list] = {}  # action -> its send's works; the work holds the tensor
-        posted = self._exchange([], self._recv_op(self.actions[0]), self.actions[0])
+        posted = self._transport.post(None, None, self.actions[0])
         start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
         for k, action in enumerate(self.actions):
             for sent in self._waits.get(action, ()):
@@ -149,10 +151,9 @@ class PipelineSchedule:
                 torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
             self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
             nxt = self.actions[k + 1] if k + 1 < len(self.actions) else None
-            posted = self._exchange(self._send_ops(action, produced), self._recv_op(nxt) if nxt else None, nxt)
+            posted = self._transport.post(action, produced, nxt)
             if posted.sends:
                 in_flight[action] = posted.sends
-                self._hold("send", action, [produced])
         for sent, works in in_flight.items():
             self._finish(sent, works)
         self._stash.clear()
@@ -160,6 +161,7 @@ class PipelineSchedule:
 
     # -- memory accounting ----------------------------------------------------------------------
     def _hold(self, kind: str, action: Action, tensors=(), storages=None) -> None:
+        """Account ``tensors`` / ``storages`` to a holder (see :class:`Ledger`)."""
         if self.memory is not None:
             self.memory.hold(kind, (action.stage, action.microbatch, action.kind), tensors, storages)
 
@@ -172,62 +174,11 @@ class PipelineSchedule:
             w.wait(self.timeout)
         self._drop("send", action)
 
-    # -- communication --------------------------------------------------------------------------
-    def _peer_of(self, action: Action, send: bool) -> tuple[int, Action] | None:
-        """(neighbour stage, message-producing action) for the message ``action`` sends or needs."""
-        s, i, S = action.stage, action.microbatch, self.stage.num_stages
-        if action.kind == WEIGHT_GRAD:
-            return None
-        forward = action.kind == FORWARD
-        other = s + 1 if forward == send else s - 1
-        if not 0 <= other < S:
-            return None
-        if send:
-            return other, action
-        return other, Action(other, FORWARD if forward else INPUT_GRAD if other in self.split else BACKWARD, i)
-
-    def _recv_op(self, action: Action):
-        found = self._peer_of(action, send=False)
-        if found is None or found[0] in self.stage.modules:
-            return None
-        other, producer = found
-        boundary = self._boundaries[action.stage if action.kind == FORWARD else other]
-        if action.kind != FORWARD and not boundary.dtype.is_floating_point:
-            return None  # a whole-number boundary (token ids) carries no gradient back
-        buf = boundary.buffer(action.microbatch, self.stage.device)
-        peer = self.stage.global_rank_of(other)
-        return buf, dist.P2POp(dist.irecv, buf, peer, self.stage.group, tag(producer, self.microbatches))
-
-    def _send_ops(self, action: Action, produced: torch.Tensor | None) -> list:
-        found = self._peer_of(action, send=True)
-        if found is None or produced is None:
-            return []
-        other, producer = found
-        if other in self.stage.modules:  # neighbour stage on this rank: hand over without a message
-            nxt = Action(other, action.kind, action.microbatch)
-            if action.kind != FORWARD:
-                nxt = Action(other, INPUT_GRAD if other in self.split else BACKWARD, action.microbatch)
-            self._local[nxt] = produced
-            self._hold("local", nxt, [produced])
-            return []
-        peer = self.stage.global_rank_of(other)
-        return [dist.P2POp(dist.isend, produced, peer, self.stage.group, tag(producer, self.microbatches))]
-
-    def _exchange(self, send_ops: list, recv, receiver: Action | None) -> _Posted:
-        """Issue one action's send and the next action's receive as one batch."""
-        ops = send_ops + ([recv[1]] if recv else [])
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if recv and receiver is not None:
-            self._hold("recv", receiver, [recv[0]])
-        if len(works) != len(ops):  # NCCL may coalesce a batch into one work: wait for all of it
-            return _Posted([], recv[0] if recv else None, works)
-        return _Posted(works[: len(send_ops)], recv[0] if recv else None, works[len(send_ops) :])
-
     # -- compute --------------------------------------------------------------------------------
     def _checkpointed(self, microbatch: int) -> bool:
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and microbatch < self.microbatches - 1)
 
-    def _run(self, s: int, i: int, x: torch.Tensor):
+    def _run(self, s: int, i: int, x: Value):
         layers = []
         with self.stage.forward_context(s):
             if s in self.split and torch.is_grad_enabled():
@@ -239,22 +190,21 @@ class PipelineSchedule:
             loss = self.loss_fn(y, self._targets[i]) * self._weights[i]
         return y, loss, layers
 
-    def _saved(self, s: int, x: torch.Tensor):
+    def _saved(self, s: int, x: Value):
         # The first stage's input is the caller's mini-batch (its micro-batches are views of it):
         # alive anyway, so not counted, like the parameters.
         if not self.track_memory:
             return _NoCount()
-        return SavedBytes([*self.stage.modules[s].parameters(), *([x] if s == 0 else [])])
+        return SavedBytes([*self.stage.modules[s].parameters(), *(flat(x) if s == 0 else [])])
 
-    def _forward(self, action: Action, message: torch.Tensor | None) -> torch.Tensor | None:
+    def _forward(self, action: Action, message: Value | None) -> Value | None:
         s, i = action.stage, action.microbatch
         if s == 0:
             x = self._chunks[i]
         else:
-            x = message if message is not None else self._local.pop(action)
+            x = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
-        if s > 0 and x.is_floating_point():
-            x = x.detach().requires_grad_(True)
+            x = detached(x, grad=True)  # its floating elements' gradients go back to stage s - 1
         if self._checkpointed(i):
             rng = rng_state(self.stage.device)
             with torch.no_grad():
@@ -270,19 +220,19 @@ class PipelineSchedule:
         if loss is not None:
             self._losses.append(loss.detach())
             return None
-        return y.detach()
+        return detached(y, grad=False)
 
     def _keep(self, s: int, i: int, stash: Stashed, storages: dict) -> None:
         self._stash[(s, i)] = stash
         if self.memory is None:
             return
-        self._hold("stash", Action(s, FORWARD, i), [stash.x if s > 0 else None, stash.y], storages)
+        self._hold("stash", Action(s, FORWARD, i), [*(flat(stash.x) if s > 0 else ()), *flat(stash.y)], storages)
         held = self.memory._holders[("stash", s, i, FORWARD)][1]
         self._live[s] += sum(held.values()) - stash.nbytes
         stash.nbytes = sum(held.values())
         self.peak_saved_bytes[s] = max(self.peak_saved_bytes[s], self._live[s])
 
-    def _backward(self, action: Action, message: torch.Tensor | None) -> torch.Tensor | None:
+    def _backward(self, action: Action, message: tuple | None) -> tuple | None:
         s, i = action.stage, action.microbatch
         if action.kind == WEIGHT_GRAD:
             stash = self._stash.pop((s, i))
@@ -298,21 +248,19 @@ class PipelineSchedule:
             self._keep(s, i, stash, saved.tensors)
         grad = None
         if stash.loss is None:
-            grad = message if message is not None else self._local.pop(action, None)
+            grad = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
-        x = stash.x
+        sends = s > 0 and bool(floats(stash.x))  # a gradient goes back for each floating input
         if action.kind == INPUT_GRAD:
             out = input_grad(stash.layers, grad, stash.loss)
-            return out if s > 0 and x.requires_grad else None
+            return (out or tuple(torch.zeros_like(t) for t in floats(stash.x))) if sends else None
         self._stash.pop((s, i))
-        root = stash.loss if stash.loss is not None else stash.y
-        with self.stage.backward_context(s, self._last_backward[s] == action, [root]):
-            if root.requires_grad and (grad is not None or stash.loss is not None):
-                torch.autograd.backward(root, grad_tensors=grad)
+        roots, grads = ([stash.loss], None) if stash.loss is not None else pairs(stash.y, grad)
+        with self.stage.backward_context(s, self._last_backward[s] == action, roots):
+            if roots and all(r.requires_grad for r in roots):
+                torch.autograd.backward(roots, grad_tensors=grads)
         self._release(s, i, stash)
-        if s > 0 and x.requires_grad:
-            return x.grad if x.grad is not None else torch.zeros_like(x)
-        return None
+        return leaf_grads(stash.x) if sends else None
 
     def _release(self, s: int, i: int, stash: Stashed) -> None:
         self._live[s] -= stash.nbytes
@@ -327,17 +275,3 @@ class _NoCount:
 
     def __exit__(self, *exc) -> None:
         return None
-
-
-@dataclass
-class _Posted:
-    """What one batch of point-to-point ops left to wait for."""
-
-    sends: list
-    buffer: torch.Tensor | None  # the next action's incoming message
-    recv_works: list
-
-    def wait(self, timeout: datetime.timedelta) -> torch.Tensor | None:
-        for w in self.recv_works:
-            w.wait(timeout)
-        return self.buffer

@@ -2,6 +2,8 @@
 
 - ``throughput.png``: samples/s vs micro-batches, one line per schedule, commlab solid, torch dashed;
 - ``activation_memory.png``: bytes saved for backward per stage, one bar per schedule;
+- ``peak_memory.png``: each rank's peak held bytes (the executor's ledger: stashes, receive
+  buffers, sends in flight, hand-overs), one bar per schedule, at the most micro-batches;
 - ``timeline.png``: for each schedule, the measured timeline of a median step over the simulator's
   Gantt chart from the measured per-stage times.
 """
@@ -26,7 +28,8 @@ def draw_all(run_dir: Path) -> list[Path]:
     summary = pd.read_csv(run_dir / "summary.csv")
     stages = pd.read_csv(run_dir / "stages.csv")
     timeline = pd.read_csv(run_dir / "timeline.csv")
-    written = [_throughput(summary, run_dir / "throughput.png"), _memory(stages, run_dir / "activation_memory.png")]
+    written = [_throughput(summary, run_dir / "throughput.png"), _memory(stages, run_dir / "activation_memory.png"),
+               _peaks(stages, run_dir / "peak_memory.png")]  # fmt: skip
     written.append(_timelines(summary, timeline, run_dir / "timeline.png"))
     return written
 
@@ -70,6 +73,23 @@ def _memory(stages: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("MiB saved for backward (peak)")
     ax.set_xlabel("pipeline stage")
     ax.set_title(f"Per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
+    fig.tight_layout()
+    write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+    return path
+
+
+def _peaks(stages: pd.DataFrame, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    df = _plain(stages)
+    df = df[df["microbatches"] == df["microbatches"].max()].drop_duplicates(["config", "rank"])  # one row per rank
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    sns.barplot(data=df.assign(MiB=df["rank_peak_bytes"] / 2**20), x="rank", y="MiB", hue="schedule", ax=ax)
+    ax.set_ylabel("MiB held at the peak (ledger)")
+    ax.set_xlabel("pipeline rank")
+    ax.set_title(f"Peak memory per rank and schedule, {int(df['microbatches'].max())} micro-batches", fontsize=10)
     fig.tight_layout()
     write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)

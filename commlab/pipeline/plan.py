@@ -1,7 +1,11 @@
 """The planner: the fastest schedule x micro-batches x stages per rank x checkpointing that fits a memory budget.
 
 Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
-times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`). Its peak
+times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`) with the
+bench predictor's lowering and cost terms: per-action compute from the profile, the executor's
+per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
+sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
+are measured once at plan time (:mod:`commlab.pipeline.plan_calibrate`, a few seconds). Its peak
 memory per rank is predicted from the action order (:func:`peak_bytes`): parameters and their
 gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
 input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
@@ -11,10 +15,11 @@ send per boundary. Candidates over the budget are dropped; the fastest survivor 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Actions, num_microbatches
 from commlab.pipeline.partition import partition
+from commlab.pipeline.plan_calibrate import Calibration
 from commlab.pipeline.predict import Costs, checkpointed_microbatches, predict
 from commlab.pipeline.schedules import REGISTRY
 
@@ -29,6 +34,29 @@ class LayerProfile:
     output: Sequence[float]
     params: Sequence[float]
     input_bytes: float
+    # Measured per layer when known (:func:`profile`): forward alone, and the split backward's
+    # I and W (a layer-by-layer split costs more than one B). Empty: forward : backward = 1 : 2.
+    forward: Sequence[float] = ()
+    input_grad: Sequence[float] = ()
+    weight_grad: Sequence[float] = ()
+
+    def costs(self, balance: Sequence[int], split: bool, calibration: Calibration = Calibration()) -> Costs:
+        """Per-stage action costs under ``balance``; ``split``: the schedule runs I and W;
+        ``calibration``: the per-message and per-action terms, priced at this split's boundaries."""
+        compute = self._compute(balance, split)
+        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
+        return replace(compute, message_bytes=[float(self.output[e]) for e in ends], alpha=calibration.alpha,
+                       beta=calibration.beta, overhead=calibration.overhead)  # fmt: skip
+
+    def _compute(self, balance: Sequence[int], split: bool) -> Costs:
+        total = _stage_sums(self.seconds, balance)
+        if not self.forward:
+            return Costs([t / 3 for t in total], [t * 2 / 3 for t in total])
+        fwd = _stage_sums(self.forward, balance)
+        if split and self.input_grad:
+            i, w = _stage_sums(self.input_grad, balance), _stage_sums(self.weight_grad, balance)
+            return Costs(fwd, [a + b for a, b in zip(i, w)], sum(w) / max(sum(i) + sum(w), 1e-12))
+        return Costs(fwd, [max(t - f, 0.0) for t, f in zip(total, fwd)])
 
 
 @dataclass(frozen=True)
@@ -74,10 +102,13 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
 
 
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
-               schedules: Sequence[str] | None = None) -> list[Plan]:  # fmt: skip
+               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration(),
+               cores: int | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
-    ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m.
+    ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
+    ``calibration``: the per-message and per-action costs (zero: compute alone); ``cores``: the
+    host's, for the sharing of cores among more ranks (:func:`commlab.pipeline.predict.sharing`).
     """
     plans = []
     for m, profile in sorted(profiles.items()):
@@ -93,17 +124,15 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 if stages > layers:
                     continue
                 balance = partition(profile.seconds, stages)
-                seconds = _stage_sums(profile.seconds, balance)
                 saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
                 ends = [sum(balance[: s + 1]) - 1 for s in range(stages)]
                 inputs = [profile.input_bytes] + [profile.output[e] for e in ends[:-1]]
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
-                # Forward : backward = 1 : 2 of the profiled forward + backward time.
-                costs = Costs([t / 3 for t in seconds], [t * 2 / 3 for t in seconds])
+                costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, costs, placement, recomputed).step_time
+                    step = predict(actions, costs, placement, recomputed, cores).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
@@ -114,15 +143,44 @@ def best(plans: Sequence[Plan], budget: float) -> Plan | None:
     return next((p for p in plans if max(p.peak_bytes) <= budget), None)
 
 
-def profile(model, sample) -> LayerProfile:
-    """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`."""
+def profile(model, sample, repeat: int = 3) -> LayerProfile:
+    """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`.
+
+    Times are the best of ``repeat``: forward + backward, forward alone, and the split backward's
+    I (``autograd.grad`` for the input only) and W (``backward(inputs=params)``), as the executor
+    runs them (:mod:`commlab.pipeline.compute`)."""
+    import time
+
     import torch
 
     from commlab.pipeline.memory import SavedBytes
     from commlab.pipeline.partition import profile_times
 
-    seconds = profile_times(model, sample, repeat=3)
+    seconds = profile_times(model, sample, repeat=repeat)
     saved, output, params = [], [], []
+    forward, input_grad, weight_grad = [float("inf")] * len(model), [float("inf")] * len(model), [float("inf")] * len(model)
+    for _ in range(max(1, repeat)):
+        x = sample
+        for k, layer in enumerate(model):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            weights = [p for p in layer.parameters() if p.requires_grad]
+            start = time.perf_counter()
+            with torch.enable_grad():
+                y = layer(x)
+            mid = time.perf_counter()
+            forward[k] = min(forward[k], mid - start)
+            if y.requires_grad:
+                g = torch.ones_like(y)
+                if x.requires_grad:
+                    torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
+                done_i = time.perf_counter()
+                if weights:
+                    torch.autograd.backward(y, g, inputs=weights)
+                input_grad[k] = min(input_grad[k], done_i - mid)
+                weight_grad[k] = min(weight_grad[k], time.perf_counter() - done_i)
+            else:
+                input_grad[k] = weight_grad[k] = 0.0
+            x = y.detach()
     x = sample
     for layer in model:
         x = x.detach().requires_grad_(x.is_floating_point())
@@ -134,4 +192,5 @@ def profile(model, sample) -> LayerProfile:
         params.append(float(sum(p.numel() * p.element_size() for p in weights)))
         x = y
     model.zero_grad(set_to_none=True)
-    return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()))
+    return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
+                        forward, input_grad, weight_grad)  # fmt: skip

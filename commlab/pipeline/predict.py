@@ -11,13 +11,17 @@ sends before some actions (:func:`commlab.pipeline.messages.send_waits`): those 
 dependencies too. In a hybrid run each stage's data-parallel all-reduce follows its last backward
 on the rank's ``dp{r}`` channel, and the optimizer step follows everything on the rank.
 
+With more ranks than ``cores`` (world 3 on 2 cores), the ranks' compute tasks share one host:
+while n of them run, each advances at min(1, cores / n) of its speed (:func:`sharing`, the core's
+fluid rate). Messages and all-reduces are not slowed: Gloo waits block in the kernel.
+
 Costs come from calibration (a profiled stage, a point-to-point fit), never from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
 from commlab.pipeline.messages import consumer, message_order, send_waits
@@ -62,13 +66,15 @@ def lower(
     waits: bool = True,
     contention: bool = True,
     after: Mapping[Action, Sequence[Action]] | None = None,
+    cores: int | None = None,
 ) -> list[Task]:
     """The tasks of one step. ``checkpointed``: micro-batches whose forward is recomputed.
 
     ``posting``/``waits``/``contention``: model the receive posting, the executor's send waits and
     one message at a time per channel (the pure schedule analysis of
     :func:`commlab.pipeline.simulate.simulate` turns all three off). ``after``: extra dependencies
-    between actions.
+    between actions. ``cores``: the host's cores, when the ranks share fewer than one each
+    (their compute tasks then get host ``"cpu"``; run with ``rate=sharing(cores)``).
     """
     from commlab.pipeline.simulate import split_stages
 
@@ -117,7 +123,22 @@ def lower(
                               meta={"rank": r, "action": a}))  # fmt: skip
     tasks += messages
     tasks += _tail(actions, costs, placement)
+    if shared(len(actions), cores):
+        tasks = [replace(t, host="cpu") if t.resource.startswith("rank") else t for t in tasks]
     return tasks
+
+
+def shared(ranks: int, cores: int | None) -> bool:
+    """Whether ``ranks`` processes on ``cores`` cores slow each other's compute down."""
+    return cores is not None and ranks > cores
+
+
+def sharing(cores: int):
+    """The core's rate function for compute tasks on ``cores`` cores: n running tasks each get
+    min(1, cores / n) (the OS shares cores fairly among runnable single-threaded ranks)."""
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    return lambda task, others: min(1.0, cores / (1 + len(others)))
 
 
 def _tail(actions: Actions, costs: Costs, placement: Sequence[int]) -> list[Task]:
@@ -141,9 +162,11 @@ class Prediction:
     result: SimResult
 
 
-def predict(actions: Actions, costs: Costs, placement: Sequence[int] | None = None, checkpointed: Sequence[int] = ()) -> Prediction:
-    """Predicted step time of ``actions`` under ``costs`` on the shared core."""
-    result = run_tasks(lower(actions, costs, placement, checkpointed))
+def predict(actions: Actions, costs: Costs, placement: Sequence[int] | None = None, checkpointed: Sequence[int] = (),
+            cores: int | None = None) -> Prediction:  # fmt: skip
+    """Predicted step time of ``actions`` under ``costs`` on the shared core (``cores``: see :func:`lower`)."""
+    rate = sharing(cores) if shared(len(actions), cores) else None
+    result = run_tasks(lower(actions, costs, placement, checkpointed, cores=cores), rate)
     return Prediction(result.makespan, result)
 
 
@@ -152,4 +175,4 @@ def checkpointed_microbatches(mode: str, microbatches: int) -> tuple[int, ...]:
     return {"never": (), "always": tuple(range(microbatches)), "except_last": tuple(range(microbatches - 1))}[mode]
 
 
-__all__ = ["Costs", "Prediction", "checkpointed_microbatches", "lower", "num_microbatches", "predict"]
+__all__ = ["Costs", "Prediction", "checkpointed_microbatches", "lower", "num_microbatches", "predict", "shared", "sharing"]

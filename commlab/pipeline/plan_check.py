@@ -1,0 +1,92 @@
+"""Checking the planner against measurement: run a grid of plans, compare the pick with the best.
+
+The acceptance of the planner (issue 9): its pick, measured, is within 5% of the fastest plan of
+a measured grid, and its predicted peak memory bounds the measured one. :func:`measure_rank`
+runs on every rank of one launch. All plans are built first, then stepped in rounds, each round
+in the opposite order of the one before (plan k never always runs first or after the same
+neighbour), so a load change on a shared machine hits every plan alike. A step's time is the
+slowest rank's, from a barrier, without the memory hooks; peak memory comes from one more step
+per plan with the ledger on: what the executor held (stashes, buffers, sends in flight) plus the
+rank's parameters and their gradients, the terms :func:`commlab.pipeline.plan.peak_bytes` predicts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from commlab.pipeline.plan import Plan
+
+
+def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
+    """Every plan's step times (one per round) and peak bytes on this rank (run by commlab.launch)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import commlab
+    from commlab.models import mlp
+    from commlab.pipeline.executor import PipelineSchedule
+    from commlab.pipeline.schedules import REGISTRY
+    from commlab.pipeline.stage import Stage
+
+    rt = commlab.Runtime.current()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(common["batch"], common["width"], generator=gen)
+    y = torch.randint(0, 10, (common["batch"],), generator=gen)
+    built = []
+    for p in plans:
+        torch.manual_seed(0)
+        model = mlp(common["depth"], common["width"])
+        placement = REGISTRY[p["schedule"]].placement(rt.world_size, len(p["balance"]))
+        stage = Stage(model, p["balance"], placement)
+        options = dict(microbatches=p["microbatches"], loss_fn=F.cross_entropy, checkpoint=p["checkpoint"], timeout=common["timeout"])
+        built.append((model, stage, options, PipelineSchedule(stage, p["schedule"], track_memory=False, **options)))
+
+    def step(stage, pipe):
+        return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+
+    times: list[list[float]] = [[] for _ in plans]
+    for i in range(common["warmup"] + common["iters"]):
+        order = range(len(plans)) if i % 2 == 0 else reversed(range(len(plans)))
+        for k in order:
+            model, stage, _, pipe = built[k]
+            model.zero_grad(set_to_none=False)
+            dist.barrier()
+            start = time.perf_counter()
+            step(stage, pipe)
+            if i >= common["warmup"]:
+                times[k].append(time.perf_counter() - start)
+    peaks = []
+    for k, p in enumerate(plans):
+        model, stage, options, _ = built[k]
+        counted = PipelineSchedule(stage, p["schedule"], **options)
+        step(stage, counted)
+        weights = sum(t.numel() * t.element_size() for t in stage.parameters())
+        peaks.append(counted.memory.peak + 2 * weights)  # parameters and their gradients
+    return {"rank": rt.rank, "times": times, "peaks": peaks}
+
+
+def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per plan: predicted and measured step (slowest rank, median and spread), peaks."""
+    rows = []
+    for k, p in enumerate(plans):
+        steps = [max(ts) for ts in zip(*(r["times"][k] for r in per_rank))]
+        q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3
+        measured_peak = [r["peaks"][k] for r in sorted(per_rank, key=lambda r: r["rank"])]
+        rows.append(dict(schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual, checkpoint=p.checkpoint,
+                         balance="-".join(map(str, p.balance)), chosen=p == chosen, predicted_s=p.step_time,
+                         measured_s=statistics.median(steps), q1_s=q[0], q3_s=q[2],
+                         predicted_peak=max(p.peak_bytes), measured_peak=max(measured_peak),
+                         peak_bounded=all(a >= b for a, b in zip(p.peak_bytes, measured_peak))))  # fmt: skip
+    return rows
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pick's measured step over the grid's best, and whether every predicted peak bounds."""
+    pick = next(r for r in rows if r["chosen"])
+    fastest = min(rows, key=lambda r: r["measured_s"])
+    return {"pick_over_best": pick["measured_s"] / fastest["measured_s"], "best": fastest,
+            "pick": pick, "peaks_bounded": all(r["peak_bounded"] for r in rows)}  # fmt: skip

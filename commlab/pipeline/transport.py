@@ -1,0 +1,117 @@
+"""One rank's point-to-point traffic in a step: which message an action sends or needs, posted in batches.
+
+After each action the executor issues, in one ``batch_isend_irecv``, the sends of what the action
+produced and the receive for the next action (the pairing torch.distributed.pipelining's
+schedules use, so that NCCL can match a send with the peer's receive posted in the same batch).
+A value is sent as one message per tensor (:mod:`commlab.pipeline.values`), each with its own tag;
+a gradient comes back for the floating-point elements only. Neighbour stages on the same rank
+hand over without a message.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from commlab.pipeline.comm import Boundary, tag
+from commlab.pipeline.stage import Stage
+from commlab.pipeline.values import Value, flat, rebuild
+
+Hold = Callable[[str, Action, list], None]  # (kind of holder, action, tensors): memory accounting
+
+
+@dataclass
+class Posted:
+    """What one batch of point-to-point ops left to wait for."""
+
+    sends: list
+    message: Value | None  # the next action's incoming value or gradient (filled once waited for)
+    recv_works: list
+
+    def wait(self, timeout: datetime.timedelta) -> Value | None:
+        for w in self.recv_works:
+            w.wait(timeout)
+        return self.message
+
+
+class Transport:
+    """Messages of ``stage``'s actions; ``split``: the stages whose backward is split into I and W."""
+
+    def __init__(self, stage: Stage, split: frozenset[int], microbatches: int):
+        self.stage, self.split, self.microbatches = stage, split, microbatches
+        self.boundaries: dict[int, Boundary] = {}
+        self.local: dict[Action, Value] = {}  # hand-overs between stages on this rank
+        self._hold: Hold = lambda kind, action, tensors: None
+
+    def start(self, boundaries: dict[int, Boundary], hold: Hold | None) -> None:
+        """A new step with these boundaries (from the handshake)."""
+        self.boundaries, self.local = boundaries, {}
+        self._hold = hold or (lambda kind, action, tensors: None)
+
+    def _peer_of(self, action: Action, send: bool) -> tuple[int, Action] | None:
+        """(neighbour stage, message-producing action) for the message ``action`` sends or needs."""
+        s, i, S = action.stage, action.microbatch, self.stage.num_stages
+        if action.kind == WEIGHT_GRAD:
+            return None
+        forward = action.kind == FORWARD
+        other = s + 1 if forward == send else s - 1
+        if not 0 <= other < S:
+            return None
+        if send:
+            return other, action
+        return other, Action(other, FORWARD if forward else INPUT_GRAD if other in self.split else BACKWARD, i)
+
+    def _recv(self, action: Action) -> tuple[Value, list] | None:
+        found = self._peer_of(action, send=False)
+        if found is None or found[0] in self.stage.modules:
+            return None
+        other, producer = found
+        forward = action.kind == FORWARD
+        boundary = self.boundaries[action.stage if forward else other]
+        bufs = boundary.buffers(action.microbatch, self.stage.device, grads=not forward)
+        if not bufs:
+            return None  # whole numbers only (token ids): no gradient comes back
+        peer = self.stage.global_rank_of(other)
+        ops = [dist.P2POp(dist.irecv, b, peer, self.stage.group, tag(producer, self.microbatches, j))
+               for j, b in enumerate(bufs)]  # fmt: skip
+        return (rebuild(bufs, boundary.packed) if forward else tuple(bufs)), ops
+
+    def _sends(self, action: Action, produced: Value | None) -> list:
+        found = self._peer_of(action, send=True)
+        if found is None or produced is None:
+            return []
+        other, producer = found
+        if other in self.stage.modules:  # neighbour stage on this rank: hand over without a message
+            nxt = Action(other, action.kind, action.microbatch)
+            if action.kind != FORWARD:
+                nxt = Action(other, INPUT_GRAD if other in self.split else BACKWARD, action.microbatch)
+            self.local[nxt] = produced
+            self._hold("local", nxt, list(flat(produced)))
+            return []
+        peer = self.stage.global_rank_of(other)
+        # Gloo sends contiguous memory only; a slice of a stage's output (x[:, 6:]) is copied once.
+        return [dist.P2POp(dist.isend, t.contiguous(), peer, self.stage.group, tag(producer, self.microbatches, j))
+                for j, t in enumerate(flat(produced))]  # fmt: skip
+
+    def post(self, action: Action | None, produced: Value | None, receiver: Action | None) -> Posted:
+        """Issue ``action``'s sends of ``produced`` and ``receiver``'s receive as one batch."""
+        send_ops = self._sends(action, produced) if action is not None else []
+        recv = self._recv(receiver) if receiver is not None else None
+        recv_ops = recv[1] if recv else []
+        ops = send_ops + recv_ops
+        works = dist.batch_isend_irecv(ops) if ops else []
+        message = recv[0] if recv else None
+        if recv:
+            self._hold("recv", receiver, list(flat(message)))
+        if len(works) != len(ops):  # NCCL may coalesce a batch into one work: wait for all of it
+            return Posted([], message, works)
+        if send_ops:  # the works hold the sent tensors until awaited (the executor drops this then)
+            self._hold("send", action, [op.tensor for op in send_ops])
+        return Posted(works[: len(send_ops)], message, works[len(send_ops) :])
+
+    def take_local(self, action: Action) -> Value | None:
+        return self.local.pop(action, None)
