@@ -179,6 +179,11 @@ def test_ratios_to_native_per_run_and_their_geomean():
     assert lines[3].split()[1:3] == ["geomean", f"{(1.1 + math.sqrt(0.99)) / 2:.3f}"] and lines[3].split()[-2:] == ["1.100", "0.995"]
     assert lines[4].split() == ["#", "load", "0.50", "3.25"]
     assert ratio_lines(df[df["algorithm"] == "ring"]) == []  # no baseline: nothing to print
+    # With CPU time per call, its ratios' geomean follows the time geomean line.
+    with_cpu = df.assign(cpu_us=df["time_us"].where(df["algorithm"] == "native", df["time_us"] * 2) / 4)
+    cpu_line = ratio_lines(with_cpu)[4].split()
+    assert cpu_line[1:3] == ["cpu", "geo"] and cpu_line[-2:] == ["2.200", "1.990"]  # twice the time ratios
+    assert ratio_table(with_cpu)["cpu_ratio"].tolist() == pytest.approx((2 * ratio_table(df)["ratio"]).tolist())
 
 
 def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
@@ -199,4 +204,5 @@ def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
     assert lines[head + 2].split()[1] == "geomean"
     df = pd.read_csv(out / "collectives.csv")
     assert sorted(df["run"].unique()) == [0, 1] and len(df) == 2 * 2 * 2 and (df["wrong"] == 0).all()
-    assert "load_avg_1min" in df.columns
+    assert "load_avg_1min" in df.columns and (df["cpu_us"] > 0).all()
+    assert lines[head + 3].split()[1:3] == ["cpu", "geo"]

@@ -10,8 +10,9 @@ Pipelining: each block is cut into pieces of ``piece_bytes``. A piece is forward
 next step) as soon as it has arrived and been reduced, so on large messages sending piece j+1,
 receiving piece j+1 and reducing piece j overlap, across step boundaries too: the whole
 all-reduce is one pass of 2(p-1) steps in which the first p-1 reduce and the rest copy.
-At most ``WINDOW`` receives are in flight; reduce-scatter pieces land in that many scratch
-slots (reused round-robin), all-gather pieces land directly in place.
+At most ``WINDOW`` reduce-scatter receives are in flight, landing in ``WINDOW + 1`` scratch
+slots reused round-robin; all-gather pieces land directly in place, so all of their receives
+are posted at the start (on the collective's second tag, see :func:`ring_pass`).
 """
 
 from __future__ import annotations
@@ -55,13 +56,21 @@ def ring_pass(
     all received from the start on their own tag (``comm.tag_of(1)``: Gloo matches a pair's
     receives of one tag in posting order, and the reduce-scatter ones are posted a window at a
     time); the next reduce-scatter receive is posted before the reduction, not after it.
-    Measured (2 cores, loaded, alternating with native, CPU seconds of both threads per call,
-    /tmp-free: ``python -m commlab.bench.ring_ratio``): 32 MB world 2 22.8 -> 21.5 ms against
-    native's 19.1; world 4 35.5 -> 30.7 against 28.4; Gloo loop-thread writes halved.
-
     The loop runs on precomputed views (no per-piece closures or lists) and calls the group's
-    own send/recv directly: ~40 us of Python per piece less, 2 of 13 ms of user time at 32 MB
-    world 4.
+    own send/recv directly (no ``Comm.post`` per piece).
+
+    Measured against the previous version (receives posted after the reduction, all-gather
+    receives a window at a time, ``Comm.post`` per piece), both alternating with native in one
+    run, 2-core machine under other jobs' load (load average 6-9), mean over ranks of CPU time
+    per call (user + system, all threads; less load-sensitive than wall time), old -> new
+    (native): world 4, 4/8/16/32/64 MB: 6.4/10.6/20.8/36.3/72.4 -> 5.2/9.3/18.6/31.7/66.8 ms
+    (4.4/8.4/17.5/30.1/61.8), time ratio to native geomean 1.21 -> 1.10; world 2, 64 MB
+    45.8 -> 42.9 ms (41.5), 43.7 -> 41.0 (38.1) in a second run, geomean 1.13 -> 1.10 and
+    1.27 -> 1.21. Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring (1 MiB
+    pieces, or splitting small blocks into 2-4 pieces, raised CPU and time at 4-16 MB), and
+    4 MiB pieces changed the 32-64 MB CPU by -2..-5% but the time by +-10%: not adopted.
+    Command: ``commlab bench collectives -b 4M -e 64M -f 2 -n 10 --algorithm ring,native
+    --world-size 2,4 --repeat 5`` (ratios), CPU from ``getrusage`` around each call.
     """
     p, r = comm.size, comm.rank
     steps = []
