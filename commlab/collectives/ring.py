@@ -10,10 +10,9 @@ Pipelining: each block is cut into pieces of ``piece_bytes``. A piece is forward
 next step) as soon as it has arrived and been reduced, so on large messages sending piece j+1,
 receiving piece j+1 and reducing piece j overlap, across step boundaries too: the whole
 all-reduce is one pass of 2(p-1) steps in which the first p-1 reduce and the rest copy.
-Reduce-scatter receives are posted ahead as far as ``RECV_AHEAD_BYTES`` of scratch allow (at
-least ``WINDOW``), landing in scratch slots reused round-robin; all-gather pieces land directly
-in place, so all of their receives are posted at the start (on the collective's second tag, see
-:func:`ring_pass`).
+At most ``WINDOW`` reduce-scatter receives are in flight, landing in ``WINDOW + 1`` scratch
+slots reused round-robin; all-gather pieces land directly in place, so all of their receives
+are posted at the start (on the collective's second tag, see :func:`ring_pass`).
 """
 
 from __future__ import annotations
@@ -34,17 +33,10 @@ from commlab.collectives.schedules import (
 # pieces cost 1.6-2.7x native (Python and a thread wake-up per message), whole blocks 1.5-2.4x
 # (no overlap, fresh scratch pages), 1 MiB 1.0-2.0x, 2 MiB with a window of 4 1.05-1.3x.
 PIECE_BYTES = 2 << 20
-# Reduce-scatter receives in flight at once: at least WINDOW, and as many as RECV_AHEAD_BYTES of
-# scratch hold (all of them up to 64 MB at world size 2, 42 MB at 4). They land in scratch slots
-# reused round-robin, plus a spare one that lets the next receive be posted *before* the current
-# piece is reduced, so the left neighbour's send finds it posted (see ring_pass). The scratch is
-# kept per group (p2p.Comm.scratch), so this is memory held, not allocated per call. Measured
-# (2 cores, load 8-9, alternating, 12/8 iterations): all receives posted vs a window of 4, CPU
-# per call 44.1 vs 45.8 ms (native 43.4) at 64 MB world 2, 13.8 vs 13.6 at 16 MB; 59.3 vs 60.5
-# (56.0) and 18.9 vs 19.3 (18.4) at world 4; median time ratio to native 1.04 vs 1.10, 1.02 vs
-# 1.38 (world 2), 1.06 vs 1.07, 1.03 vs 1.16 (world 4).
+# Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
+# round-robin: the spare slot lets the next receive be posted *before* the current piece is
+# reduced, so the left neighbour's send finds it posted (see ring_pass).
 WINDOW = 4
-RECV_AHEAD_BYTES = 32 << 20
 
 _REDUCE, _REDUCE_LAST, _COPY = "reduce", "reduce_last", "copy"
 
@@ -100,7 +92,7 @@ def ring_pass(
     # is cut exactly as it is sent on at step s+1. Reducing steps come first.
     arrivals = [(s, a, b) for s, (_, block, _) in enumerate(steps) for a, b in pieces(*bounds[block], piece_numel)]
     n, n_reduce = len(arrivals), sum(1 for s, _, _ in arrivals if steps[s][2] != _COPY)
-    window = min(max(WINDOW, RECV_AHEAD_BYTES // (piece_numel * flat.element_size())), n_reduce)
+    window = min(WINDOW, n_reduce)
     slots = window + 1 if n_reduce > window else window
     scratch = comm.scratch("ring", slots * piece_numel, flat) if n_reduce else None
     views = [flat[a:b] for _, a, b in arrivals]
