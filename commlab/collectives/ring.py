@@ -69,6 +69,8 @@ def ring_pass(
     1.27 -> 1.21. Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring (1 MiB
     pieces, or splitting small blocks into 2-4 pieces, raised CPU and time at 4-16 MB), and
     4 MiB pieces changed the 32-64 MB CPU by -2..-5% but the time by +-10%: not adopted.
+    Posting every reduce-scatter receive up front (scratch of (p-1)/p of the message) matched the
+    window of 4 in one run at load 5 (geomean 1.064 vs 1.056 at world 4, 1.127 vs 1.129 at 2).
     Command: ``commlab bench collectives -b 4M -e 64M -f 2 -n 10 --algorithm ring,native
     --world-size 2,4 --repeat 5`` (ratios), CPU from ``getrusage`` around each call.
     """
