@@ -156,3 +156,53 @@ def test_tiny_run_table_csv_fit_and_figure(tmp_path):
     assert len(fits) == 4 and (fits["n_sizes"] == 2).all() and (fits["world_size"] == 3).all()
     assert (out / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".tmp-*"))  # atomic writes leave no temporary file behind
+
+
+def test_ratios_to_native_per_run_and_their_geomean():
+    from commlab.bench.collectives_ratio import geomeans, ratio_lines, ratio_table
+
+    rows = []
+    for run, (r4, r8) in enumerate([(1.0, 1.21), (1.1, 0.9)]):
+        for size, ratio in ((4 << 20, r4), (8 << 20, r8)):
+            for placement, extra in (("in-place", 0.0), ("out-of-place", 50.0)):  # out of place is ignored
+                rows += [{"run": run, "world_size": 2, "size_bytes": size, "algorithm": "native", "placement": placement, "time_us": 100.0 + extra},
+                         {"run": run, "world_size": 2, "size_bytes": size, "algorithm": "ring", "placement": placement, "time_us": 100.0 * ratio + extra}]  # fmt: skip
+    df = pd.DataFrame(rows)
+    ratios = ratio_table(df)
+    assert set(ratios["algorithm"]) == {"ring"} and len(ratios) == 4
+    assert ratios.set_index(["run", "size_bytes"])["ratio"][(1, 8 << 20)] == pytest.approx(0.9)
+    g = geomeans(ratios).set_index("run")["geomean"]
+    assert g[0] == pytest.approx(1.1) and g[1] == pytest.approx(math.sqrt(0.99))
+    lines = ratio_lines(df, loads={(0, 2): 0.5, (1, 2): 3.25})
+    assert lines[0].startswith("# ring / native, in-place time, world size 2, 2 run(s)")
+    assert lines[1].split() == ["#", "4M", "1.050", "[1.000-1.100]", "1.000", "1.100"]
+    assert lines[3].split()[1:3] == ["geomean", f"{(1.1 + math.sqrt(0.99)) / 2:.3f}"] and lines[3].split()[-2:] == ["1.100", "0.995"]
+    assert lines[4].split() == ["#", "load", "0.50", "3.25"]
+    assert ratio_lines(df[df["algorithm"] == "ring"]) == []  # no baseline: nothing to print
+    # With CPU time per call, its ratios' geomean follows the time geomean line.
+    with_cpu = df.assign(cpu_us=df["time_us"].where(df["algorithm"] == "native", df["time_us"] * 2) / 4)
+    cpu_line = ratio_lines(with_cpu)[4].split()
+    assert cpu_line[1:3] == ["cpu", "geo"] and cpu_line[-2:] == ["2.200", "1.990"]  # twice the time ratios
+    assert ratio_table(with_cpu)["cpu_ratio"].tolist() == pytest.approx((2 * ratio_table(df)["ratio"]).tolist())
+
+
+def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    args = ["bench", "collectives", "-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--algorithm", "ring,native",
+            "--world-size", "2", "--repeat", "2", "--timeout", "120", "--out", str(out)]  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", "from commlab.cli import main; main()", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert sum("run 1 of 2" in line for line in lines) == 1 and sum("run 2 of 2" in line for line in lines) == 1
+    head = lines.index(next(line for line in lines if line.startswith("# ring / native")))
+    assert "world size 2, 2 run(s)" in lines[head]
+    assert lines[head + 1].split()[1] == "4K" and len(lines[head + 1].split()) == 6  # median, range, 2 runs
+    assert lines[head + 2].split()[1] == "geomean"
+    df = pd.read_csv(out / "collectives.csv")
+    assert sorted(df["run"].unique()) == [0, 1] and len(df) == 2 * 2 * 2 and (df["wrong"] == 0).all()
+    assert "load_avg_1min" in df.columns and (df["cpu_us"] > 0).all()
+    assert lines[head + 3].split()[1:3] == ["cpu", "geo"]

@@ -4,6 +4,7 @@
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
     commlab bench collectives -b 8 -e 64K --world-size 4 --algorithm tree,ring -n 200
     commlab bench collectives --backend nccl --world-size 8 -b 1M -e 1G   # one GPU per rank
+    commlab bench collectives -b 4M -e 64M -f 2 -n 10 --algorithm ring,native --world-size 2,4 --repeat 5
 
 Per world size it prints one table, a row as each size completes (size, count, type, redop,
 root, algorithm, then time, algbw, busbw, #wrong and the slowest rank's time for out-of-place and
@@ -11,12 +12,16 @@ for in-place), the average bus bandwidth and the fitted alpha-beta model of each
 writes under ``--out``:
 ``collectives.csv`` (tidy, one row per size x algorithm x world size, with the run's metadata),
 ``alpha_beta.csv`` and ``busbw.png``. Algorithms of one size run interleaved (see
-:mod:`commlab.bench.collectives_run`), so their ratios are fair on a shared machine.
+:mod:`commlab.bench.collectives_run`), so their ratios are fair on a shared machine. With
+``native`` among the algorithms it ends with each other algorithm's time ratio to native per size
+and their geomean (:mod:`commlab.bench.collectives_ratio`); ``--repeat N`` runs the whole sweep N
+times (world sizes alternating) and shows each run's ratios, their median and range.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import sys
 
@@ -78,7 +83,9 @@ def _algorithms(value: str) -> list[str]:
 @click.option("--check/--no-check", default=True, show_default=True, help="Count wrong elements (#wrong).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
-def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorithm, world_size, backend, dtype, op, check, out_dir, timeout):
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
+def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorithm, world_size, backend, dtype, op, check, out_dir, timeout, repeat):
     """nccl-tests-style all-reduce benchmark of every algorithm (interleaved, fair comparison)."""
     algorithms = _algorithms(algorithm)
     worlds = _int_list(world_size, "--world-size", 1)
@@ -90,6 +97,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
     import torch
 
     import commlab
+    from commlab.bench.collectives_ratio import ratio_lines
     from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
     from commlab.bench.collectives_run import run_rank
     from commlab.runtime import resolve_backend
@@ -99,17 +107,20 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--backend/--world-size") from None
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    frames, fits = [], []
-    for world in worlds:
+    frames, fits, loads = [], [], {}
+    for run, world in [(run, world) for run in range(repeat) for world in worlds]:
+        loads[(run, world)] = os.getloadavg()[0]
         meta = {
             "backend": backends[world], "dtype": dtype, "op": op, "iters": iters, "warmup": warmup,
             "timestamp": stamp, "host": platform.node(), "torch": torch.__version__, "commlab": commlab.__version__,
+            "run": run, "load_avg_1min": loads[(run, world)],
         }
         # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
         config = {"sizes": sizes, "algorithms": algorithms, "dtype": dtype, "op": op,
                   "iters": iters, "warmup": warmup, "check": check, "stream": True}  # fmt: skip
         click.echo(f"# all-reduce: world size {world}, backend {meta['backend']}, {dtype} {op}, "
-                   f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)")  # fmt: skip
+                   f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)"
+                   + (f", run {run + 1} of {repeat}, load {loads[(run, world)]:.2f}" if repeat > 1 else ""))  # fmt: skip
         for line in header_lines():
             click.echo(line)
         sys.stdout.flush()  # before the ranks write their rows to the same stdout
@@ -123,10 +134,12 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
             click.echo(fit_line(row))
         click.echo("")
         frames.append(df)
-        fits.append(fit)
+        fits.append(fit.assign(run=run) if repeat > 1 else fit)
     results = pd.concat(frames, ignore_index=True)
     paths = write_outputs(results, pd.concat(fits, ignore_index=True), out_dir)
     _write_metadata(out_dir, stamp)
+    for line in ratio_lines(results, "native", loads):
+        click.echo(line)
     wrong = int(results.loc[results["wrong"] > 0, "wrong"].sum())
     click.echo(f"# wrote {paths['results']}, {paths['alpha_beta']}, {paths['figure']}")
     if wrong:
@@ -136,7 +149,6 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorith
 def _write_metadata(out_dir: str, stamp: str) -> None:
     """metadata.json next to the CSVs: the full command, versions, machine, threads, git state."""
     import json
-    import os
 
     from commlab._atomic import write_text
     from commlab.runtime.metadata import command_line, environment

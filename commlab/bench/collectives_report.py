@@ -54,6 +54,7 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
             "placement": first.get("placement", "in-place"),
             "time_us": seconds * 1e6,
             "slowest_us": max(r["mean_s"] for r in same) * 1e6,
+            "cpu_us": sum(r.get("cpu_s", math.nan) for r in same) / world * 1e6,  # per rank, mean
             "algbw_gbps": algbw,
             "busbw_gbps": busbw,
             "wrong": -1 if min(wrong) < 0 else sum(wrong),

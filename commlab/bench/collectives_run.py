@@ -20,6 +20,7 @@ ranks gather their times first), as nccl-tests does, rather than one table at th
 
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -60,6 +61,13 @@ def _all_reduce(source, out, op, algorithm, placement):
     collectives.all_reduce(out, op, algorithm=algorithm)
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process so far, every thread: on a shared machine it moves
+    far less with other jobs' load than the wall time does (what a rank *spends*, not waits)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_rank(config: dict) -> list[dict]:
     """Benchmark every (size, algorithm, placement) of ``config`` on this rank; one row each."""
     rt = Runtime.current()
@@ -73,17 +81,20 @@ def run_rank(config: dict) -> list[dict]:
         source = bench_input(rt.rank, count, dtype, rt.device)
         buf = torch.empty_like(source)
         elapsed = {pair: [] for pair in pairs}
+        cpu = {pair: [] for pair in pairs}  # this process's CPU time, all threads (Gloo's included)
         for it in range(config["warmup"] + config["iters"]):
             shift = it % len(pairs)
             for algorithm, placement in pairs[shift:] + pairs[:shift]:
                 buf.copy_(source)  # in place starts from the input; out of place overwrites it
                 dist.barrier()
+                cpu_start = _cpu_seconds()
                 start = time.perf_counter()
                 _all_reduce(source, buf, op, algorithm, placement)
                 if buf.is_cuda:
                     torch.cuda.synchronize(buf.device)
                 if it >= config["warmup"]:
                     elapsed[(algorithm, placement)].append(time.perf_counter() - start)
+                    cpu[(algorithm, placement)].append(_cpu_seconds() - cpu_start)
         wrong = dict.fromkeys(pairs, -1)  # -1: not checked
         if config["check"]:
             want = expected_result(rt.world_size, count, dtype, op, rt.device)
@@ -96,6 +107,7 @@ def run_rank(config: dict) -> list[dict]:
                 wrong[(algorithm, placement)] = int((buf != want).sum().item())
         size_rows = [{"size_bytes": count * element, "count": count, "algorithm": algorithm, "placement": placement,
                       "mean_s": sum(elapsed[(algorithm, placement)]) / len(elapsed[(algorithm, placement)]),
+                      "cpu_s": sum(cpu[(algorithm, placement)]) / len(cpu[(algorithm, placement)]),
                       "wrong": wrong[(algorithm, placement)]}
                      for algorithm, placement in pairs]
         if config.get("stream"):

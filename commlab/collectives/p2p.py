@@ -14,6 +14,11 @@ Every message of one collective carries that collective's tag (the group worker'
 number), so a message a failed collective left in flight is never matched by a later one
 (Gloo matches on tag; NCCL ignores tags, and a failed NCCL communicator must be replaced anyway).
 
+A collective may use up to :data:`TAG_PHASES` tags, ``comm.tag_of(k)`` (the ring receives its
+all-gather pieces on a second tag so that it can post them all before the reduce-scatter's,
+which Gloo would otherwise match in posting order): the group worker's tags stay below
+:data:`TAG_SPAN` and phase k adds k * TAG_SPAN, which keeps every tag a non-negative int32.
+
 Scratch: received pieces that are reduced (not received in place) land in buffers from
 :meth:`Comm.scratch`, kept per (group, use, dtype, device) and reused by every later collective
 of the group. A fresh buffer per call costs more than its allocation: the CPU allocator hands
@@ -29,6 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+TAG_SPAN = 1 << 30  # the worker's tags are 1 .. TAG_SPAN - 1
+TAG_PHASES = 2
 
 # (group, use, dtype, device) -> a 1-D buffer, grown to the largest request seen and kept.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
@@ -62,6 +70,12 @@ class Comm:
         nccl = str(dist.get_backend(group)).lower() == "nccl"
         pg = dist.group.WORLD if group is None else group
         return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag)
+
+    def tag_of(self, phase: int) -> int:
+        """This collective's tag for its message stream ``phase`` (0 is ``tag`` itself)."""
+        if not 0 <= phase < TAG_PHASES:
+            raise ValueError(f"phase must be in [0, {TAG_PHASES}), got {phase}")
+        return self.tag + phase * TAG_SPAN
 
     def scratch(self, use: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer of ``numel`` elements of ``like``'s dtype and device, reused across this

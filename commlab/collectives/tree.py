@@ -40,12 +40,15 @@ def reduce_tree(
     piece_numel = max(1, piece_bytes // flat.element_size())
     cuts = pieces(0, n, piece_numel)
     slots = min(WINDOW, len(cuts))
-    size = slots * piece_numel if len(cuts) > 1 else n
+    # One spare slot per child, so the next receive is posted before this piece is reduced (as
+    # the ring does, see ring.ring_pass: a send that finds its receive posted is written at once).
+    buffers = slots + 1 if len(cuts) > slots else slots
+    size = buffers * piece_numel if len(cuts) > 1 else n
     scratch = {c: comm.scratch(f"tree-child-{k}", size, flat) for k, c in enumerate(children)}
 
     def landing(child: int, j: int) -> torch.Tensor:
         a, b = cuts[j]
-        offset = (j % slots) * piece_numel
+        offset = (j % buffers) * piece_numel
         return scratch[child][offset : offset + (b - a)]
 
     def post_recv(j: int) -> list:
@@ -55,10 +58,10 @@ def reduce_tree(
     sent: list = []
     for j, (a, b) in enumerate(cuts):
         wait_all(pending.pop(j))
+        if j + slots < len(cuts):  # into the spare slot, freed by piece j - 1
+            pending[j + slots] = post_recv(j + slots)
         for c in children:
             combine_(flat[a:b], landing(c, j), op)
-        if j + slots < len(cuts):  # this piece's scratch slot is free again
-            pending[j + slots] = post_recv(j + slots)
         if parent is None:
             finish_(flat[a:b], op, comm.size)
         else:

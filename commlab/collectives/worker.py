@@ -42,9 +42,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.collectives import streams
-from commlab.collectives.p2p import release_scratch
-
-_MAX_TAG = 2**31 - 1
+from commlab.collectives.p2p import TAG_SPAN, release_scratch
 
 
 class CollectiveHandle:
@@ -120,7 +118,7 @@ class CommWorker:
         """The next p2p tag of this group, taken as a collective starts: collectives start in the
         same order on every rank, so the tags agree."""
         with self._idle:
-            self._tag = self._tag % (_MAX_TAG - 1) + 1
+            self._tag = self._tag % (TAG_SPAN - 1) + 1  # 1 .. TAG_SPAN - 1 (see p2p.TAG_SPAN)
             return self._tag
 
     def stream(self, device: torch.device) -> Any:

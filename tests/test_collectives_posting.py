@@ -1,0 +1,81 @@
+"""The order in which the ring posts its messages, recorded on a fake process group (no processes).
+
+Gloo writes a send at once only if the peer's receive is already posted (gloo/transport/tcp/
+pair.cc), so the ring posts receives early; these tests pin that order down and check that an
+early receive never lands in a scratch slot whose piece is still to be reduced.
+"""
+
+import pytest
+import torch
+
+from commlab.collectives import ring
+from commlab.collectives.p2p import TAG_SPAN, Comm, release_scratch
+
+
+class _Work:
+    def __init__(self, log, event):
+        self.log, self.event = log, event
+
+    def wait(self):
+        self.log.append(("wait", *self.event[1:]))
+        return True
+
+
+class _FakeGroup:
+    """Records every send/recv: (kind, tag, data_ptr, numel)."""
+
+    def __init__(self):
+        self.log = []
+
+    def recv(self, tensors, src, tag):
+        event = ("recv", tag, tensors[0].data_ptr(), tensors[0].numel())
+        self.log.append(event)
+        return _Work(self.log, event)
+
+    def send(self, tensors, dst, tag):
+        event = ("send", tag, tensors[0].data_ptr(), tensors[0].numel())
+        self.log.append(event)
+        return _Work([], event)
+
+
+def _run(world: int, numel: int, piece_bytes: int, monkeypatch) -> list:
+    pg = _FakeGroup()
+    comm = Comm(None, 1, world, tuple(range(world)), False, pg, tag=7)
+    monkeypatch.setattr(ring, "combine_", lambda acc, incoming, op: pg.log.append(("combine", incoming.data_ptr())))
+    try:
+        ring.ring_pass(torch.zeros(numel), "sum", comm, reduce_scatter=True, all_gather=True, piece_bytes=piece_bytes)
+    finally:
+        release_scratch([pg])
+    return pg.log
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_gather_receives_are_posted_before_any_send_on_their_own_tag(world, monkeypatch):
+    log = _run(world, 960, 64, monkeypatch)  # equal blocks of 16-element pieces, many per block
+    first_send = next(i for i, e in enumerate(log) if e[0] == "send")
+    ag_recvs = [i for i, e in enumerate(log) if e[0] == "recv" and e[1] == 7 + TAG_SPAN]
+    rs_recvs = [i for i, e in enumerate(log) if e[0] == "recv" and e[1] == 7]
+    assert ag_recvs and max(ag_recvs) < first_send
+    assert len(rs_recvs) > ring.WINDOW and sum(i < first_send for i in rs_recvs) == ring.WINDOW
+    # With equal blocks, what this rank sends on a tag is what its right neighbour receives on it.
+    for tag in (7, 7 + TAG_SPAN):
+        sends = [e[3] for e in log if e[0] == "send" and e[1] == tag]
+        recvs = [e[3] for e in log if e[0] == "recv" and e[1] == tag]
+        assert sends == recvs and sum(sends) == (world - 1) * 960 // world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_next_receive_is_posted_before_the_reduction_and_never_into_a_pending_slot(world, monkeypatch):
+    log = _run(world, 1000, 64, monkeypatch)
+    in_flight: list[int] = []  # scratch addresses posted (receiving or received) and not yet reduced
+    waits_then_posts = 0
+    for i, e in enumerate(log):
+        if e[0] == "recv" and e[1] == 7:
+            assert e[2] not in in_flight, "a receive landed in a slot whose piece is not reduced yet"
+            in_flight.append(e[2])
+            waits_then_posts += i > 0 and log[i - 1][0] == "wait"
+        elif e[0] == "combine":
+            assert in_flight.pop(0) == e[1]  # pieces are reduced in arrival order
+        assert len(in_flight) <= ring.WINDOW + 1
+    rs_total = sum(e[0] == "recv" and e[1] == 7 for e in log)
+    assert waits_then_posts == rs_total - ring.WINDOW  # every later receive right after a wait, before its combine
