@@ -35,9 +35,10 @@ DEFAULTS: dict[str, Any] = {
     "scaling": "strong",
     "global_batch": 64,
     "batch_per_rank": None,
-    # 30 measured steps keep the default grid (6 configurations) near a minute on a 2-core
-    # machine (60 took 2 min 6 s); the reference spec measures 60 with --repeat 3.
-    "iters": 30,
+    # 20 measured steps keep the default grid (6 configurations) near a minute on a 2-core
+    # machine (60 took 2 min 6 s, 30 took 81 s: each configuration also pays ~6 s of spawn,
+    # import and warm-up); the reference spec measures 60 with --repeat 3.
+    "iters": 20,
     "warmup": 3,
     "repeat": 1,
     "out": "results",
