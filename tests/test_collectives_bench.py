@@ -120,17 +120,9 @@ def test_nccl_without_gpus_is_a_click_error():
 
 def test_tiny_run_table_csv_fit_and_figure(tmp_path):
     # World 3 rather than 2: its bus-bandwidth factor is 4/3, so the busbw check can fail.
-    # A subprocess, because rank 0 prints each size's rows itself as the size completes.
-    import subprocess
-    import sys
-
     out = tmp_path / "out"
-    args = ["bench", "collectives", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
-            "--world-size", "3", "--op", "avg", "--timeout", "120", "--out", str(out)]  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", "from commlab.cli import main; main()", *args],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
+    lines = _bench_collectives("-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                               "--world-size", "3", "--op", "avg", "--timeout", "120", "--out", str(out))  # fmt: skip
     spans = next(i for i, line in enumerate(lines) if "out-of-place" in line)
     assert "in-place" in lines[spans]
     assert lines[spans + 1].split() == ["size(B)", "count", "type", "redop", "root", "algorithm"] + [
@@ -187,16 +179,9 @@ def test_ratios_to_native_per_run_and_their_geomean():
 
 
 def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "out"
-    args = ["bench", "collectives", "-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--algorithm", "ring,native",
-            "--world-size", "2", "--repeat", "2", "--timeout", "120", "--out", str(out)]  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", "from commlab.cli import main; main()", *args],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
+    lines = _bench_collectives("-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--algorithm", "ring,native",
+                               "--world-size", "2", "--repeat", "2", "--timeout", "120", "--out", str(out))  # fmt: skip
     assert sum("run 1 of 2" in line for line in lines) == 1 and sum("run 2 of 2" in line for line in lines) == 1
     head = lines.index(next(line for line in lines if line.startswith("# ring / native")))
     assert "world size 2, 2 run(s)" in lines[head]
@@ -206,3 +191,15 @@ def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
     assert sorted(df["run"].unique()) == [0, 1] and len(df) == 2 * 2 * 2 and (df["wrong"] == 0).all()
     assert "load_avg_1min" in df.columns and (df["cpu_us"] > 0).all()
     assert lines[head + 3].split()[1:3] == ["cpu", "geo"]
+
+
+def _bench_collectives(*args: str) -> list[str]:
+    """`commlab bench collectives ARGS` in a subprocess (rank 0 prints each size's rows itself as
+    the size completes, which CliRunner would not capture); its stdout lines."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "from commlab.cli import main; main()", "bench", "collectives", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout.splitlines()

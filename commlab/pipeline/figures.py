@@ -63,33 +63,33 @@ def _throughput(summary: pd.DataFrame, path: Path) -> Path:
 
 
 def _memory(stages: pd.DataFrame, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    df = _plain(stages)
-    df = df[df["microbatches"] == df["microbatches"].max()]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    sns.barplot(data=df.assign(MiB=df["saved_bytes"] / 2**20), x="stage", y="MiB", hue="schedule", ax=ax)
-    ax.set_ylabel("MiB saved for backward (peak)")
-    ax.set_xlabel("pipeline stage")
-    ax.set_title(f"Per-stage activation memory, {int(df['microbatches'].max())} micro-batches", fontsize=10)
-    fig.tight_layout()
-    write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    plt.close(fig)
-    return path
+    df = _last_m(stages)
+    return _bars(df.assign(MiB=df["saved_bytes"] / 2**20), "stage", "pipeline stage", "MiB saved for backward (peak)",
+                 f"Per-stage activation memory, {int(df['microbatches'].max())} micro-batches", path)
 
 
 def _peaks(stages: pd.DataFrame, path: Path) -> Path:
+    df = _last_m(stages).drop_duplicates(["config", "rank"])  # one row per rank
+    return _bars(df.assign(MiB=df["rank_peak_bytes"] / 2**20), "rank", "pipeline rank", "MiB held at the peak (ledger)",
+                 f"Peak memory per rank and schedule, {int(df['microbatches'].max())} micro-batches", path)
+
+
+def _last_m(stages: pd.DataFrame) -> pd.DataFrame:
+    """The stage rows of the largest micro-batch count (where the schedules' memory differs most)."""
+    df = _plain(stages)
+    return df[df["microbatches"] == df["microbatches"].max()]
+
+
+def _bars(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    """MiB per ``x``, one bar per schedule."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    df = _plain(stages)
-    df = df[df["microbatches"] == df["microbatches"].max()].drop_duplicates(["config", "rank"])  # one row per rank
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    sns.barplot(data=df.assign(MiB=df["rank_peak_bytes"] / 2**20), x="rank", y="MiB", hue="schedule", ax=ax)
-    ax.set_ylabel("MiB held at the peak (ledger)")
-    ax.set_xlabel("pipeline rank")
-    ax.set_title(f"Peak memory per rank and schedule, {int(df['microbatches'].max())} micro-batches", fontsize=10)
+    sns.barplot(data=df, x=x, y="MiB", hue="schedule", ax=ax)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     write_via(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
