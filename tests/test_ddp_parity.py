@@ -31,6 +31,7 @@ TRAINED = [
     "ignored", "init_sync_off", "check_reduction", "forward_sync_off", "no_grad_between", "checkpoint",
     "checkpoint_unused", "fp16", "fp16_ring", "bf16", "int_buffers", "join", "join_effective_world", "join_unused", "join_ring",
     "sparse", "sparse_bag_tiny", "sparse_ring", "sparse_find_unused", "sparse_static", "sparse_hook", "sparse_hook_unused",
+    "sparse_all", "sparse_all_unused_hook",
 ]  # fmt: skip
 RAISING = ["unused_output_noflag", "static_unused_output", "static_changed", "dynamic_changed", "sparse_noflag_unused_raises"]
 # A sparse parameter that torch's find_unused_parameters / static_graph finds unused.
@@ -92,7 +93,8 @@ def test_sparse_gradients_stay_sparse_and_fall_back_to_native(world):
             assert result[case]["grads_none"] == [False, False, False, True, True], case
             assert result[case]["buckets"] is None  # torch cannot list a sparse bucket to compare
         assert "'ring' reduces dense buffers" in result["sparse_fallback"] and "emb.weight" in result["sparse_fallback"]
-        assert "dense parameter" in result["sparse_only"]  # torch takes it; commlab refuses clearly
+        for case in ("sparse_all", "sparse_all_unused_hook"):  # no dense parameter at all, as torch takes it
+            assert result[case]["sparse_grads"] == [True] and not result[case]["errors"], case
 
 
 def test_unused_heads_keep_none_grads(world):

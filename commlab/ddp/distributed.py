@@ -144,6 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=static_graph,
             first_cap=first_cap,
             cap=cap,
+            device=params[0].device,
         )
         if self._sparse is not None:  # the dense reducer drives the sparse one (sparse.py)
             self.reducer.sparse = self._sparse

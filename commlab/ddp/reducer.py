@@ -56,6 +56,7 @@ class Reducer:
         static_graph: bool,
         first_cap: int,
         cap: int,
+        device: torch.device | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -67,7 +68,8 @@ class Reducer:
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.first_cap, self.cap = first_cap, cap
-        self.device = self.params[0].device
+        # ``device`` for a model whose parameters all have sparse gradients (no dense one here)
+        self.device = self.params[0].device if self.params else device
         self.clock = make_clock(self.device)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None

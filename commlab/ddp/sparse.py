@@ -49,11 +49,6 @@ def sparse_reducer(params, names, dense: list[int], group, algorithm: str) -> Sp
     sparse = [i for i in range(len(params)) if i not in set(dense)]
     if not sparse:
         return None
-    if not dense:
-        raise NotImplementedError(
-            "a model whose trainable parameters all have sparse gradients (Embedding(sparse=True)) "
-            "is not supported by commlab's DistributedDataParallel: it needs a dense parameter too"
-        )
     return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
 
 
