@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import collectives
+from commlab.bench.collectives_report import PLACEMENTS
 from commlab.runtime.context import Runtime
 
 
@@ -51,7 +52,6 @@ def expected_result(world: int, count: int, dtype: torch.dtype, op: str, device)
     return out.to(dtype)
 
 
-PLACEMENTS = ("out-of-place", "in-place")
 
 
 def _all_reduce(source, out, op, algorithm, placement):

@@ -7,7 +7,8 @@ the graph will get no gradient hook in this backward, so its bucket must be fill
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,3 +36,15 @@ def unreachable(outputs: Sequence[torch.Tensor], accumulator_index: dict) -> lis
             reached.add(index)
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return sorted(set(accumulator_index.values()) - reached)
+
+
+def weak_hook(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that reaches its reducer through a weak reference, so the
+    hooks (held by the parameters) do not keep a dropped DDP and its buckets alive."""
+
+    def hook(param: torch.Tensor) -> None:
+        live = reducer()
+        if live is not None:
+            live._on_gradient(index, param)
+
+    return hook

@@ -33,7 +33,7 @@ from commlab.ddp.assignment import (
     will_rebuild,
 )
 from commlab.ddp.bucket import Bucket
-from commlab.ddp.graph import grad_accumulators
+from commlab.ddp.graph import grad_accumulators, weak_hook
 from commlab.ddp import inflight
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
@@ -65,7 +65,6 @@ class Reducer:
         self.world_size = dist.get_world_size(group)
         self.algorithm = algorithm
         self.overlap = overlap
-        self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.first_cap, self.cap = first_cap, cap
         # ``device`` for a model whose parameters all have sparse gradients (no dense one here)
@@ -83,7 +82,7 @@ class Reducer:
         # hooks removed in __del__) even though the parameters live on; torch's Reducer likewise
         # removes its hooks when destroyed.
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(me, i)) for i, p in enumerate(self.params)]
         self.expect_hooks = False
         self._started = False
         self._next_launch = 0
@@ -276,11 +275,3 @@ class Reducer:
     def reset_timings(self) -> None:
         self._log.clear()
 
-
-def _hook(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        live = reducer()
-        if live is not None:
-            live._on_gradient(index, param)
-
-    return hook

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import collectives
-from commlab.ddp.graph import grad_accumulators, unreachable
+from commlab.ddp.graph import grad_accumulators, unreachable, weak_hook
 
 UNDEFINED = "Expected sparse gradient to be defined."  # torch's REDUCER_CHECK message
 
@@ -46,7 +46,8 @@ def sparse_parameters(module: nn.Module) -> set[int]:
 
 def sparse_reducer(params, names, dense: list[int], group, algorithm: str) -> SparseReducer | None:
     """The SparseReducer of the parameters not in ``dense`` (indices), or None if there are none."""
-    sparse = [i for i in range(len(params)) if i not in set(dense)]
+    dense_set = set(dense)
+    sparse = [i for i in range(len(params)) if i not in dense_set]
     if not sparse:
         return None
     return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
@@ -106,7 +107,7 @@ class SparseReducer:
         self._accumulators = grad_accumulators(self.params)
         self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(me, i)) for i, p in enumerate(self.params)]
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
@@ -163,12 +164,3 @@ class SparseReducer:
         for index, result in results.items():
             self.params[index].grad = result[0] if isinstance(result, list) else result
         return True
-
-
-def _hook(reducer: weakref.ref, index: int):
-    def hook(param: torch.Tensor) -> None:
-        live = reducer()
-        if live is not None:
-            live._on_gradient(index, param)
-
-    return hook

@@ -32,11 +32,6 @@ from commlab.pipeline.zero_bubble import zb_h1, zb_v
 __all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 
 
-def stage_rank(stage: int, ranks: int) -> int:
-    """The rank that holds ``stage`` under the looping placement."""
-    return stage % ranks
-
-
 def _check(ranks: int, microbatches: int, virtual: int) -> None:
     if ranks < 1:
         raise ValueError(f"a pipeline needs at least one rank, got {ranks}")

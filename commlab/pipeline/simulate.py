@@ -98,7 +98,6 @@ def simulate(
     block; :func:`commlab.pipeline.predict.predict` adds what the executor really does.
     """
     from commlab.pipeline.predict import Costs, lower
-    from commlab.sim import DeadlockError as CoreDeadlock
     from commlab.sim import simulate as run_tasks
 
     stages = num_stages(actions)
@@ -106,7 +105,7 @@ def simulate(
                   alpha=comm, durations=dict(durations or {}))  # fmt: skip
     try:
         result = run_tasks(lower(actions, costs, posting=False, waits=False, contention=False, after=after))
-    except CoreDeadlock:
+    except CoreDeadlockError:
         walk(actions, after)  # names the ranks and the actions they wait at
         raise
     timeline = [Timed(sp.meta["rank"], sp.meta["action"], sp.start, sp.end) for sp in result.spans.values() if "action" in sp.meta]
