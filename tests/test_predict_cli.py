@@ -156,3 +156,13 @@ def test_calibrate_reuses_a_fresh_profile_and_reports_its_terms(profile):
     assert r.exit_code == 0, r.output
     assert "calibrating" not in r.output  # fresh and complete: nothing measured
     assert "native: alpha" in r.output and "kc 0.50" in r.output
+
+
+def test_predicting_over_a_measured_run_is_a_usage_error(tmp_path, profile):
+    measured = tmp_path / "measured"
+    (measured / "configs").mkdir(parents=True)
+    (measured / "configs" / "x.json").write_text("{}")
+    (measured / "metadata.json").write_text('{"source": "measured"}')
+    r = invoke("predict", *ARGS, "--out", str(tmp_path), "--name", "measured", "--profile", str(profile))
+    assert r.exit_code == 2 and "holds measured results" in r.output
+    assert (measured / "configs" / "x.json").read_text() == "{}"

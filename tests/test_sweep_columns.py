@@ -17,3 +17,13 @@ def test_predictor_writes_exactly_the_sweeps_iteration_columns():
     result, buckets = simulate_step(c, DDPSetting(bucket_cap_mb=1))
     row, _ = breakdown(result, buckets, c)
     assert list(row) == store.STEP_COLUMNS == store.ITERATION_COLUMNS[3:]
+
+
+def test_reading_results_and_the_simulator_never_import_torch():
+    # The columns are written out in store.py so that figures, trace and the DDP lowering stay
+    # torch-free; the test above holds them equal to DDP's own.
+    import subprocess
+    import sys
+
+    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.predict.lower; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

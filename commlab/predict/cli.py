@@ -108,8 +108,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
         except FileNotFoundError as err:
             raise click.UsageError(f"--against: {err}") from None
     run_dir = Path(plan.out) / (plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S")))
-    session.check_run_dir(run_dir)
     try:
+        session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
                                       world_size=1 if preset else None, echo=_ECHO)
         records, meta = session.predict(plan, entries, preset)

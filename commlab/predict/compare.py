@@ -119,12 +119,13 @@ def draw(both: pd.DataFrame, path: Path) -> list[Path]:
     b.set(xscale="log", xlabel="bucket size (MB)", ylabel="step (ms)", title="measured (solid), predicted (dashed)")
     b.legend(fontsize=5)
     fig.tight_layout()
+    from commlab.sweep.figures import save  # atomic, and PDFs without a creation date
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = []
-    for suffix in (".png", ".pdf"):
-        fig.savefig(path.with_suffix(suffix), dpi=130, bbox_inches="tight")
-        out.append(path.with_suffix(suffix))
+    out = [path.with_suffix(suffix) for suffix in (".png", ".pdf")]
+    for p in out:
+        save(fig, p)
     plt.close(fig)
     return out
 

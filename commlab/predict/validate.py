@@ -157,15 +157,6 @@ def session_key(key: tuple) -> str:
     return f"{key[0]} {key[1]} w{key[4]}"
 
 
-def validate(options: dict[str, Any], out: Path, profile: Path, echo=lambda line: None) -> dict[str, Any]:
-    """One part (sweep options) validated; ``all`` and ``stable`` summaries as before."""
-    result = validate_parts([options], out, profile, echo, tuned=())
-    both, taus = result["both"], result["taus"]
-    stable = both[both["agreement"] <= 0.10]
-    return {**result, "all": compare.summary(both, taus),
-            "stable": compare.summary(stable, taus) if len(stable) else {}}
-
-
 @click.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/predict-validation"))
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), default=None,

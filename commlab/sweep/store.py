@@ -25,15 +25,16 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
-from commlab.ddp import timing
 from commlab.sweep.spec import CONFIG_COLUMNS
 from commlab.sweep.stats import summarise
 
 RECORDS = "configs"
-# One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab/ddp/timing.py,
-# write_back and unused_allreduce included), then what the sweep worker times around it. The
-# predictor writes exactly these (commlab/predict/lower.py imports them).
-STEP_COLUMNS = [*timing.COLUMNS, "accumulate_time", "optimizer", "step"]
+# One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab.ddp.timing.COLUMNS,
+# written out here so that reading results and drawing figures never imports torch;
+# tests/test_sweep_columns.py holds the two equal), then what the sweep worker times around it.
+# The predictor writes exactly these (commlab/predict/lower.py imports them).
+TIMING_COLUMNS = ["forward", "backward_compute", "comm", "exposed_comm", "total", "write_back", "unused_allreduce"]
+STEP_COLUMNS = [*TIMING_COLUMNS, "accumulate_time", "optimizer", "step"]
 ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]
 # threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
 # `threads` that the configuration asked for.
