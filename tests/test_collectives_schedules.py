@@ -13,9 +13,13 @@ from commlab.collectives.schedules import (
     hd_reduce_scatter_steps,
     largest_power_of_two,
     pieces,
+    COPY,
+    REDUCE_LAST,
     ring_all_gather_blocks,
     ring_neighbours,
+    ring_plan,
     ring_reduce_scatter_blocks,
+    ring_steps,
     tree_children,
     tree_parent,
 )
@@ -162,3 +166,27 @@ def test_halving_doubling_reduces_and_gathers_for_any_world(world):
             nxt[v] |= set(range(*step.recv))
         owned = nxt
     assert all(o == set(range(pp)) for o in owned.values())
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("numel, piece", [(0, 4), (3, 4), (100, 7), (96, 1000)])
+@pytest.mark.parametrize("rs, ag", [(True, True), (True, False), (False, True)])
+def test_ring_plan_forwards_what_the_right_neighbour_expects(world, numel, piece, rs, ag):
+    plans = [ring_plan(numel, world, r, piece, rs, ag) for r in range(world)]
+    bounds = chunk_bounds(numel, world)
+    for r, plan in enumerate(plans):
+        right = plans[(r + 1) % world]
+        # Everything r sends, in order with its tag phase: step 0's pieces, then each forwarded
+        # arrival; the right neighbour receives exactly these sizes on these phases.
+        sent = [(b - a, plan.first_phase) for a, b in plan.first_sends]
+        sent += [(x.stop - x.start, x.forward) for x in plan.arrivals if x.forward is not None]
+        assert sent == [(x.stop - x.start, x.phase) for x in right.arrivals]
+        assert [x.phase for x in right.arrivals] == [0] * right.n_reduce + [1] * (len(right.arrivals) - right.n_reduce)
+        # Arrivals cover each step's received block exactly, in step order, pieces at most `piece`.
+        expected = [pieces(*bounds[got], piece) for _, got, _ in ring_steps(r, world, rs, ag)]
+        assert [(x.start, x.stop) for x in plan.arrivals] == [c for step in expected for c in step]
+        kinds = [x.kind for x in plan.arrivals]
+        assert kinds == sorted(kinds) and plan.n_reduce == sum(k != COPY for k in kinds)
+        # The last reduced block is r's own: rank r ends holding the reduced block r.
+        assert all(bounds[r][0] <= x.start < bounds[r][1] for x in plan.arrivals if x.kind == REDUCE_LAST)
+        assert plan.first_sends == tuple(pieces(*bounds[ring_steps(r, world, rs, ag)[0][0]], piece))

@@ -22,11 +22,12 @@ import torch
 from commlab.collectives.p2p import Comm, wait_all
 from commlab.collectives.reduce_ops import combine_, finish_
 from commlab.collectives.schedules import (
+    COPY,
+    REDUCE_LAST,
     chunk_bounds,
-    pieces,
-    ring_all_gather_blocks,
     ring_neighbours,
-    ring_reduce_scatter_blocks,
+    ring_plan,
+    ring_steps,
 )
 
 # Measured on Gloo/CPU (2 cores, world 2 and 4, 4-64 MB, interleaved with native): 256 KiB
@@ -38,8 +39,6 @@ PIECE_BYTES = 2 << 20
 # reduced, so the left neighbour's send finds it posted (see ring_pass).
 WINDOW = 4
 
-_REDUCE, _REDUCE_LAST, _COPY = "reduce", "reduce_last", "copy"
-
 
 def ring_pass(
     flat: torch.Tensor, op: str, comm: Comm, *, reduce_scatter: bool, all_gather: bool,
@@ -47,96 +46,91 @@ def ring_pass(
 ) -> None:
     """Run the ring's reduce-scatter and/or all-gather steps on a flat contiguous tensor.
 
-    Why receives are posted as early as they are (Gloo's TCP pair, gloo/transport/tcp/pair.cc):
-    a send whose receive the peer has already posted is written to the socket at once by the
-    sending thread; a send posted first only announces itself (NOTIFY_SEND_READY) and is written
-    later by the *peer's receive notification* on Gloo's single event-loop thread, which is also
-    the thread reading every incoming piece. So a late receive costs a round trip and moves the
-    sender's copy onto the busy loop thread. Hence: all-gather pieces, which land in place, are
-    all received from the start on their own tag (``comm.tag_of(1)``: Gloo matches a pair's
-    receives of one tag in posting order, and the reduce-scatter ones are posted a window at a
-    time); the next reduce-scatter receive is posted before the reduction, not after it.
-    The loop runs on precomputed views (no per-piece closures or lists) and calls the group's
-    own send/recv directly (no ``Comm.post`` per piece).
+    Posting order (Gloo's TCP pair, gloo/transport/tcp/pair.cc): a send whose receive the peer
+    has already posted is written to the socket at once *by the sending thread*; a send posted
+    first only announces itself and is written by Gloo's event-loop thread once the peer's
+    receive arrives. Hence:
 
-    Measured against the previous version (receives posted after the reduction, all-gather
-    receives a window at a time, ``Comm.post`` per piece), both alternating with native in one
-    run, 2-core machine under other jobs' load (load average 6-9), mean over ranks of CPU time
-    per call (user + system, all threads; less load-sensitive than wall time), old -> new
-    (native): world 4, 4/8/16/32/64 MB: 6.4/10.6/20.8/36.3/72.4 -> 5.2/9.3/18.6/31.7/66.8 ms
-    (4.4/8.4/17.5/30.1/61.8), time ratio to native geomean 1.21 -> 1.10; world 2, 64 MB
-    45.8 -> 42.9 ms (41.5), 43.7 -> 41.0 (38.1) in a second run, geomean 1.13 -> 1.10 and
-    1.27 -> 1.21. Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring (1 MiB
-    pieces, or splitting small blocks into 2-4 pieces, raised CPU and time at 4-16 MB), and
-    4 MiB pieces changed the 32-64 MB CPU by -2..-5% but the time by +-10%: not adopted.
-    Posting every reduce-scatter receive up front (scratch of (p-1)/p of the message) matched the
-    window of 4 in one run at load 5 (geomean 1.064 vs 1.056 at world 4, 1.127 vs 1.129 at 2).
-    Command: ``commlab bench collectives -b 4M -e 64M -f 2 -n 10 --algorithm ring,native
-    --world-size 2,4 --repeat 5`` (ratios), CPU from ``getrusage`` around each call.
+    - step 0's sends go first, before any receive: both ranks of a pair start at once, and a
+      send that finds its receive posted would block this thread for the whole write (~0.5 ms
+      per 2 MiB here) before it can post its own receives or reduce anything;
+    - then the first WINDOW reduce-scatter receives and every all-gather receive (they land in
+      place, on their own tag ``comm.tag_of(1)``: Gloo matches a pair's receives of one tag in
+      posting order, and the reduce-scatter ones are posted a window at a time);
+    - in the loop, the next reduce-scatter receive is posted before the reduction, into the
+      spare slot, so the forwarded piece the left neighbour sends next finds it posted.
+
+    The index maths is :func:`~commlab.collectives.schedules.ring_plan`, cached per size; the
+    loop calls the group's own send/recv (no per-piece closures or ``Comm.post``).
+
+    Measured (world 2, 4-64 MB, alternating with native in one run, 120 calls per size, median
+    ratio to native, /work/exp/ring_lean_cmp.py): the previous version (receives before step 0's
+    sends, the plan rebuilt per call) 1.39/1.21/1.07/1.07/1.00, geomean 1.14; the cached plan
+    with receives first 1.24/1.03/1.05/1.07/1.01 (1.08); with step 0's sends first
+    1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
+    Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, so pieces stay at
+    2 MiB (1 MiB raised time and CPU at 4-16 MB).
     """
     p, r = comm.size, comm.rank
-    steps = []
-    if reduce_scatter:
-        rs = ring_reduce_scatter_blocks(r, p)
-        steps += [(s, rv, _REDUCE_LAST if i == len(rs) - 1 else _REDUCE) for i, (s, rv) in enumerate(rs)]
-    if all_gather:
-        steps += [(s, rv, _COPY) for s, rv in ring_all_gather_blocks(r, p)]
-    if not steps or flat.numel() == 0:
-        return
-    left, right = ring_neighbours(r, p)
-    bounds = chunk_bounds(flat.numel(), p)
     if comm.coalesce:
-        _ring_pass_stepwise(flat, op, comm, steps, bounds)
+        _ring_pass_stepwise(flat, op, comm, reduce_scatter, all_gather)
         return
     piece_numel = max(1, piece_bytes // flat.element_size())
-    # Every piece this rank receives, in the order the left neighbour sends them: step by step,
-    # piece by piece. Pieces are cut relative to their block, so the block received at step s
-    # is cut exactly as it is sent on at step s+1. Reducing steps come first.
-    arrivals = [(s, a, b) for s, (_, block, _) in enumerate(steps) for a, b in pieces(*bounds[block], piece_numel)]
-    n, n_reduce = len(arrivals), sum(1 for s, _, _ in arrivals if steps[s][2] != _COPY)
+    plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
+    arrivals, n_reduce = plan.arrivals, plan.n_reduce
+    if not arrivals:
+        return
+    left, right = ring_neighbours(r, p)
+    n = len(arrivals)
     window = min(WINDOW, n_reduce)
     slots = window + 1 if n_reduce > window else window
     scratch = comm.scratch("ring", slots * piece_numel, flat) if n_reduce else None
-    views = [flat[a:b] for _, a, b in arrivals]
-    landing = [scratch[(q % slots) * piece_numel :][: b - a] if q < n_reduce else views[q] for q, (_, a, b) in enumerate(arrivals)]
-    tags = [comm.tag_of(1 if mode == _COPY else 0) for _, _, mode in steps]  # per step
-    pg, sent = comm.pg, []
+    landing = [
+        scratch[(q % slots) * piece_numel :][: x.stop - x.start] if q < n_reduce else flat[x.start : x.stop]
+        for q, x in enumerate(arrivals)
+    ]
+    tags = (comm.tag_of(0), comm.tag_of(1))
+    pg = comm.pg
+    sent = [pg.send([flat[a:b]], right, tags[plan.first_phase]) for a, b in plan.first_sends]  # first: see above
     pending: list = [None] * n
-    for q in [*range(window), *range(n_reduce, n)]:  # receives first: see the docstring
-        pending[q] = pg.recv([landing[q]], left, tags[arrivals[q][0]])
-    for a, b in pieces(*bounds[steps[0][0]], piece_numel):  # step 0 sends data already here
-        sent.append(pg.send([flat[a:b]], right, tags[0]))
-    last = len(steps) - 1
-    for q, (s, _, _) in enumerate(arrivals):
+    for q in [*range(window), *range(n_reduce, n)]:
+        pending[q] = pg.recv([landing[q]], left, tags[arrivals[q].phase])
+    for q, piece in enumerate(arrivals):
         pending[q].wait()
         pending[q] = None
         if q + window < n_reduce:  # into the spare slot, freed by the piece before this one
-            pending[q + window] = pg.recv([landing[q + window]], left, tags[arrivals[q + window][0]])
-        mode = steps[s][2]
-        if mode != _COPY:
-            combine_(views[q], landing[q], op)
-            if mode == _REDUCE_LAST:
-                finish_(views[q], op, p)
-        if s < last:  # the block received at step s is the one sent at step s+1
-            sent.append(pg.send([views[q]], right, tags[s + 1]))
+            pending[q + window] = pg.recv([landing[q + window]], left, tags[0])
+        if piece.kind == COPY:
+            view = landing[q]
+        else:
+            view = flat[piece.start : piece.stop]
+            combine_(view, landing[q], op)
+            if piece.kind == REDUCE_LAST:
+                finish_(view, op, p)
+        if piece.forward is not None:  # the block received at step s is the one sent at step s+1
+            sent.append(pg.send([view], right, tags[piece.forward]))
     wait_all(sent)
 
 
-def _ring_pass_stepwise(flat: torch.Tensor, op: str, comm: Comm, steps: list, bounds: list) -> None:
+def _ring_pass_stepwise(flat: torch.Tensor, op: str, comm: Comm, reduce_scatter: bool, all_gather: bool) -> None:
     """The same steps with each step's send and receive in one NCCL group call.
 
     NCCL pipelines a message in its own chunks; pairing each send with its receive in a batch is
     what keeps a ring of NCCL p2p calls from deadlocking, so nothing is split further here.
     """
+    steps = ring_steps(comm.rank, comm.size, reduce_scatter, all_gather)
+    if not steps or flat.numel() == 0:
+        return
     left, right = ring_neighbours(comm.rank, comm.size)
+    bounds = chunk_bounds(flat.numel(), comm.size)
     scratch = comm.scratch("ring", max(b - a for a, b in bounds), flat)
-    for send_block, recv_block, mode in steps:
+    for send_block, recv_block, kind in steps:
         (sa, sb), (ra, rb) = bounds[send_block], bounds[recv_block]
-        landing = flat[ra:rb] if mode == _COPY else scratch[: rb - ra]
+        landing = flat[ra:rb] if kind == COPY else scratch[: rb - ra]
         wait_all(comm.post(sends=[(flat[sa:sb], right)], recvs=[(landing, left)])[0])
-        if mode != _COPY:
+        if kind != COPY:
             combine_(flat[ra:rb], landing, op)
-            if mode == _REDUCE_LAST:
+            if kind == REDUCE_LAST:
                 finish_(flat[ra:rb], op, comm.size)
 
 

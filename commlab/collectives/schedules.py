@@ -9,6 +9,7 @@ communication code maps them to global ranks. A "block" is one of the balanced s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -56,6 +57,64 @@ def ring_reduce_scatter_blocks(rank: int, world: int) -> list[tuple[int, int]]:
 def ring_all_gather_blocks(rank: int, world: int) -> list[tuple[int, int]]:
     """Per step s = 0..world-2: (block sent, block received); rank r starts owning block r."""
     return [((rank - s) % world, (rank - s - 1) % world) for s in range(world - 1)]
+
+
+REDUCE, REDUCE_LAST, COPY = 0, 1, 2  # what a ring piece's arrival does: reduce, reduce + finish, land
+
+
+@dataclass(frozen=True)
+class RingPiece:
+    """One piece a rank receives in a ring pass, in arrival order: elements [start, stop) of the
+    flat vector, what to do with it, the tag phase it arrives on and the one it is forwarded on
+    (None: the last step's piece, kept)."""
+
+    start: int
+    stop: int
+    kind: int  # REDUCE, REDUCE_LAST or COPY
+    phase: int  # 0 reduce-scatter, 1 all-gather (see commlab.collectives.p2p.Comm.tag_of)
+    forward: int | None
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """A rank's whole ring pass: step 0's pieces (sent first, data already here, on tag phase
+    ``first_phase``) and every arrival. The first ``n_reduce`` arrivals are reduced and land in
+    scratch slots."""
+
+    first_sends: tuple[tuple[int, int], ...]
+    first_phase: int
+    arrivals: tuple[RingPiece, ...]
+    n_reduce: int
+
+
+def ring_steps(rank: int, world: int, reduce_scatter: bool, all_gather: bool) -> list[tuple[int, int, int]]:
+    """A ring pass's steps in order: (block sent, block received, what the arrival does)."""
+    steps = []
+    if reduce_scatter:
+        rs = ring_reduce_scatter_blocks(rank, world)
+        steps += [(sent, got, REDUCE_LAST if i == len(rs) - 1 else REDUCE) for i, (sent, got) in enumerate(rs)]
+    if all_gather:
+        steps += [(sent, got, COPY) for sent, got in ring_all_gather_blocks(rank, world)]
+    return steps
+
+
+@lru_cache(maxsize=256)
+def ring_plan(numel: int, world: int, rank: int, piece_numel: int, reduce_scatter: bool, all_gather: bool) -> RingPlan:
+    """The ring pass of ``rank``, pieces cut relative to their block so that the block received
+    at step s is cut exactly as it is sent on at step s+1. Cached: a DDP run repeats a few sizes,
+    and rebuilding this per call cost ~0.1 ms, 3% of a 4 MB all-reduce at world 2."""
+    steps = ring_steps(rank, world, reduce_scatter, all_gather)
+    if not steps or numel == 0:
+        return RingPlan((), 0, (), 0)
+    bounds = chunk_bounds(numel, world)
+    phase = [1 if kind == COPY else 0 for _, _, kind in steps]
+    arrivals = tuple(
+        RingPiece(a, b, kind, phase[s], phase[s + 1] if s + 1 < len(steps) else None)
+        for s, (_, got, kind) in enumerate(steps)
+        for a, b in pieces(*bounds[got], piece_numel)
+    )
+    n_reduce = sum(1 for x in arrivals if x.kind != COPY)
+    return RingPlan(tuple(pieces(*bounds[steps[0][0]], piece_numel)), phase[0], arrivals, n_reduce)
 
 
 # --- binary tree rooted anywhere ------------------------------------------------------------
