@@ -63,11 +63,12 @@ def ring_pass(
     The index maths is :func:`~commlab.collectives.schedules.ring_plan`, cached per size; the
     loop calls the group's own send/recv (no per-piece closures or ``Comm.post``).
 
-    Measured (world 2, 4-64 MB, alternating with native in one run, 120 calls per size, median
-    ratio to native, /work/exp/ring_lean_cmp.py): the previous version (receives before step 0's
+    Measured (world 2, 4-64 MB, the variants and native called in a shuffled order in one run,
+    120 calls per size, median ratio to native): the previous version (receives before step 0's
     sends, the plan rebuilt per call) 1.39/1.21/1.07/1.07/1.00, geomean 1.14; the cached plan
     with receives first 1.24/1.03/1.05/1.07/1.01 (1.08); with step 0's sends first
     1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
+    ``commlab bench collectives`` gives the figures that count (README).
     Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, so pieces stay at
     2 MiB (1 MiB raised time and CPU at 4-16 MB).
     """
