@@ -156,28 +156,36 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
     from commlab.pipeline.memory import SavedBytes
     from commlab.pipeline.partition import profile_times
 
+    # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
     seconds = profile_times(model, sample, repeat=repeat)
     saved, output, params = [], [], []
     forward, input_grad, weight_grad = [float("inf")] * len(model), [float("inf")] * len(model), [float("inf")] * len(model)
+    sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
     for _ in range(max(1, repeat)):
         x = sample
         for k, layer in enumerate(model):
             x = x.detach().requires_grad_(x.is_floating_point())
             weights = [p for p in layer.parameters() if p.requires_grad]
-            start = time.perf_counter()
+            start = now()
             with torch.enable_grad():
                 y = layer(x)
-            mid = time.perf_counter()
+            mid = now()
             forward[k] = min(forward[k], mid - start)
             if y.requires_grad:
                 g = torch.ones_like(y)
+                mid = now()
                 if x.requires_grad:
                     torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
-                done_i = time.perf_counter()
+                done_i = now()
                 if weights:
                     torch.autograd.backward(y, g, inputs=weights)
                 input_grad[k] = min(input_grad[k], done_i - mid)
-                weight_grad[k] = min(weight_grad[k], time.perf_counter() - done_i)
+                weight_grad[k] = min(weight_grad[k], now() - done_i)
             else:
                 input_grad[k] = weight_grad[k] = 0.0
             x = y.detach()
