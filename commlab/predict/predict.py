@@ -14,9 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from commlab._atomic import write_text
 from commlab.predict.costs import cost_from_entry
 from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
 from commlab.sweep.spec import Config
@@ -83,11 +80,6 @@ def write_prediction(run_dir: Path, records: list[dict[str, Any]], meta: dict[st
     run_dir = Path(run_dir)
     for rec in records:
         store.save_record(run_dir, rec)
-    store.assemble(run_dir)
-    for name in ("iterations", "buckets", "runs"):
-        path = run_dir / f"{name}.csv"
-        df = pd.read_csv(path, dtype={"model_args": str, "error": str}, keep_default_na=False)
-        df.insert(1, "source", SOURCE)
-        write_text(path, df.to_csv(index=False, float_format="%.9g"))
+    store.assemble(run_dir, source=SOURCE)
     store.write_metadata(run_dir, meta)
 

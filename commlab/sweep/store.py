@@ -93,10 +93,13 @@ def _dtypes(columns: list[str]) -> dict[str, str]:
     return {c: ("int64" if c in counts else "float64") for c in columns}
 
 
-def assemble(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Rebuild iterations.csv, buckets.csv and runs.csv from the records; return the tables."""
+def assemble(run_dir: Path, source: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Rebuild iterations.csv, buckets.csv and runs.csv from the records; return the tables.
+    ``source`` (e.g. "predicted") becomes a second column of every table."""
     iterations, buckets, runs = tables(load_records(run_dir))
     for name, df in (("iterations", iterations), ("buckets", buckets), ("runs", runs)):
+        if source is not None:
+            df.insert(1, "source", source)
         # Nine significant digits: nanoseconds for timings up to a second, and half the bytes.
         write_text(Path(run_dir) / f"{name}.csv", df.to_csv(index=False, float_format="%.9g"))
     return iterations, buckets, runs
