@@ -23,14 +23,8 @@ from commlab.collectives.registry import algorithm_names, get_algorithm, registe
 from commlab.collectives.ring import all_gather_ring, all_reduce_ring, reduce_scatter_ring
 from commlab.collectives.schedules import chunk_bounds
 from commlab.collectives.tree import all_reduce_tree, broadcast_tree, reduce_tree
-from commlab.collectives.worker import (
-    CollectiveHandle,
-    group_timeout,
-    release_groups,
-    run_collective,
-    run_ordered,
-    wait_future,
-)
+from commlab.collectives.handle import CollectiveHandle, wait_future
+from commlab.collectives.worker import group_timeout, release_groups, run_collective, run_ordered
 
 
 def _p2p_algorithm(name: str, body: Callable[[torch.Tensor, str, Comm], None]) -> Callable:

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from commlab.collectives import streams
 from commlab.collectives.reduce_ops import finish_
-from commlab.collectives.worker import CollectiveHandle, worker_for
+from commlab.collectives.handle import CollectiveHandle
+from commlab.collectives.worker import worker_for
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
