@@ -40,7 +40,7 @@ from commlab.pipeline.messages import message_order, send_waits
 from commlab.pipeline.simulate import Timed, split_stages
 from commlab.pipeline.stage import Stage
 from commlab.pipeline.transport import Transport
-from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, resolve
+from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
 from commlab.pipeline.values import Value, detached, flat, floats, leaf_grads, pairs
 
 __all__ = ["CHECKPOINT_MODES", "LOSS_REDUCTIONS", "PipelineSchedule", "check_plan", "resolve"]
@@ -175,9 +175,6 @@ class PipelineSchedule:
         self._drop("send", action)
 
     # -- compute --------------------------------------------------------------------------------
-    def _checkpointed(self, microbatch: int) -> bool:
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and microbatch < self.microbatches - 1)
-
     def _run(self, s: int, i: int, x: Value):
         layers = []
         with self.stage.forward_context(s):
@@ -205,7 +202,7 @@ class PipelineSchedule:
             x = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
             x = detached(x, grad=True)  # its floating elements' gradients go back to stage s - 1
-        if self._checkpointed(i):
+        if recomputes(self.checkpoint, i, self.microbatches):
             rng = rng_state(self.stage.device)
             with torch.no_grad():
                 y, loss, _ = self._run(s, i, x)
