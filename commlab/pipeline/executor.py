@@ -224,9 +224,9 @@ class PipelineSchedule:
         if self.memory is None:
             return
         self._hold("stash", Action(s, FORWARD, i), [*(flat(stash.x) if s > 0 else ()), *flat(stash.y)], storages)
-        held = self.memory._holders[("stash", s, i, FORWARD)][1]
-        self._live[s] += sum(held.values()) - stash.nbytes
-        stash.nbytes = sum(held.values())
+        held = self.memory.held_bytes("stash", (s, i, FORWARD))
+        self._live[s] += held - stash.nbytes
+        stash.nbytes = held
         self.peak_saved_bytes[s] = max(self.peak_saved_bytes[s], self._live[s])
 
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:
