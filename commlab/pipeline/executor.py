@@ -114,7 +114,7 @@ class PipelineSchedule:
         st, m = self.stage, self.microbatches
         chunks = targets = None
         error = None
-        try:  # a refusal here travels down the handshake, so every later rank raises it too
+        try:  # a refusal here reaches every rank through comm.agree, so every rank raises it
             if st.is_first:
                 if inputs is None:
                     raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
