@@ -61,7 +61,11 @@ def test_planner_picks_the_fastest_plan_that_fits():
     assert {p.schedule for p in plans} >= {"gpipe", "1f1b", "zb-h1", "zb-v", "interleaved"}
     roomy, tight = best(plans, 1e9), best(plans, 700.0)
     assert roomy == plans[0]
-    assert max(tight.peak_bytes) <= 700.0 and tight.step_time >= roomy.step_time
+    # The budget binds (the fastest plan needs more), so the pick below is a real choice ...
+    assert max(roomy.peak_bytes) > 700.0 and tight != roomy
+    # ... and it is the fastest that fits: it fits, and every faster plan does not.
+    assert max(tight.peak_bytes) <= 700.0
+    assert all(max(p.peak_bytes) > 700.0 for p in plans if p.step_time < tight.step_time)
     assert best(plans, 1.0) is None
 
 
