@@ -55,12 +55,17 @@ def _done(bucket: Bucket, handle: Any, clock: Any, queued: dict[int, Any], futur
     return value
 
 
-def wait(bucket: Bucket, *, buckets: int, timeout: float, how: str, group: Any) -> torch.Tensor:
-    """Wait for ``bucket`` (at most twice the group's timeout); a failure names the bucket and
-    ``how`` it was reduced, on every rank (each rank's wait fails)."""
+def wait(bucket: Bucket, *, buckets: int, timeout: float, hooked: bool, algorithm: str, group: Any) -> torch.Tensor:
+    """Wait for ``bucket`` (at most twice the group's timeout); a failure names the bucket and how
+    it was reduced (its comm hook if ``hooked``, else ``algorithm``), on every rank (each rank's
+    wait fails). Runs once per bucket per iteration, so the messages are built only on failure."""
+    future = bucket.future
     try:
-        return collectives.wait_future(bucket.future, 2 * timeout, f"bucket {bucket.position}")
+        if future.done():  # what wait_future does then too, without its timeout message
+            return future.wait()
+        return collectives.wait_future(future, 2 * timeout, f"bucket {bucket.position}")
     except Exception as exc:
+        how = "its comm hook" if hooked else f"all-reduce algorithm {algorithm!r}"
         raise RuntimeError(
             f"DistributedDataParallel: bucket {bucket.position} of {buckets} "
             f"({bucket.nbytes} bytes, {len(bucket.params)} parameters) failed on rank "
