@@ -61,7 +61,11 @@ def test_planner_picks_the_fastest_plan_that_fits():
     assert {p.schedule for p in plans} >= {"gpipe", "1f1b", "zb-h1", "zb-v", "interleaved"}
     roomy, tight = best(plans, 1e9), best(plans, 700.0)
     assert roomy == plans[0]
-    assert max(tight.peak_bytes) <= 700.0 and tight.step_time >= roomy.step_time
+    # The budget binds (the fastest plan needs more), so the pick below is a real choice ...
+    assert max(roomy.peak_bytes) > 700.0 and tight != roomy
+    # ... and it is the fastest that fits: it fits, and every faster plan does not.
+    assert max(tight.peak_bytes) <= 700.0
+    assert all(max(p.peak_bytes) > 700.0 for p in plans if p.step_time < tight.step_time)
     assert best(plans, 1.0) is None
 
 
@@ -185,3 +189,15 @@ def test_waiting_for_a_core_is_not_executor_overhead():
     assert idle_breakdown(timeline, 2, 0.0) == (pytest.approx(1.0), pytest.approx(1.0))
     assert idle_breakdown(timeline, 2, 0.0, cores=2)[1] == pytest.approx(2 / 3)
     assert idle_breakdown(timeline, 2, 0.0, cores=3)[1] == pytest.approx(1.0)
+
+
+def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predictor():
+    from commlab.pipeline.predict import checkpointed_microbatches
+    from commlab.pipeline.validate import recomputes
+
+    assert checkpointed_microbatches("never", 4) == ()
+    assert checkpointed_microbatches("always", 4) == (0, 1, 2, 3)
+    assert checkpointed_microbatches("except_last", 4) == (0, 1, 2)  # the last one's B follows its F at once
+    assert [recomputes("except_last", i, 1) for i in range(1)] == [False]
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'sometimes'"):
+        checkpointed_microbatches("sometimes", 4)

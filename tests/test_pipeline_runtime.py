@@ -205,6 +205,22 @@ def test_bad_batches_raise_value_errors(two_ranks):
     assert "last stage must pass target" in two_ranks[1]["missing"]
 
 
+def test_ledger_counts_a_shared_storage_once_but_in_full_for_each_holder():
+    # No processes: the accounting the executor's _keep reads per stashed micro-batch.
+    from commlab.pipeline.memory import Ledger
+
+    a, b = torch.zeros(4), torch.zeros(8)  # 16 and 32 bytes
+    ledger = Ledger()
+    ledger.hold("stash", (0, 0, "F"), [a, b])
+    ledger.hold("send", (0, 0, "F"), [b])
+    assert ledger.held_bytes("stash", (0, 0, "F")) == 48 and ledger.held_bytes("send", (0, 0, "F")) == 32
+    assert ledger.current == 48 and ledger.by_kind() == {"stash": 48, "send": 32}
+    ledger.drop(("stash", 0, 0, "F"))
+    assert ledger.current == 32 and ledger.peak == 48
+    with pytest.raises(KeyError):
+        ledger.held_bytes("stash", (0, 0, "F"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL pipeline needs two CUDA devices (one per rank)")
 def test_nccl_pipeline_matches_unpartitioned_model():

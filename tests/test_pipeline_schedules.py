@@ -75,6 +75,27 @@ def test_every_generated_schedule_is_valid_and_nccl_ordered():
                 assert sum(len(r) for r in actions) == 2 * p * v * m
 
 
+def test_producer_is_the_inverse_of_consumer():
+    # The executor's transport sends to consumer() and receives from producer(): one rule both ways.
+    from commlab.pipeline.messages import consumer, producer
+    from commlab.pipeline.simulate import split_stages
+
+    F, B, I, W = "F", "B", "I", "W"
+    assert producer(Action(1, F, 2), 3, frozenset()) == Action(0, F, 2)
+    assert producer(Action(0, B, 2), 3, frozenset({1})) == Action(1, I, 2)  # stage 1's backward is split
+    assert producer(Action(1, I, 2), 3, frozenset({1})) == Action(2, B, 2)
+    assert [producer(Action(s, k, 0), 3, frozenset({0, 1, 2})) for s, k in ((0, F), (2, B), (2, I), (1, W))] == [None] * 4
+    for name, p, m, v in (("gpipe", 3, 4, 1), ("1f1b", 3, 4, 1), ("interleaved", 2, 4, 2), ("zb-h1", 3, 4, 1), ("zb-v", 2, 4, 2)):
+        actions = build(name, p, m, v)
+        stages, split = p * v, split_stages(actions)
+        every = {a for rank in actions for a in rank}
+        sent = {a: consumer(a, stages, split) for a in every}
+        assert all(producer(c, stages, split) == a for a, c in sent.items() if c is not None), name
+        needs = {a: producer(a, stages, split) for a in every}
+        assert all(p in every and consumer(p, stages, split) == a for a, p in needs.items() if p is not None), name
+        assert sum(c is not None for c in sent.values()) == sum(q is not None for q in needs.values()) == 2 * (stages - 1) * m
+
+
 def test_validator_names_each_broken_rule():
     backward_first = _parse(["0B0 0F0", "1F0 1B0"])
     assert any("before 0F0 (forward before its backward)" in p for p in problems(backward_first))

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from commlab import collectives
-from commlab.ddp.bucket import Bucket, GradBucket
+from commlab.ddp import inflight
+from commlab.ddp.bucket import Bucket
 from commlab.ddp.sync import broadcast_coalesced
 
 if TYPE_CHECKING:
@@ -101,15 +102,11 @@ class DDPJoinHook(JoinHook):
 def _shadow_buckets(ddp: DistributedDataParallel) -> None:
     """Step 5 for a joined rank: the reducer's all-reduces (or comm hook), on zeros."""
     reducer = ddp.reducer
-    pending = []
-    for b in reducer.buckets:
-        zeros = Bucket(b.position, b.param_indices, b.params)
-        if reducer.comm_hook is not None:
-            is_last = b.position == len(reducer.buckets) - 1
-            pending.append(reducer.comm_hook(reducer.comm_state, GradBucket(zeros, is_last)))
-        else:
-            group = reducer.comm_groups[b.position % len(reducer.comm_groups)]
-            work = collectives.all_reduce(zeros.buffer, "sum", algorithm=reducer.algorithm, group=group, async_op=True)
-            pending.append(work.get_future())
+    last = len(reducer.buckets) - 1
+    pending = [
+        inflight.start(Bucket(b.position, b.param_indices, b.params), last=last, hook=reducer.comm_hook,
+                       state=reducer.comm_state, groups=reducer.comm_groups, algorithm=reducer.algorithm)[0]
+        for b in reducer.buckets
+    ]  # fmt: skip
     for future in pending:
         future.wait()

@@ -208,8 +208,8 @@ class Reducer:
                         groups=self.comm_groups, algorithm=self.algorithm, clock=self.clock, queued=self._queued)
 
     def _wait(self, bucket: Bucket) -> torch.Tensor:
-        how = "its comm hook" if self.comm_hook is not None else f"all-reduce algorithm {self.algorithm!r}"
-        return inflight.wait(bucket, buckets=len(self.buckets), timeout=self._timeout, how=how, group=self.group)
+        return inflight.wait(bucket, buckets=len(self.buckets), timeout=self._timeout, hooked=self.comm_hook is not None,
+                             algorithm=self.algorithm, group=self.group)  # fmt: skip
 
     def _finalize(self) -> None:
         """Step 4: runs on the autograd engine once the whole backward graph has executed."""

@@ -6,9 +6,10 @@ As torch's PipelineStage does on its first step, each stage runs its module on a
 batch to find its output's per-sample shape and dtype (each element's, for a tuple) and passes it on with the micro-batch sizes,
 in stage order. Here the handshake runs at every step (a few small messages; the module runs again
 only when its input's shape changed), so any dimension may change between steps (a sequence
-length, the batch size), every wait obeys the schedule's timeout, and an error found on the
-first stage (a batch that cannot be split) travels down the chain: every rank raises the same
-ValueError instead of waiting for messages that never come.
+length, the batch size), every wait obeys the schedule's timeout, and an error found on any rank
+(a batch that cannot be split, a missing target: :func:`agree`; a stage output that cannot be
+sent: :func:`handshake`) reaches every rank: each raises the same ValueError instead of waiting
+for messages that never come.
 """
 
 from __future__ import annotations
@@ -74,24 +75,24 @@ class HandshakeError(ValueError):
 
 
 def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
-              error: str | None = None, cache: dict | None = None) -> dict[int, Boundary]:  # fmt: skip
+              cache: dict | None = None) -> dict[int, Boundary]:  # fmt: skip
     """The input boundary of every stage this rank holds or feeds (key: stage index).
 
-    ``first`` is the first stage's micro-batches (on the rank holding stage 0, else None);
-    ``error``: this rank refuses the step (sent downstream in place of a boundary, then raised).
-    Runs in stage order, so stage s waits only for stage s - 1. The result also holds the boundary
-    after each local stage: the shape of the gradients that come back to it. ``cache`` maps an
-    input boundary to the output one, so a module runs only for a shape it has not seen.
+    ``first`` is the first stage's micro-batches (on the rank holding stage 0, else None). A
+    refused batch or target never gets here (:func:`agree` raises it first, on every rank); a
+    module output refused here (values.check_output) travels down the chain in place of a
+    boundary, then back up, and every rank raises it. Runs in stage order, so stage s waits only
+    for stage s - 1. The result also holds the boundary after each local stage: the shape of the
+    gradients that come back to it. ``cache`` maps an input boundary to the output one, so a
+    module runs only for a shape it has not seen.
     """
     cache = {} if cache is None else cache
     inputs: dict[int, Boundary | str] = {}
     for s in sorted(stage.modules):
         if s == 0:
-            inputs[s] = error if error else Boundary.of(tuple(int(t.shape[0]) for t in first), first[0])
+            inputs[s] = Boundary.of(tuple(int(t.shape[0]) for t in first), first[0])
         elif s not in inputs:
             inputs[s] = _recv_object(stage, stage.global_rank_of(s - 1), s, timeout)
-        if error and not isinstance(inputs[s], str):
-            inputs[s] = error
         if s + 1 < stage.num_stages:
             if isinstance(inputs[s], str):
                 inputs[s + 1] = inputs[s]
@@ -102,8 +103,8 @@ def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: dat
                 inputs[s + 1] = cache[key]
             if s + 1 not in stage.modules:
                 _send_object(stage, inputs[s + 1], stage.global_rank_of(s + 1), s + 1, timeout)
-    # Back up the chain: a refusal found downstream (the last stage's target) reaches every rank.
-    refused = error or next((b for b in inputs.values() if isinstance(b, str)), None)
+    # Back up the chain: a refusal found downstream (a later stage's output) reaches every rank.
+    refused = next((b for b in inputs.values() if isinstance(b, str)), None)
     for s in sorted(stage.modules, reverse=True):
         if s + 1 < stage.num_stages and s + 1 not in stage.modules:
             later = _recv_object(stage, stage.global_rank_of(s + 1), -s - 1, timeout)
@@ -111,7 +112,7 @@ def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: dat
         if s > 0 and s - 1 not in stage.modules:
             _send_object(stage, refused, stage.global_rank_of(s - 1), -s, timeout)
     if refused is not None:
-        raise HandshakeError(error or refused)
+        raise HandshakeError(refused)
     return inputs  # type: ignore[return-value]
 
 
@@ -138,7 +139,7 @@ def agree(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetim
         raise HandshakeError(error or refused[0])
     b0 = next(b for _, b in found if b is not None)
     if b0 not in known:
-        boundaries = handshake(stage, first, timeout, None, cache)
+        boundaries = handshake(stage, first, timeout, cache)
         if len(known) >= KNOWN_INPUTS:
             known.pop(next(iter(known)))  # oldest first: the same on every rank
         known[b0] = boundaries

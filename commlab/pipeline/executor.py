@@ -40,7 +40,7 @@ from commlab.pipeline.messages import message_order, send_waits
 from commlab.pipeline.simulate import Timed, split_stages
 from commlab.pipeline.stage import Stage
 from commlab.pipeline.transport import Transport
-from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, resolve
+from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
 from commlab.pipeline.values import Value, detached, flat, floats, leaf_grads, pairs
 
 __all__ = ["CHECKPOINT_MODES", "LOSS_REDUCTIONS", "PipelineSchedule", "check_plan", "resolve"]
@@ -114,7 +114,7 @@ class PipelineSchedule:
         st, m = self.stage, self.microbatches
         chunks = targets = None
         error = None
-        try:  # a refusal here travels down the handshake, so every later rank raises it too
+        try:  # a refusal here reaches every rank through comm.agree, so every rank raises it
             if st.is_first:
                 if inputs is None:
                     raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
@@ -175,9 +175,6 @@ class PipelineSchedule:
         self._drop("send", action)
 
     # -- compute --------------------------------------------------------------------------------
-    def _checkpointed(self, microbatch: int) -> bool:
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and microbatch < self.microbatches - 1)
-
     def _run(self, s: int, i: int, x: Value):
         layers = []
         with self.stage.forward_context(s):
@@ -205,7 +202,7 @@ class PipelineSchedule:
             x = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
             x = detached(x, grad=True)  # its floating elements' gradients go back to stage s - 1
-        if self._checkpointed(i):
+        if recomputes(self.checkpoint, i, self.microbatches):
             rng = rng_state(self.stage.device)
             with torch.no_grad():
                 y, loss, _ = self._run(s, i, x)
@@ -227,9 +224,9 @@ class PipelineSchedule:
         if self.memory is None:
             return
         self._hold("stash", Action(s, FORWARD, i), [*(flat(stash.x) if s > 0 else ()), *flat(stash.y)], storages)
-        held = self.memory._holders[("stash", s, i, FORWARD)][1]
-        self._live[s] += sum(held.values()) - stash.nbytes
-        stash.nbytes = sum(held.values())
+        held = self.memory.held_bytes("stash", (s, i, FORWARD))
+        self._live[s] += held - stash.nbytes
+        stash.nbytes = held
         self.peak_saved_bytes[s] = max(self.peak_saved_bytes[s], self._live[s])
 
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:

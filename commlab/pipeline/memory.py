@@ -95,6 +95,10 @@ class Ledger:
                 del self._count[ptr]
                 self.current -= self._size.pop(ptr)
 
+    def held_bytes(self, kind: str, name: tuple) -> int:
+        """Bytes holder ``name`` of ``kind`` holds now, shared storages counted in full (KeyError if none)."""
+        return sum(self._holders[(kind, *name)][1].values())
+
     def by_kind(self) -> dict[str, int]:
         """Bytes per kind of holder now (a storage shared by two kinds counts in both)."""
         out: dict[str, int] = {}

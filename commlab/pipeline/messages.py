@@ -33,6 +33,18 @@ def consumer(action: Action, stages: int, split: frozenset[int]) -> Action | Non
     return None
 
 
+def producer(action: Action, stages: int, split: frozenset[int]) -> Action | None:
+    """The action whose message ``action`` consumes (the inverse of :func:`consumer`), or None if
+    it needs none: F takes stage s-1's activation, B or I stage s+1's input gradient (its I if
+    stage s+1's backward is split), W nothing."""
+    s, i = action.stage, action.microbatch
+    if action.kind == FORWARD and s > 0:
+        return Action(s - 1, FORWARD, i)
+    if action.kind in (BACKWARD, INPUT_GRAD) and s + 1 < stages:
+        return Action(s + 1, INPUT_GRAD if s + 1 in split else BACKWARD, i)
+    return None
+
+
 def messages(actions: Actions, placement: Sequence[int] | None = None) -> list[tuple[int, Action, int, Action]]:
     """Every cross-rank message as (sender rank, producing action, receiver rank, consuming action)."""
     from commlab.pipeline.simulate import split_stages

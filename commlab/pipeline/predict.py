@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
 from commlab.pipeline.messages import consumer, message_order, send_waits
+from commlab.pipeline.validate import recomputes
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
 
@@ -171,8 +172,8 @@ def predict(actions: Actions, costs: Costs, placement: Sequence[int] | None = No
 
 
 def checkpointed_microbatches(mode: str, microbatches: int) -> tuple[int, ...]:
-    """The micro-batches a checkpoint mode recomputes (see :class:`PipelineSchedule`)."""
-    return {"never": (), "always": tuple(range(microbatches)), "except_last": tuple(range(microbatches - 1))}[mode]
+    """The micro-batches a checkpoint mode recomputes (:func:`commlab.pipeline.validate.recomputes`)."""
+    return tuple(i for i in range(microbatches) if recomputes(mode, i, microbatches))
 
 
 __all__ = ["Costs", "Prediction", "checkpointed_microbatches", "lower", "num_microbatches", "predict", "shared", "sharing"]

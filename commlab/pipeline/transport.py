@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from commlab.pipeline.actions import FORWARD, Action
 from commlab.pipeline.comm import Boundary, tag
+from commlab.pipeline.messages import consumer, producer
 from commlab.pipeline.stage import Stage
 from commlab.pipeline.values import Value, flat, rebuild
 
@@ -52,49 +53,31 @@ class Transport:
         self.boundaries, self.local = boundaries, {}
         self._hold = hold or (lambda kind, action, tensors: None)
 
-    def _peer_of(self, action: Action, send: bool) -> tuple[int, Action] | None:
-        """(neighbour stage, message-producing action) for the message ``action`` sends or needs."""
-        s, i, S = action.stage, action.microbatch, self.stage.num_stages
-        if action.kind == WEIGHT_GRAD:
-            return None
-        forward = action.kind == FORWARD
-        other = s + 1 if forward == send else s - 1
-        if not 0 <= other < S:
-            return None
-        if send:
-            return other, action
-        return other, Action(other, FORWARD if forward else INPUT_GRAD if other in self.split else BACKWARD, i)
-
     def _recv(self, action: Action) -> tuple[Value, list] | None:
-        found = self._peer_of(action, send=False)
-        if found is None or found[0] in self.stage.modules:
+        source = producer(action, self.stage.num_stages, self.split)
+        if source is None or source.stage in self.stage.modules:
             return None
-        other, producer = found
-        forward = action.kind == FORWARD
+        other, forward = source.stage, action.kind == FORWARD
         boundary = self.boundaries[action.stage if forward else other]
         bufs = boundary.buffers(action.microbatch, self.stage.device, grads=not forward)
         if not bufs:
             return None  # whole numbers only (token ids): no gradient comes back
         peer = self.stage.global_rank_of(other)
-        ops = [dist.P2POp(dist.irecv, b, peer, self.stage.group, tag(producer, self.microbatches, j))
+        ops = [dist.P2POp(dist.irecv, b, peer, self.stage.group, tag(source, self.microbatches, j))
                for j, b in enumerate(bufs)]  # fmt: skip
         return (rebuild(bufs, boundary.packed) if forward else tuple(bufs)), ops
 
     def _sends(self, action: Action, produced: Value | None) -> list:
-        found = self._peer_of(action, send=True)
-        if found is None or produced is None:
+        target = consumer(action, self.stage.num_stages, self.split)
+        if target is None or produced is None:
             return []
-        other, producer = found
-        if other in self.stage.modules:  # neighbour stage on this rank: hand over without a message
-            nxt = Action(other, action.kind, action.microbatch)
-            if action.kind != FORWARD:
-                nxt = Action(other, INPUT_GRAD if other in self.split else BACKWARD, action.microbatch)
-            self.local[nxt] = produced
-            self._hold("local", nxt, list(flat(produced)))
+        if target.stage in self.stage.modules:  # neighbour stage on this rank: hand over without a message
+            self.local[target] = produced
+            self._hold("local", target, list(flat(produced)))
             return []
-        peer = self.stage.global_rank_of(other)
+        peer = self.stage.global_rank_of(target.stage)
         # Gloo sends contiguous memory only; a slice of a stage's output (x[:, 6:]) is copied once.
-        return [dist.P2POp(dist.isend, t.contiguous(), peer, self.stage.group, tag(producer, self.microbatches, j))
+        return [dist.P2POp(dist.isend, t.contiguous(), peer, self.stage.group, tag(action, self.microbatches, j))
                 for j, t in enumerate(flat(produced))]  # fmt: skip
 
     def post(self, action: Action | None, produced: Value | None, receiver: Action | None) -> Posted:

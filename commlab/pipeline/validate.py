@@ -26,9 +26,18 @@ from commlab.pipeline.messages import message_order
 from commlab.pipeline.schedules import spec
 from commlab.pipeline.simulate import DeadlockError, dependencies, split_stages, walk
 
-__all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "resolve", "validate"]
+__all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "recomputes", "resolve", "validate"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+def recomputes(mode: str, microbatch: int, microbatches: int) -> bool:
+    """Whether checkpoint ``mode`` recomputes ``microbatch``'s forward during its backward:
+    ``always`` every micro-batch, ``except_last`` all but the last (whose backward follows its
+    forward at once on the last stage), ``never`` none. The executor and the predictor both ask here."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown checkpoint mode {mode!r}: choose from {', '.join(CHECKPOINT_MODES)}")
+    return mode == "always" or (mode == "except_last" and microbatch < microbatches - 1)
 
 
 def problems(
