@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import commlab
 from commlab import collectives as C
+from commlab.collectives import wait_future
 from commlab.collectives import worker as W
 from commlab.collectives.p2p import Comm
 from commlab.ddp import sync
@@ -79,7 +80,7 @@ def test_a_job_queued_from_a_callback_on_the_worker_runs_inline():  # point 12, 
         chained = first.then(lambda _: (worker.run_inline(lambda: seen.append("blocking")),
                                         worker.submit(lambda: seen.append("async")).wait()))  # fmt: skip
         gate.set()
-        W.wait_future(chained, 10.0, "chained callback")
+        wait_future(chained, 10.0, "chained callback")
         assert seen == ["blocking", "async"]
         assert worker.idle()
     finally:
@@ -230,7 +231,7 @@ def _reentrant_callbacks():
         return fut.value()
 
     chained = C.all_reduce(x, "sum", algorithm="ring", async_op=True).get_future().then(callback)
-    outcome = error_of(lambda: W.wait_future(chained, 30.0, "chained callback"))
+    outcome = error_of(lambda: wait_future(chained, 30.0, "chained callback"))
     gate.wait()
     return {"outcome": outcome, "x": x.tolist(), "y": y.tolist(), "z": z.tolist()}
 
