@@ -24,11 +24,17 @@ def test_predict_adds_what_the_executor_does_to_the_schedule():
 
 
 def test_a_send_completes_only_once_the_receive_is_posted():
-    # Rank 1 posts the receive for 1F1 only after 1B0; with a slow 1B0, 0F1's message waits and so
-    # does rank 0's wait on that send before 0B0 (torch's Schedule1F1B pattern).
+    # NCCL: rank 1 posts the receive for 1F1 only after 1B0 (with 1B0's sends); with a slow 1B0,
+    # 0F1's message waits and so does rank 0's wait on that send before 0B0 (torch's Schedule1F1B
+    # pattern). Gloo: the receive goes out after the previous receiving action, 1F0.
     one_f = build("1f1b", 2, 2)
-    tasks = {t.name: t for t in lower(one_f, Costs([1, 1], [2, 2]))}
-    assert "1B0" in tasks["msg 0F1>1F1"].deps and "msg 0F1>1F1" in tasks["0B0"].deps
+    nccl = {t.name: t for t in lower(one_f, Costs([1, 1], [2, 2]), lookahead=False)}
+    assert "1B0" in nccl["msg 0F1>1F1"].deps and "msg 0F1>1F1" in nccl["0B0"].deps
+    gloo = {t.name: t for t in lower(one_f, Costs([1, 1], [2, 2]))}
+    assert "1F0" in gloo["msg 0F1>1F1"].deps and "1B0" not in gloo["msg 0F1>1F1"].deps
+    # zb-v runs W's and same-rank hand-overs between receives: posting late costs it time.
+    zbv, costs = build("zb-v", 2, 8, 2), Costs([1.0] * 4, [2.0] * 4, alpha=0.3)
+    assert predict(zbv, costs).step_time < 0.95 * predict(zbv, costs, lookahead=False).step_time
     # Without posting and waits the core gives exactly the schedule-only simulation.
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
         actions = build(name, 3, 6, v)

@@ -8,8 +8,9 @@ torch.distributed.pipelining's CSV; any list that :func:`validate` accepts runs.
 
 The executor walks this rank's actions in order. Before an action it waits for the one message
 it needs (an activation for a forward, a gradient for B or I; W needs none); after it, in one
-batch, it sends what the action produced and posts the receive for the next action
-(:mod:`commlab.pipeline.transport`; NCCL also needs :func:`message_order`). What crosses a
+batch, it sends what the action produced and posts the next receive: on NCCL the next action's,
+on Gloo the next *receiving* action's (:func:`~commlab.pipeline.messages.receive_posts`;
+:mod:`commlab.pipeline.transport`; NCCL also needs :func:`message_order`). What crosses a
 boundary may be a tuple of tensors (:mod:`commlab.pipeline.values`). Each send is awaited as early
 as it safely can be (:func:`commlab.pipeline.messages.send_waits`), which frees the sent tensor:
 a Gloo send holds it until ``wait()``.
@@ -36,7 +37,7 @@ from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD,
 from commlab.pipeline.comm import agree, split_batch
 from commlab.pipeline.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.memory import Ledger, SavedBytes
-from commlab.pipeline.messages import message_order, send_waits
+from commlab.pipeline.messages import message_order, receive_posts, send_waits
 from commlab.pipeline.simulate import Timed, split_stages
 from commlab.pipeline.stage import Stage
 from commlab.pipeline.transport import Transport
@@ -85,7 +86,8 @@ class PipelineSchedule:
         self.split = split_stages(all_actions)
         if self.split and not stage.supports_split_backward:
             raise ValueError(f"{type(stage).__name__} cannot run a split backward (I and W actions); use B")
-        if str(dist.get_backend(stage.group)).lower() == "nccl" and message_order(all_actions, stage.placement):
+        self._nccl = str(dist.get_backend(stage.group)).lower() == "nccl"
+        if self._nccl and message_order(all_actions, stage.placement):
             raise ValueError("NCCL matches messages in issue order, and this schedule receives in another order:\n  "
                              + "\n  ".join(message_order(all_actions, stage.placement)))  # fmt: skip
         self.stage = stage
@@ -137,12 +139,15 @@ class PipelineSchedule:
         self.timeline = []
         self._losses: list[torch.Tensor] = []
         in_flight: dict[Action, list] = {}  # action -> its send's works; the work holds the tensor
-        posted = self._transport.post(None, None, self.actions[0])
+        # After action j (-1: now) post the receive of action post_for[j]; `pending` is its index.
+        post_for = receive_posts([self._transport.receives(a) for a in self.actions], lookahead=not self._nccl)
+        pending = post_for.get(-1)
+        posted = self._transport.post(None, None, None if pending is None else self.actions[pending])
         start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
         for k, action in enumerate(self.actions):
             for sent in self._waits.get(action, ()):
                 self._finish(sent, in_flight.pop(sent, []))
-            message = posted.wait(self.timeout)
+            message = posted.wait(self.timeout) if pending == k else None
             self._drop("recv", action)
             began = time.perf_counter() - start
             kind = action.kind
@@ -150,10 +155,14 @@ class PipelineSchedule:
             if self.measure and st.device.type == "cuda":
                 torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
             self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
-            nxt = self.actions[k + 1] if k + 1 < len(self.actions) else None
-            posted = self._transport.post(action, produced, nxt)
-            if posted.sends:
-                in_flight[action] = posted.sends
+            nxt = post_for.get(k)
+            out = self._transport.post(action, produced, None if nxt is None else self.actions[nxt])
+            if nxt is not None:
+                posted, pending = out, nxt
+            # A coalesced NCCL batch with no receive is one work holding the sends: awaited too.
+            sends = out.sends or ([] if nxt is not None else out.recv_works)
+            if sends:
+                in_flight[action] = sends
         for sent, works in in_flight.items():
             self._finish(sent, works)
         self._stash.clear()

@@ -14,6 +14,9 @@ action lists alone, so they are pure functions tested without processes:
   before the first action that, in the schedule's own timeline, starts after the receive was
   posted: the sent tensor is released early and the wait costs nothing there (torch's
   Schedule1F1B waits on the previous send for the same reason).
+- :func:`receive_posts`: when each receive is posted. On Gloo a receive is posted as early as
+  one outstanding receive allows, so that is no later than the above assumes and the waits stay
+  free (and safe: a send can only complete earlier).
 """
 
 from __future__ import annotations
@@ -100,3 +103,26 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None, forward
         if found is not None:
             waits.setdefault(found, []).append(a)
     return {b: tuple(ws) for b, ws in waits.items()}
+
+
+def receive_posts(receiving: Sequence[bool], lookahead: bool) -> dict[int, int]:
+    """When one rank posts its receives: ``{j: k}`` means right after action j (-1: at the start
+    of the step) the receive for action k is posted. ``receiving[k]``: action k takes a message
+    from another rank. One receive is outstanding at a time (one receive buffer per rank).
+
+    Without ``lookahead`` (NCCL) the receive for action k goes out with the sends of action k-1,
+    for every k, in one group call: NCCL runs a rank's point-to-point calls in issue order on one
+    stream, so a receive issued earlier would hold up the sends behind it (torch's schedules pair
+    them the same way). With ``lookahead`` (Gloo, which matches by tag) it is posted right after
+    the previous receiving action, not after the action just before k: a Gloo send is written
+    only once its receive is posted, so with W's and same-rank hand-overs in between (zb-v) a
+    late receive left the message waiting (measured: zb-v m = 16 at world 2, 1.14 -> see
+    docs/design.md).
+    """
+    if not lookahead:
+        return {k - 1: k for k in range(len(receiving))}
+    posts, last = {}, -1
+    for k, takes in enumerate(receiving):
+        if takes:
+            posts[last], last = k, k
+    return posts

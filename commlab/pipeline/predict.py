@@ -5,8 +5,8 @@ lasting its compute time plus the executor's per-action overhead; a checkpointed
 (or I) also pays its stage's forward again (recomputation). Every cross-rank message becomes a
 task on the channel between the two ranks (``p2p{src}>{dst}``, one message at a time, in the
 sender's order) lasting ``alpha + bytes * beta``. A message can start only once it was produced
-and once the receiver has posted its receive, which the executor does right after the action
-before the consuming one: a Gloo send completes only then. The executor also waits on its own
+and once the receiver has posted its receive (:func:`commlab.pipeline.messages.receive_posts`:
+on Gloo right after the receiver's previous receiving action): a Gloo send completes only then. The executor also waits on its own
 sends before some actions (:func:`commlab.pipeline.messages.send_waits`): those waits are
 dependencies too. In a hybrid run each stage's data-parallel all-reduce follows its last backward
 on the rank's ``dp{r}`` channel, and the optimizer step follows everything on the rank.
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
-from commlab.pipeline.messages import consumer, message_order, send_waits
+from commlab.pipeline.messages import consumer, message_order, receive_posts, send_waits
 from commlab.pipeline.validate import recomputes
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
@@ -64,6 +64,7 @@ def lower(
     checkpointed: Sequence[int] = (),
     *,
     posting: bool = True,
+    lookahead: bool = True,
     waits: bool = True,
     contention: bool = True,
     after: Mapping[Action, Sequence[Action]] | None = None,
@@ -71,8 +72,9 @@ def lower(
 ) -> list[Task]:
     """The tasks of one step. ``checkpointed``: micro-batches whose forward is recomputed.
 
-    ``posting``/``waits``/``contention``: model the receive posting, the executor's send waits and
-    one message at a time per channel (the pure schedule analysis of
+    ``posting``/``waits``/``contention``: model the receive posting (``lookahead``: as on Gloo,
+    see :func:`~commlab.pipeline.messages.receive_posts`; False: NCCL's), the executor's send
+    waits and one message at a time per channel (the pure schedule analysis of
     :func:`commlab.pipeline.simulate.simulate` turns all three off). ``after``: extra dependencies
     between actions. ``cores``: the host's cores, when the ranks share fewer than one each
     (their compute tasks then get host ``"cpu"``; run with ``rate=sharing(cores)``).
@@ -86,6 +88,13 @@ def lower(
     # takes them in that order too (NCCL-style); otherwise (Gloo tags) messages do not queue.
     contention = contention and not message_order(actions, placement)
     position = {a: (r, k) for r, rank in enumerate(actions) for k, a in enumerate(rank)}
+    # The action after which each cross-rank receive is posted (None: the step's start).
+    incoming = {c for r, rank in enumerate(actions) for a in rank
+                if (c := consumer(a, stages, split)) is not None and c in position and position[c][0] != r}  # fmt: skip
+    posted_after: dict[Action, Action | None] = {}
+    for rank in actions:
+        for j, k in receive_posts([a in incoming for a in rank], lookahead).items():
+            posted_after[rank[k]] = rank[j] if j >= 0 else None
     tasks: list[Task] = []
     deps: dict[Action, list[str]] = {a: [] for a in position}
     messages: list[Task] = []
@@ -98,8 +107,8 @@ def lower(
             if dst == r:
                 deps[c].append(_name(a))
                 continue
-            k = position[c][1]
-            posted = (_name(actions[dst][k - 1]),) if posting and k else ()
+            before = posted_after.get(c)
+            posted = (_name(before),) if posting and before is not None else ()
             size = costs.message_bytes[min(a.stage, c.stage)] if costs.message_bytes else 0.0
             channel = f"p2p{r}>{dst}" if contention else f"msg {a}>{c}"
             msg = Task(f"msg {a}>{c}", channel, costs.alpha + size * costs.beta, (_name(a), *posted), kind="p2p")
@@ -164,10 +173,11 @@ class Prediction:
 
 
 def predict(actions: Actions, costs: Costs, placement: Sequence[int] | None = None, checkpointed: Sequence[int] = (),
-            cores: int | None = None) -> Prediction:  # fmt: skip
-    """Predicted step time of ``actions`` under ``costs`` on the shared core (``cores``: see :func:`lower`)."""
+            cores: int | None = None, lookahead: bool = True) -> Prediction:  # fmt: skip
+    """Predicted step time of ``actions`` under ``costs`` on the shared core (``cores``,
+    ``lookahead``: see :func:`lower`; the default is Gloo's receive posting)."""
     rate = sharing(cores) if shared(len(actions), cores) else None
-    result = run_tasks(lower(actions, costs, placement, checkpointed, cores=cores), rate)
+    result = run_tasks(lower(actions, costs, placement, checkpointed, cores=cores, lookahead=lookahead), rate)
     return Prediction(result.makespan, result)
 
 

@@ -53,6 +53,15 @@ class Transport:
         self.boundaries, self.local = boundaries, {}
         self._hold = hold or (lambda kind, action, tensors: None)
 
+    def receives(self, action: Action) -> bool:
+        """Whether ``action`` takes a message from another rank (what :meth:`post` receives for it)."""
+        source = producer(action, self.stage.num_stages, self.split)
+        if source is None or source.stage in self.stage.modules:
+            return False
+        if action.kind == FORWARD:
+            return True
+        return any(d.is_floating_point for d in self.boundaries[source.stage].dtypes)  # gradients: floats only
+
     def _recv(self, action: Action) -> tuple[Value, list] | None:
         source = producer(action, self.stage.num_stages, self.split)
         if source is None or source.stage in self.stage.modules:
