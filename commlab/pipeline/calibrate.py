@@ -133,7 +133,7 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | N
 
 def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None) -> float:
     """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
-    (:func:`calibrated_costs`); receives posted one action ahead and the send waits are modelled
+    (:func:`calibrated_costs`); the executor's receive posting and send waits are modelled
     by :func:`commlab.pipeline.predict.lower`, as for the planner."""
     from commlab.pipeline.predict import predict
     from commlab.pipeline.schedules import REGISTRY
