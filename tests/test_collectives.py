@@ -112,6 +112,18 @@ def _world3():
     y[lo:hi] = full[lo:hi]
     C.all_gather(y)
     out["all_gather"] = torch.equal(y, full)
+    # Fewer elements than ranks: some ranks receive nothing but must still send their block.
+    tiny_ok = []
+    for numel in (1, 2):
+        x = _input(rank, numel, torch.int64, 5)
+        full = _reference(x, "sum")
+        lo, hi = C.chunk_bounds(numel, world)[rank]
+        tiny_ok.append(torch.equal(C.reduce_scatter(x, "sum"), full[lo:hi]))
+        y = torch.full((numel,), -1, dtype=torch.int64)
+        y[lo:hi] = full[lo:hi]
+        C.all_gather(y)
+        tiny_ok.append(torch.equal(y, full))
+    out["fewer_elements_than_ranks"] = all(tiny_ok)
     roots_ok = []
     for root in range(world):
         z = _input(rank, 257, torch.float32, root)
@@ -160,7 +172,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
     for rank, out in enumerate(results):
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
-        assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"]
+        assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]
         assert out["reduce_broadcast_roots"] and out["fifo"] and out["worker_thread_daemon"]
         errors = out["errors"]
         assert "dtype torch.bool is not supported" in errors["bool"]

@@ -79,7 +79,7 @@ def ring_pass(
     piece_numel = max(1, piece_bytes // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
     arrivals, n_reduce = plan.arrivals, plan.n_reduce
-    if not arrivals:
+    if not arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
         return
     left, right = ring_neighbours(r, p)
     n = len(arrivals)

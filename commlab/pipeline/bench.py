@@ -143,7 +143,7 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
     return step
 
 
-def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int) -> dict[str, Any]:
+def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int, backend: str = "gloo") -> dict[str, Any]:
     """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
     from commlab.pipeline.schedules import Action, build
     from commlab.pipeline.simulate import bubble_formula, simulate
@@ -172,7 +172,7 @@ def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, b
         replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
     calibration = [{"rank": r["rank"], **r["calibration"]} for r in per_rank]  # steps run before the timed ones
     # Ranks beyond the machine's cores share them (summarise runs on the machine that measured).
-    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd), os.cpu_count()))
+    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd), os.cpu_count(), lookahead=backend != "nccl"))
     row["prediction_error"] = row["predicted_s"] / ours - 1.0
     row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
                idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,

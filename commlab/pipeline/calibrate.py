@@ -131,15 +131,16 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | N
                  overhead=executor_overhead(per_rank, stages, cores if shared(len(per_rank), cores) else None))  # fmt: skip
 
 
-def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None) -> float:
+def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None,
+                   lookahead: bool = True) -> float:  # fmt: skip
     """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
-    (:func:`calibrated_costs`); the executor's receive posting and send waits are modelled
-    by :func:`commlab.pipeline.predict.lower`, as for the planner."""
+    (:func:`calibrated_costs`); the executor's receive posting (``lookahead``: Gloo's, False on
+    NCCL) and send waits are modelled by :func:`commlab.pipeline.predict.lower`, as for the planner."""
     from commlab.pipeline.predict import predict
     from commlab.pipeline.schedules import REGISTRY
 
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
-    return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores).step_time
+    return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores, lookahead=lookahead).step_time
 
 
 def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

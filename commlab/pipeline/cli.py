@@ -190,7 +190,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
     summary, stages, timeline = [], [], []
     for k, cfg in enumerate(configs):
         results = [r[k] for r in per_rank]
-        summary.append(summarise(cfg, results, world_size, batch))
+        summary.append(summarise(cfg, results, world_size, batch, backend))
         stages += stage_rows(cfg, results)
         timeline += timeline_rows(cfg, results, world_size)
     _write(run_dir, summary, stages, timeline, common, backend, world_size)

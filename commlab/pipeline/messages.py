@@ -116,8 +116,7 @@ def receive_posts(receiving: Sequence[bool], lookahead: bool) -> dict[int, int]:
     them the same way). With ``lookahead`` (Gloo, which matches by tag) it is posted right after
     the previous receiving action, not after the action just before k: a Gloo send is written
     only once its receive is posted, so with W's and same-rank hand-overs in between (zb-v) a
-    late receive left the message waiting (measured: zb-v m = 16 at world 2, 1.14 -> see
-    docs/design.md).
+    late receive left the message waiting (measurements: docs/design.md, "Receive posting").
     """
     if not lookahead:
         return {k - 1: k for k in range(len(receiving))}

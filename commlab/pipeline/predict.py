@@ -73,8 +73,9 @@ def lower(
     """The tasks of one step. ``checkpointed``: micro-batches whose forward is recomputed.
 
     ``posting``/``waits``/``contention``: model the receive posting (``lookahead``: as on Gloo,
-    see :func:`~commlab.pipeline.messages.receive_posts`; False: NCCL's), the executor's send
-    waits and one message at a time per channel (the pure schedule analysis of
+    see :func:`~commlab.pipeline.messages.receive_posts`; False: NCCL's; the bench passes its backend's,
+    the planner plans for Gloo ranks), the executor's send waits and one message at a time per
+    channel (the pure schedule analysis of
     :func:`commlab.pipeline.simulate.simulate` turns all three off). ``after``: extra dependencies
     between actions. ``cores``: the host's cores, when the ranks share fewer than one each
     (their compute tasks then get host ``"cpu"``; run with ``rate=sharing(cores)``).

@@ -14,7 +14,7 @@ cool-down, where 1F1B's ranks idle waiting for gradients. Bubble about (p-1)(F+I
 ``zb_v``: two stages per rank in the V placement [0, 1, ..., p-1, p-1, ..., 0] (section 6), built
 by a greedy list scheduler on equal-time actions in which a message between ranks takes one
 action to arrive: a free rank runs a ready I first (it unblocks a peer), then a ready F (the
-later stage first, and a new micro-batch only while the rank holds fewer than 2p
+later stage first; on the first half of the V only while the rank holds fewer than 2p
 stage-activations, 1F1B's peak), then the oldest ready W. Building with the message time in makes
 the list fill it with other work instead of counting on free messages (see ``LATENCY``).
 """
