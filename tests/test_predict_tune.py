@@ -79,3 +79,18 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="sizes of a named model"):
         commlab.tune(net, model_args="depth=2", **kw)
     assert isinstance(instance.load(instance.as_name(net)[1].split("=")[1]), torch.nn.Sequential)
+
+
+def test_modules_that_differ_only_in_options_or_activations_get_different_names():
+    import torch
+    from torch import nn
+
+    from commlab.predict.instance import digest
+
+    def mlp(act):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), act, nn.Linear(8, 8))
+
+    assert digest(mlp(nn.ReLU())) == digest(mlp(nn.ReLU()))  # stable: a cached calibration is found again
+    assert digest(mlp(nn.ReLU())) != digest(mlp(nn.Tanh()))
+    assert digest(nn.Conv2d(3, 4, 3, stride=1)) != digest(nn.Conv2d(3, 4, 3, stride=2))

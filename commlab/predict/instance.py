@@ -28,9 +28,11 @@ def store_dir() -> Path:
 
 
 def digest(module: nn.Module) -> str:
-    """Class, parameter names/shapes/dtypes and input shape: what the step time depends on."""
+    """Class, ``repr`` (layer options and activations: a stride or a Tanh changes the step),
+    parameter names/shapes/dtypes and input shape: what the step time depends on. A custom
+    ``forward`` that differs with nothing else shows in none of these."""
     cls = type(module)
-    desc = [f"{cls.__module__}.{cls.__qualname__}", list(getattr(module, "input_shape", ()) or ()),
+    desc = [f"{cls.__module__}.{cls.__qualname__}", repr(module), list(getattr(module, "input_shape", ()) or ()),
             [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]]
     # "m" prefix: the sweep's model-args parser would turn an all-digit digest into an int
     return "m" + hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
