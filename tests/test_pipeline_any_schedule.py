@@ -109,6 +109,8 @@ def test_zero_bubble_schedules_beat_1f1b_in_simulation():
             zbh1 = simulate(build("zb-h1", p, m), 1.0, 2.0, comm)  # I = W = 1
             # The V schedule's stages are half a rank's layers each: half the time per action.
             zbv = simulate(build("zb-v", p, m, 2), 0.5, 1.0, comm)
+            # Not zb-v < zb-h1: built for messages that cost time, zb-v trails zb-h1 when they are
+            # free at some (p, m) (docs/design.md, zero bubble); test_zb_v_keeps_up_... checks it.
             assert zbh1.bubble < one_f.bubble and zbv.bubble < one_f.bubble
         # Qi et al.: ZB-H1's bubble is (p-1)(F+I-W) = (p-1) here, 1F1B's (p-1)(F+B) = 3(p-1).
         assert simulate(build("zb-h1", p, m), 1.0, 2.0).step_time - 3 * m == pytest.approx(p - 1)

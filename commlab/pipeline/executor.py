@@ -159,10 +159,8 @@ class PipelineSchedule:
             out = self._transport.post(action, produced, None if nxt is None else self.actions[nxt])
             if nxt is not None:
                 posted, pending = out, nxt
-            # A coalesced NCCL batch with no receive is one work holding the sends: awaited too.
-            sends = out.sends or ([] if nxt is not None else out.recv_works)
-            if sends:
-                in_flight[action] = sends
+            if out.sends:
+                in_flight[action] = out.sends
         for sent, works in in_flight.items():
             self._finish(sent, works)
         self._stash.clear()

@@ -21,7 +21,9 @@ action lists alone, so they are pure functions tested without processes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from types import MappingProxyType
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, Action, Actions, num_stages, placement_of
 
@@ -79,7 +81,7 @@ def message_order(actions: Actions, placement: Sequence[int] | None = None) -> l
 
 
 def send_waits(actions: Actions, placement: Sequence[int] | None = None, forward: float = 1.0,
-               backward: float = 2.0) -> dict[Action, tuple[Action, ...]]:  # fmt: skip
+               backward: float = 2.0) -> Mapping[Action, tuple[Action, ...]]:  # fmt: skip
     """For each action, the earlier actions of its rank whose sends are awaited just before it.
 
     A send is awaited before the first later action of its rank that starts, in the schedule's
@@ -88,6 +90,14 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None, forward
     waits can never close a cycle (no deadlock, whatever the real timings). Sends with no such
     action are awaited at the end of the step.
     """
+    # Cached (read-only result): the planner prices every schedule under several checkpoint modes
+    # and each pricing lowers the same list, and this runs a whole simulation.
+    actions = tuple(tuple(rank) for rank in actions)
+    return _send_waits(actions, None if placement is None else tuple(placement), forward, backward)
+
+
+@lru_cache(maxsize=128)
+def _send_waits(actions: Actions, placement: tuple[int, ...] | None, forward: float, backward: float) -> Mapping[Action, tuple[Action, ...]]:
     from commlab.pipeline.simulate import simulate
 
     sim = simulate(actions, forward, backward)
@@ -102,7 +112,7 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None, forward
         found = next((b for b in later if start[b] >= posted - 1e-9), None)
         if found is not None:
             waits.setdefault(found, []).append(a)
-    return {b: tuple(ws) for b, ws in waits.items()}
+    return MappingProxyType({b: tuple(ws) for b, ws in waits.items()})
 
 
 def receive_posts(receiving: Sequence[bool], lookahead: bool) -> dict[int, int]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
-from commlab.pipeline.messages import consumer, message_order, receive_posts, send_waits
+from commlab.pipeline.messages import consumer, message_order, messages, receive_posts, send_waits
 from commlab.pipeline.validate import recomputes
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
@@ -90,15 +90,14 @@ def lower(
     contention = contention and not message_order(actions, placement)
     position = {a: (r, k) for r, rank in enumerate(actions) for k, a in enumerate(rank)}
     # The action after which each cross-rank receive is posted (None: the step's start).
-    incoming = {c for r, rank in enumerate(actions) for a in rank
-                if (c := consumer(a, stages, split)) is not None and c in position and position[c][0] != r}  # fmt: skip
+    incoming = {c for *_, c in messages(actions, placement)}
     posted_after: dict[Action, Action | None] = {}
     for rank in actions:
         for j, k in receive_posts([a in incoming for a in rank], lookahead).items():
             posted_after[rank[k]] = rank[j] if j >= 0 else None
     tasks: list[Task] = []
     deps: dict[Action, list[str]] = {a: [] for a in position}
-    messages: list[Task] = []
+    transfers: list[Task] = []
     for r, rank in enumerate(actions):
         for a in rank:
             c = consumer(a, stages, split)
@@ -113,10 +112,10 @@ def lower(
             size = costs.message_bytes[min(a.stage, c.stage)] if costs.message_bytes else 0.0
             channel = f"p2p{r}>{dst}" if contention else f"msg {a}>{c}"
             msg = Task(f"msg {a}>{c}", channel, costs.alpha + size * costs.beta, (_name(a), *posted), kind="p2p")
-            messages.append(msg)
+            transfers.append(msg)
             deps[c].append(msg.name)
     if waits:
-        by_producer = {m.deps[0]: m.name for m in messages}
+        by_producer = {m.deps[0]: m.name for m in transfers}
         for before, sent in send_waits(actions, placement).items():
             deps[before] += [by_producer[_name(s)] for s in sent if _name(s) in by_producer]
     for a, extra in (after or {}).items():
@@ -132,7 +131,7 @@ def lower(
                     seconds += costs.forward[a.stage]
             tasks.append(Task(_name(a), f"rank{r}", seconds + costs.overhead, tuple(deps[a]), kind=a.kind,
                               meta={"rank": r, "action": a}))  # fmt: skip
-    tasks += messages
+    tasks += transfers
     tasks += _tail(actions, costs, placement)
     if shared(len(actions), cores):
         tasks = [replace(t, host="cpu") if t.resource.startswith("rank") else t for t in tasks]

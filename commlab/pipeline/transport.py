@@ -63,14 +63,12 @@ class Transport:
         return any(d.is_floating_point for d in self.boundaries[source.stage].dtypes)  # gradients: floats only
 
     def _recv(self, action: Action) -> tuple[Value, list] | None:
-        source = producer(action, self.stage.num_stages, self.split)
-        if source is None or source.stage in self.stage.modules:
+        if not self.receives(action):
             return None
+        source = producer(action, self.stage.num_stages, self.split)
         other, forward = source.stage, action.kind == FORWARD
         boundary = self.boundaries[action.stage if forward else other]
         bufs = boundary.buffers(action.microbatch, self.stage.device, grads=not forward)
-        if not bufs:
-            return None  # whole numbers only (token ids): no gradient comes back
         peer = self.stage.global_rank_of(other)
         ops = [dist.P2POp(dist.irecv, b, peer, self.stage.group, tag(source, self.microbatches, j))
                for j, b in enumerate(bufs)]  # fmt: skip
@@ -99,8 +97,8 @@ class Transport:
         message = recv[0] if recv else None
         if recv:
             self._hold("recv", receiver, list(flat(message)))
-        if len(works) != len(ops):  # NCCL may coalesce a batch into one work: wait for all of it
-            return Posted([], message, works)
+        if len(works) != len(ops):  # NCCL may coalesce a batch into one work: wait for all of it,
+            return Posted([], message, works) if recv else Posted(works, None, [])  # as a send if no receive
         if send_ops:  # the works hold the sent tensors until awaited (the executor drops this then)
             self._hold("send", action, [op.tensor for op in send_ops])
         return Posted(works[: len(send_ops)], message, works[len(send_ops) :])
