@@ -13,6 +13,7 @@ geomean of the CPU-time ratios, which other jobs' load moves far less than the w
 from __future__ import annotations
 
 import math
+import statistics
 
 import pandas as pd
 
@@ -42,7 +43,7 @@ def geomeans(ratios: pd.DataFrame, column: str = "ratio") -> pd.DataFrame:
     """Per (run, world size, algorithm): the geometric mean of ``column`` over the sizes."""
     return (
         ratios.groupby(["run", "world_size", "algorithm"], sort=False)[column]
-        .apply(lambda r: math.exp(sum(math.log(v) for v in r) / len(r)))
+        .apply(statistics.geometric_mean)
         .rename("geomean")
         .reset_index()
     )

@@ -20,7 +20,6 @@ ranks gather their times first), as nccl-tests does, rather than one table at th
 
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
@@ -61,13 +60,6 @@ def _all_reduce(source, out, op, algorithm, placement):
     collectives.all_reduce(out, op, algorithm=algorithm)
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process so far, every thread: on a shared machine it moves
-    far less with other jobs' load than the wall time does (what a rank *spends*, not waits)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_rank(config: dict) -> list[dict]:
     """Benchmark every (size, algorithm, placement) of ``config`` on this rank; one row each."""
     rt = Runtime.current()
@@ -87,14 +79,16 @@ def run_rank(config: dict) -> list[dict]:
             for algorithm, placement in pairs[shift:] + pairs[:shift]:
                 buf.copy_(source)  # in place starts from the input; out of place overwrites it
                 dist.barrier()
-                cpu_start = _cpu_seconds()
+                # Process CPU time (user + system, every thread, Gloo's included): on a shared
+                # machine it moves far less with other jobs' load than wall time (what a rank spends).
+                cpu_start = time.process_time()
                 start = time.perf_counter()
                 _all_reduce(source, buf, op, algorithm, placement)
                 if buf.is_cuda:
                     torch.cuda.synchronize(buf.device)
                 if it >= config["warmup"]:
                     elapsed[(algorithm, placement)].append(time.perf_counter() - start)
-                    cpu[(algorithm, placement)].append(_cpu_seconds() - cpu_start)
+                    cpu[(algorithm, placement)].append(time.process_time() - cpu_start)
         wrong = dict.fromkeys(pairs, -1)  # -1: not checked
         if config["check"]:
             want = expected_result(rt.world_size, count, dtype, op, rt.device)

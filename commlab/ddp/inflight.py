@@ -61,8 +61,6 @@ def wait(bucket: Bucket, *, buckets: int, timeout: float, hooked: bool, algorith
     wait fails). Runs once per bucket per iteration, so the messages are built only on failure."""
     future = bucket.future
     try:
-        if future.done():  # what wait_future does then too, without its timeout message
-            return future.wait()
         return collectives.wait_future(future, 2 * timeout, f"bucket {bucket.position}")
     except Exception as exc:
         how = "its comm hook" if hooked else f"all-reduce algorithm {algorithm!r}"
