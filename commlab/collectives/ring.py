@@ -71,6 +71,11 @@ def ring_pass(
     ``commlab bench collectives`` gives the figures that count (README).
     Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, so pieces stay at
     2 MiB (1 MiB raised time and CPU at 4-16 MB).
+
+    Every work object is kept until the pass ends. Dropping each receive's work as soon as it was
+    waited for (the previous version) cost the process 0.1-1.2 ms more CPU per 4 MB all-reduce
+    at world 2 (``time.process_time``, median of 100-150 calls, three runs, the same messages
+    posted in the same order) and its median time over native went 1.46/1.18/1.23 -> 1.26/1.02/1.05.
     """
     p, r = comm.size, comm.rank
     if comm.coalesce:
@@ -97,8 +102,7 @@ def ring_pass(
     for q in [*range(window), *range(n_reduce, n)]:
         pending[q] = pg.recv([landing[q]], left, tags[arrivals[q].phase])
     for q, piece in enumerate(arrivals):
-        pending[q].wait()
-        pending[q] = None
+        pending[q].wait()  # the work is kept until the end: see the docstring
         if q + window < n_reduce:  # into the spare slot, freed by the piece before this one
             pending[q + window] = pg.recv([landing[q + window]], left, tags[0])
         if piece.kind == COPY:

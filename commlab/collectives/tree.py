@@ -57,7 +57,7 @@ def reduce_tree(
     pending = {j: post_recv(j) for j in range(slots)}
     sent: list = []
     for j, (a, b) in enumerate(cuts):
-        wait_all(pending.pop(j))
+        wait_all(pending[j])  # kept until the end, as the ring keeps its works (ring.ring_pass)
         if j + slots < len(cuts):  # into the spare slot, freed by piece j - 1
             pending[j + slots] = post_recv(j + slots)
         for c in children:
