@@ -96,6 +96,7 @@ def _world3():
                 fn(x, "sum", comm, piece_bytes=piece_bytes)
                 pieces_bad += [] if torch.equal(x, ref) else [(fn.__name__, numel, piece_bytes)]
     out["pieces"] = pieces_bad
+    out["same_host"] = comm.same_host  # commlab.launch runs every rank here (LOCAL_WORLD_SIZE)
     # Non-contiguous and multi-dimensional tensors are reduced in place through a copy.
     base = _input(rank, 60, torch.float64).view(6, 10)
     nc = base.t()
@@ -172,6 +173,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
     for rank, out in enumerate(results):
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
+        assert out["same_host"] is True  # so the ring sends whole blocks (ring.piece_bytes_for)
         assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]
         assert out["reduce_broadcast_roots"] and out["fifo"] and out["worker_thread_daemon"]
         errors = out["errors"]

@@ -216,3 +216,12 @@ def _ring_dataflow(plans, numel: int, world: int) -> list[list[frozenset]]:
             nxt[r], progressed = q + 1, True
         assert progressed, "the plans deadlock: some rank waits for a message never sent"
     return held
+
+
+def test_same_host_follows_torchruns_rank_layout():
+    from commlab.collectives.p2p import same_host
+
+    assert same_host((0, 1), 2) and same_host((2, 3), 2) and same_host((0, 1, 2, 3), 4)
+    assert not same_host((1, 2), 2)  # rank 1 on host 0, rank 2 on host 1
+    assert not same_host((0, 1), 0)  # no launcher said how many ranks a host runs
+    assert same_host((5,), 4)

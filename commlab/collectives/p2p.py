@@ -29,6 +29,7 @@ worker.py), so one buffer per use per group is never shared by two running colle
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ TAG_PHASES = 2
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 _SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one group's worker
 
+
+
+def same_host(global_ranks: tuple[int, ...], local_world_size: int) -> bool:
+    """Whether these global ranks all run on one host, by torchrun's layout: with L ranks per
+    host (``LOCAL_WORLD_SIZE``), host n runs global ranks n*L .. n*L+L-1; commlab.launch runs
+    every rank on this host. Unknown (0, no launcher said) counts as not the same host."""
+    return local_world_size > 0 and len({g // local_world_size for g in global_ranks}) == 1
 
 
 def release_scratch(groups) -> None:
@@ -62,6 +70,7 @@ class Comm:
     coalesce: bool  # True on NCCL: post each step as one batch
     pg: dist.ProcessGroup  # the group object itself (the world group for None)
     tag: int = 0  # every message of this collective carries it
+    same_host: bool = False  # every rank of the group runs on this host (see same_host())
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, tag: int = 0) -> Comm:
@@ -69,7 +78,8 @@ class Comm:
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
         pg = dist.group.WORLD if group is None else group
-        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag, same_host(ranks, local))
 
     def tag_of(self, phase: int) -> int:
         """This collective's tag for its message stream ``phase`` (0 is ``tag`` itself)."""

@@ -30,19 +30,30 @@ from commlab.collectives.schedules import (
     ring_steps,
 )
 
-# Measured on Gloo/CPU (2 cores, world 2 and 4, 4-64 MB, interleaved with native): 256 KiB
-# pieces cost 1.6-2.7x native (Python and a thread wake-up per message), whole blocks 1.5-2.4x
-# (no overlap, fresh scratch pages), 1 MiB 1.0-2.0x, 2 MiB with a window of 4 1.05-1.3x.
+# Pieces exist so that reducing one piece overlaps the transfer of the next. Across hosts the
+# transfer is the network's work and 2 MiB pieces keep it busy (Gloo's own ring cuts 1 MiB
+# segments, two in flight: gloo/allreduce.cc). Between ranks of one host the "transfer" is the
+# kernel copying through loopback on the very cores that reduce, so there is nothing to overlap
+# and each piece only adds its per-message cost (~80 us of CPU here, Python and Gloo's
+# handshake). There a block goes whole up to LOCAL_PIECE_BYTES, which bounds the scratch at
+# (WINDOW + 1) x 16 MiB. Measured on this machine (2 cores, Gloo, world 2, 4-64 MB, alternating
+# with native): see docs/design.md, "Ring piece size".
 PIECE_BYTES = 2 << 20
+LOCAL_PIECE_BYTES = 16 << 20
 # Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
 # round-robin: the spare slot lets the next receive be posted *before* the current piece is
 # reduced, so the left neighbour's send finds it posted (see ring_pass).
 WINDOW = 4
 
 
+def piece_bytes_for(comm: Comm) -> int:
+    """The default piece: whole blocks (up to 16 MiB) between ranks of one host, else 2 MiB."""
+    return LOCAL_PIECE_BYTES if comm.same_host else PIECE_BYTES
+
+
 def ring_pass(
     flat: torch.Tensor, op: str, comm: Comm, *, reduce_scatter: bool, all_gather: bool,
-    piece_bytes: int = PIECE_BYTES,
+    piece_bytes: int | None = None,
 ) -> None:
     """Run the ring's reduce-scatter and/or all-gather steps on a flat contiguous tensor.
 
@@ -69,8 +80,8 @@ def ring_pass(
     with receives first 1.24/1.03/1.05/1.07/1.01 (1.08); with step 0's sends first
     1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
     ``commlab bench collectives`` gives the figures that count (README).
-    Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, so pieces stay at
-    2 MiB (1 MiB raised time and CPU at 4-16 MB).
+    Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, which decides the
+    piece size (:func:`piece_bytes_for`).
 
     Every work object is kept until the pass ends. Dropping each receive's work as soon as it was
     waited for (the previous version) cost the process 0.1-1.2 ms more CPU per 4 MB all-reduce
@@ -81,7 +92,7 @@ def ring_pass(
     if comm.coalesce:
         _ring_pass_stepwise(flat, op, comm, reduce_scatter, all_gather)
         return
-    piece_numel = max(1, piece_bytes // flat.element_size())
+    piece_numel = max(1, (piece_bytes or piece_bytes_for(comm)) // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
     arrivals, n_reduce = plan.arrivals, plan.n_reduce
     if not arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
@@ -139,13 +150,13 @@ def _ring_pass_stepwise(flat: torch.Tensor, op: str, comm: Comm, reduce_scatter:
                 finish_(flat[ra:rb], op, comm.size)
 
 
-def all_reduce_ring(flat: torch.Tensor, op: str, comm: Comm, *, piece_bytes: int = PIECE_BYTES) -> None:
+def all_reduce_ring(flat: torch.Tensor, op: str, comm: Comm, *, piece_bytes: int | None = None) -> None:
     ring_pass(flat, op, comm, reduce_scatter=True, all_gather=True, piece_bytes=piece_bytes)
 
 
-def reduce_scatter_ring(flat: torch.Tensor, op: str, comm: Comm, *, piece_bytes: int = PIECE_BYTES) -> None:
+def reduce_scatter_ring(flat: torch.Tensor, op: str, comm: Comm, *, piece_bytes: int | None = None) -> None:
     ring_pass(flat, op, comm, reduce_scatter=True, all_gather=False, piece_bytes=piece_bytes)
 
 
-def all_gather_ring(flat: torch.Tensor, comm: Comm, *, piece_bytes: int = PIECE_BYTES) -> None:
+def all_gather_ring(flat: torch.Tensor, comm: Comm, *, piece_bytes: int | None = None) -> None:
     ring_pass(flat, "sum", comm, reduce_scatter=False, all_gather=True, piece_bytes=piece_bytes)
