@@ -125,11 +125,11 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 balance = partition(profile.seconds, stages)
                 saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
-                ends = [sum(balance[: s + 1]) - 1 for s in range(stages)]
-                inputs = [profile.input_bytes] + [profile.output[e] for e in ends[:-1]]
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
+                # Stage s > 0 receives the boundary that costs.message_bytes[s - 1] prices.
+                inputs = [profile.input_bytes, *costs.message_bytes]
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
                     step = predict(actions, costs, placement, recomputed, cores).step_time
