@@ -3,12 +3,13 @@
 import json
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
 
-from commlab.bench.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, parse_size, size_sweep
+from commlab.bench.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, least_squares_line, parse_size, size_sweep
 from commlab.bench.collectives_bench import bench_collectives
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table
 from commlab.bench.collectives_run import bench_input, expected_result
@@ -44,6 +45,18 @@ def test_busbw_factors_follow_nccl_tests():
         busbw_factor("all_to_all", 4)
     algbw, busbw = bandwidths(2_000_000, 1e-3, "all_reduce", 4)
     assert algbw == pytest.approx(2.0) and busbw == pytest.approx(3.0)
+
+
+def test_least_squares_line_matches_numpy_polyfit():
+    rng = np.random.default_rng(0)
+    for x in ([8, 16], [1 << k for k in range(10, 31, 2)], [0.0, 1.0, 1.0, 3.0, 7.5]):
+        y = 2e-5 + np.asarray(x, float) * 4e-10 * rng.uniform(0.5, 1.5, len(x)) + rng.normal(0, 1e-6, len(x))
+        slope, intercept = np.polyfit(np.asarray(x, float), y, 1)
+        assert least_squares_line(x, y) == pytest.approx((intercept, slope), rel=1e-9, abs=1e-15)
+    assert least_squares_line([1, 3], [5.0, 1.0]) == (7.0, -2.0)  # unclamped: callers clamp in their own way
+    assert all(math.isnan(v) for v in least_squares_line([4, 4, 4], [1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="same length"):
+        least_squares_line([1, 2], [1.0])
 
 
 def test_alpha_beta_fit_recovers_a_known_model():

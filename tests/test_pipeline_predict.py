@@ -149,6 +149,10 @@ def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
     # The boundary after stage 0 is layer 1's output: 400 bytes, each way.
     costs = Costs([2.0, 2.0], [4.0, 4.0], message_bytes=[400.0], alpha=0.1, beta=0.001, overhead=0.05)
     assert plan.step_time == pytest.approx(predict(build("gpipe", 2, 4), costs, checkpointed=range(4)).step_time)
+    # Memory sees the same boundary: stage 1 stashes 4 checkpointed inputs of 400 bytes, and each
+    # side of the boundary holds a receive and a send buffer of it.
+    assert plan.peak_bytes == peak_bytes(build("gpipe", 2, 4), (0, 1), [0.0, 0.0], [0.0, 400.0], [0.0, 0.0], range(4))
+    assert plan.peak_bytes == (800.0, 4 * 400.0 + 800.0)
     assert fit_line([0, 100, 200], [1.0, 2.0, 3.0]) == pytest.approx((1.0, 0.01))
     assert fit_line([0, 100], [2.0, 1.0]) == (pytest.approx(1.5), 0.0)  # noise: no negative slope
 

@@ -1,15 +1,34 @@
 """The iteration columns: one definition (commlab/ddp/timing.py) for DDP, the sweep and the predictor."""
 
-from commlab.ddp.timing import COLUMNS, IterationTiming
+import math
+
+from commlab.ddp.timing import COLUMNS, CpuClock, RawIteration, resolve
 from commlab.predict.lower import DDPSetting, breakdown, simulate_step
 from commlab.sweep import store
+from commlab.sweep.spec import build_plan, merge
 from test_predict_lower import costs
 
 
-def test_sweep_stores_every_timing_column_ddp_records():
-    recorded = list(IterationTiming(1.0, 2.0, 3.0, 0.5, 4.0).as_row())
-    assert recorded == COLUMNS and {"write_back", "unused_allreduce", "exposed_comm"} <= set(COLUMNS)
-    assert store.ITERATION_COLUMNS == ["repetition", "rank", "iteration", *COLUMNS, "accumulate_time", "optimizer", "step"]
+def test_sweep_csv_keeps_every_timing_column_ddp_records(tmp_path):
+    # One iteration as DDP's reducer stamps it (CPU clock: perf_counter floats), with an
+    # unused-parameter all-reduce and a write-back so that every column is non-zero and distinct.
+    raw = RawIteration(start=0.0, forward_end=1.0, end=3.0, buckets=[(64, 2, 1.5, 1.625, 2.5)],
+                       backward_end=2.25, unused=(2.5, 2.6875), write_back=[(2.75, 2.875)])
+    recorded = resolve(CpuClock(), raw).as_row()
+    assert len(set(recorded.values())) == len(recorded) and all(v > 0 for v in recorded.values())
+    # Stored as the sweep worker does (commlab/sweep/worker.py measure), written to iterations.csv
+    # and read back: a column renamed or dropped on either side loses its value here.
+    cfg = build_plan(merge({}, {"iters": 1})).configs[0]
+    own = {"accumulate_time": 0.0, "optimizer": 0.25, "step": 3.5}
+    store.save_record(tmp_path, {"config": cfg.columns(), "status": "ok", "error": "", "started": 0.0, "ended": 1.0,
+                                 "iterations": [{"rank": 0, "iteration": 0, **recorded, **own}], "buckets": []})
+    store.assemble(tmp_path)
+    row = store.read_tables(tmp_path)[0].iloc[0]
+    assert set(recorded) == set(COLUMNS) <= set(row.index)
+    for column, value in recorded.items():
+        assert math.isclose(row[column], value, rel_tol=1e-8), column
+    # Also in DDP's order: the predictor's rows (written in STEP_COLUMNS order) line up with them.
+    assert store.ITERATION_COLUMNS == ["repetition", "rank", "iteration", *COLUMNS, *own]
 
 
 def test_predictor_writes_exactly_the_sweeps_iteration_columns():

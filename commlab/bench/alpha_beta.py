@@ -9,7 +9,8 @@ reduce-scatter and all-gather each move (n-1)/n * S; broadcast and reduce move S
 link out of (into) the root, factor 1.
 
 The alpha-beta (latency-bandwidth, Hockney) model says one collective on S bytes takes
-t = alpha + S / beta; :func:`fit_alpha_beta` estimates it by least squares over a size sweep.
+t = alpha + S / beta; :func:`fit_alpha_beta` estimates it by least squares over a size sweep
+(:func:`least_squares_line`, which the pipeline planner's ping-pong fit uses too).
 """
 
 from __future__ import annotations
@@ -87,22 +88,37 @@ def bandwidths(nbytes: int, seconds: float, collective: str, world_size: int) ->
     return algbw, algbw * busbw_factor(collective, world_size)
 
 
+def least_squares_line(x, y) -> tuple[float, float]:
+    """Ordinary least squares ``y = intercept + slope * x``: returns (intercept, slope), unclamped.
+
+    (NaN, NaN) when ``x`` has fewer than two distinct values (the line is not determined). The
+    centred closed form: sizes in bytes reach 1e9 and more, where the normal equations on
+    [1, x] lose digits that centring keeps.
+    """
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.ndim != 1 or x.shape != y.shape:
+        raise ValueError(f"sizes and times must be two sequences of the same length, got {len(x)} and {len(y)}")
+    if len(np.unique(x)) < 2:
+        return math.nan, math.nan
+    dx = x - x.mean()
+    slope = float((dx * (y - y.mean())).sum() / (dx * dx).sum())
+    return float(y.mean() - slope * x.mean()), slope
+
+
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float, float]:
     """Least-squares fit of t = alpha + S / beta: returns (alpha in us, beta in GB/s, R^2).
 
     NaNs where the data cannot determine them (fewer than two distinct sizes); beta is inf when
     the fitted time does not grow with size.
     """
+    alpha, slope = least_squares_line(nbytes, seconds)
+    if math.isnan(slope):
+        return math.nan, math.nan, math.nan
     x = np.asarray(nbytes, dtype=float)
     y = np.asarray(seconds, dtype=float)
-    if x.shape != y.shape:
-        raise ValueError("sizes and times must have the same length")
-    if len(np.unique(x)) < 2:
-        return math.nan, math.nan, math.nan
-    design = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
     residual = float(((y - (alpha + slope * x)) ** 2).sum())
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - residual / total if total > 0 else 1.0
     beta = 1.0 / slope / 1e9 if slope > 0 else math.inf
-    return float(alpha) * 1e6, beta, r2
+    return alpha * 1e6, beta, r2

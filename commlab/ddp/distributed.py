@@ -208,9 +208,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync:
             usage = self.reducer.usage
             outputs = list(find_tensors(output)) if usage.dynamic else []
-            self.reducer.prepare_for_backward(outputs)
+            reached = self.reducer.prepare_for_backward(outputs)  # one graph walk for both reducers
             if self._sparse is not None:
-                self._sparse.prepare_for_backward(outputs if usage.dynamic else None)
+                self._sparse.prepare_for_backward(reached)
             if usage.tracking:  # torch's _DDPSink: dynamic search, or the first static iteration
                 output = through_sink(output, self.reducer.on_backward_start)
         return output

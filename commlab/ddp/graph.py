@@ -20,10 +20,9 @@ def grad_accumulators(params: Sequence[torch.Tensor]) -> list:
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
 
 
-def unreachable(outputs: Sequence[torch.Tensor], accumulator_index: dict) -> list[int]:
-    """Indices (values of ``accumulator_index``) of the accumulators the graph from ``outputs``
-    does not reach, in increasing order."""
-    reached = set()
+def reachable(outputs: Sequence[torch.Tensor]) -> set:
+    """Every autograd node of the graph behind ``outputs`` (nodes compare by identity). One walk
+    per iteration serves the dense and the sparse reducer, each with its own accumulators."""
     seen = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -31,11 +30,20 @@ def unreachable(outputs: Sequence[torch.Tensor], accumulator_index: dict) -> lis
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        index = accumulator_index.get(fn)
-        if index is not None:
-            reached.add(index)
         stack.extend(nxt for nxt, _ in fn.next_functions)
-    return sorted(set(accumulator_index.values()) - reached)
+    return seen
+
+
+def unreached(reached: set, accumulator_index: dict) -> list[int]:
+    """Indices (values of ``accumulator_index``) of the accumulators not in ``reached`` (from
+    :func:`reachable`), in increasing order."""
+    hit = {index for acc, index in accumulator_index.items() if acc in reached}
+    return sorted(set(accumulator_index.values()) - hit)
+
+
+def unreachable(outputs: Sequence[torch.Tensor], accumulator_index: dict) -> list[int]:
+    """Indices of the accumulators the graph from ``outputs`` does not reach, in increasing order."""
+    return unreached(reachable(outputs), accumulator_index)
 
 
 def weak_hook(reducer: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:

@@ -33,7 +33,7 @@ from commlab.ddp.assignment import (
     will_rebuild,
 )
 from commlab.ddp.bucket import Bucket
-from commlab.ddp.graph import grad_accumulators, weak_hook
+from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
 from commlab.ddp import inflight
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
@@ -135,8 +135,9 @@ class Reducer:
     def start_iteration(self) -> None:
         self._start = self.clock.stamp()
 
-    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Step 1."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> set | None:
+        """Step 1. Returns the graph walk of the dynamic mode (None in the others), which the
+        sparse reducer reuses rather than walking the graph again."""
         self.expect_hooks = True
         self._started = False
         self._next_launch = 0
@@ -145,10 +146,12 @@ class Reducer:
             bucket.reset()
         if self.rebuild_pending:
             self._ready_order = []
-        self._unused = self.usage.unused_at_start(outputs, self._accumulator_index)
+        reached = reachable(outputs) if self.usage.dynamic else None
+        self._unused = self.usage.unused_at_start(reached, self._accumulator_index)
         self._locally_unused = list(self._unused)
         self._queued: dict[int, Any] = {}
         self._forward_end = self.clock.stamp()
+        return reached
 
     def on_backward_start(self) -> None:
         """The first hook (or the output sink) of a synchronised backward."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import collectives
-from commlab.ddp.graph import grad_accumulators, unreachable, weak_hook
+from commlab.ddp.graph import grad_accumulators, unreached, weak_hook
 
 UNDEFINED = "Expected sparse gradient to be defined."  # torch's REDUCER_CHECK message
 
@@ -113,11 +113,12 @@ class SparseReducer:
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
 
-    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | None) -> None:
-        """After a synchronised forward; ``outputs`` when the dynamic mode searches the graph."""
+    def prepare_for_backward(self, reached: set | None) -> None:
+        """After a synchronised forward; ``reached``: the dense reducer's walk of the graph
+        (:func:`graph.reachable`) when the dynamic mode searches it, else None."""
         self.expect_hooks = True
         self._in_flight = {}
-        self._unreachable = unreachable(outputs, self._accumulator_index) if outputs is not None else []
+        self._unreachable = unreached(reached, self._accumulator_index) if reached is not None else []
 
     def on_first_hook(self) -> None:
         """Any parameter's hook; the first of a backward raises if the graph search found a sparse

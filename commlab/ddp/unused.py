@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import collectives
-from commlab.ddp.graph import unreachable
+from commlab.ddp.graph import unreached
 
 
 class UnusedParameters:
@@ -47,11 +47,12 @@ class UnusedParameters:
         """Whether this iteration learns which parameters are used (and so tolerates missing ones)."""
         return self.dynamic or self.static_first
 
-    def unused_at_start(self, outputs: Sequence[torch.Tensor], accumulator_index: dict) -> list[int]:
-        """Parameters to mark ready (with zeros) when backward starts: they will get no hook."""
+    def unused_at_start(self, reached: set | None, accumulator_index: dict) -> list[int]:
+        """Parameters to mark ready (with zeros) when backward starts: they will get no hook.
+        ``reached``: the graph behind this forward's outputs (:func:`graph.reachable`), dynamic mode."""
         self._no_hook = []
         if self.dynamic:
-            return unreachable(outputs, accumulator_index)
+            return unreached(reached, accumulator_index)
         return list(self._static_unused)
 
     def note_no_hook(self, indices: Sequence[int]) -> None:

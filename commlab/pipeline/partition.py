@@ -8,7 +8,7 @@ PipeDream's partitioner also solve. Profiling only produces the costs.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -74,24 +74,37 @@ def partition(costs: Sequence[float], parts: int) -> list[int]:
     return counts[::-1]
 
 
-def profile_times(model: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -> list[float]:
-    """Per layer, the best-of-``repeat`` forward + backward wall time on ``sample`` (seconds)."""
-    times = [float("inf")] * len(model)
+def best_per_layer(model: nn.Sequential, sample: torch.Tensor, measure: Callable, repeat: int = 3) -> list[tuple[float, ...]]:
+    """Per layer, the element-wise best (minimum) over ``repeat`` passes of ``measure(layer, x)``.
+
+    ``measure`` runs one layer on its input ``x`` (a detached leaf, requiring grad when floating
+    point, so each layer's backward stops at its own input) and returns ``(output, seconds...)``;
+    the output feeds the next layer. Gradients it leaves on the model are cleared at the end."""
+    best: list[tuple[float, ...]] = [()] * len(model)
     for _ in range(max(1, repeat)):
         x = sample
         for k, layer in enumerate(model):
             x = x.detach().requires_grad_(x.is_floating_point())
-            sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-            sync()
-            start = time.perf_counter()
-            y = layer(x)
-            if y.requires_grad:
-                y.backward(torch.ones_like(y))
-            sync()
-            times[k] = min(times[k], time.perf_counter() - start)
-            x = y
+            x, *seconds = measure(layer, x)
+            best[k] = tuple(map(min, best[k], seconds)) if best[k] else tuple(seconds)
     model.zero_grad(set_to_none=True)
-    return times
+    return best
+
+
+def profile_times(model: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -> list[float]:
+    """Per layer, the best-of-``repeat`` forward + backward wall time on ``sample`` (seconds)."""
+
+    def forward_backward(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        y = layer(x)
+        if y.requires_grad:
+            y.backward(torch.ones_like(y))
+        sync()
+        return y, time.perf_counter() - start
+
+    return [seconds for (seconds,) in best_per_layer(model, sample, forward_backward, repeat)]
 
 
 def profile_sizes(model: nn.Sequential, sample: torch.Tensor) -> list[float]:

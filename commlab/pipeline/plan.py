@@ -125,11 +125,11 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 balance = partition(profile.seconds, stages)
                 saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
-                ends = [sum(balance[: s + 1]) - 1 for s in range(stages)]
-                inputs = [profile.input_bytes] + [profile.output[e] for e in ends[:-1]]
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
+                # Stage s > 0 receives the boundary that costs.message_bytes[s - 1] prices.
+                inputs = [profile.input_bytes, *costs.message_bytes]
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
                     step = predict(actions, costs, placement, recomputed, cores).step_time
@@ -154,41 +154,37 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
     import torch
 
     from commlab.pipeline.memory import SavedBytes
-    from commlab.pipeline.partition import profile_times
+    from commlab.pipeline.partition import best_per_layer, profile_times
 
     # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
     seconds = profile_times(model, sample, repeat=repeat)
     saved, output, params = [], [], []
-    forward, input_grad, weight_grad = [float("inf")] * len(model), [float("inf")] * len(model), [float("inf")] * len(model)
     sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
 
     def now() -> float:
         sync()
         return time.perf_counter()
 
-    for _ in range(max(1, repeat)):
-        x = sample
-        for k, layer in enumerate(model):
-            x = x.detach().requires_grad_(x.is_floating_point())
-            weights = [p for p in layer.parameters() if p.requires_grad]
-            start = now()
-            with torch.enable_grad():
-                y = layer(x)
-            mid = now()
-            forward[k] = min(forward[k], mid - start)
-            if y.requires_grad:
-                g = torch.ones_like(y)
-                mid = now()
-                if x.requires_grad:
-                    torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
-                done_i = now()
-                if weights:
-                    torch.autograd.backward(y, g, inputs=weights)
-                input_grad[k] = min(input_grad[k], done_i - mid)
-                weight_grad[k] = min(weight_grad[k], now() - done_i)
-            else:
-                input_grad[k] = weight_grad[k] = 0.0
-            x = y.detach()
+    def split_backward(layer, x) -> tuple:
+        """(output, forward, I, W) seconds of one layer, as the executor runs them."""
+        weights = [p for p in layer.parameters() if p.requires_grad]
+        start = now()
+        with torch.enable_grad():
+            y = layer(x)
+        forward = now() - start
+        if not y.requires_grad:
+            return y, forward, 0.0, 0.0
+        g = torch.ones_like(y)
+        mid = now()
+        if x.requires_grad:
+            torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
+        done_i = now()
+        if weights:
+            torch.autograd.backward(y, g, inputs=weights)
+        return y, forward, done_i - mid, now() - done_i
+
+    timed = best_per_layer(model, sample, split_backward, repeat)
+    forward, input_grad, weight_grad = ([t[i] for t in timed] for i in range(3))
     x = sample
     for layer in model:
         x = x.detach().requires_grad_(x.is_floating_point())

@@ -16,11 +16,14 @@ Both then enter :class:`commlab.pipeline.predict.Costs` exactly as the bench's d
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from commlab.bench.alpha_beta import least_squares_line
 
 
 @dataclass(frozen=True)
@@ -33,13 +36,14 @@ class Calibration:
 
 
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = alpha + size * beta``; a negative slope (noise) is clamped to 0."""
+    """Least-squares ``seconds = alpha + size * beta``; a negative slope (noise) is clamped to 0,
+    and so is a negative intercept. Fewer than two distinct sizes: no slope, alpha the mean."""
     if len(sizes) != len(seconds) or not sizes:
         raise ValueError("fit_line needs as many times as sizes, at least one")
-    n, mx, my = len(sizes), statistics.fmean(sizes), statistics.fmean(seconds)
-    var = sum((x - mx) ** 2 for x in sizes)
-    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / var) if n > 1 and var > 0 else 0.0
-    return max(0.0, my - beta * mx), beta
+    _, slope = least_squares_line(sizes, seconds)
+    beta = 0.0 if math.isnan(slope) else max(0.0, slope)
+    # With the slope clamped, the line through the means is still the least-squares intercept for it.
+    return max(0.0, statistics.fmean(seconds) - beta * statistics.fmean(sizes)), beta
 
 
 def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
