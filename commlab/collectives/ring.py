@@ -94,21 +94,22 @@ def ring_pass(
         return
     piece_numel = max(1, (piece_bytes or piece_bytes_for(comm)) // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
-    arrivals, n_reduce = plan.arrivals, plan.n_reduce
-    if not arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
+    if not plan.arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
         return
     left, right = ring_neighbours(r, p)
-    n = len(arrivals)
-    window = min(WINDOW, n_reduce)
-    slots = window + 1 if n_reduce > window else window
-    scratch = comm.scratch("ring", slots * piece_numel, flat) if n_reduce else None
-    landing = [
-        scratch[(q % slots) * piece_numel :][: x.stop - x.start] if q < n_reduce else flat[x.start : x.stop]
-        for q, x in enumerate(arrivals)
-    ]
     tags = (comm.tag_of(0), comm.tag_of(1))
     pg = comm.pg
-    sent = [pg.send([flat[a:b]], right, tags[plan.first_phase]) for a, b in plan.first_sends]  # first: see above
+    # Step 0's sends go first (see above), before the rest is even prepared.
+    sent = [pg.send([flat[a:b]], right, tags[plan.first_phase]) for a, b in plan.first_sends]
+    arrivals, n_reduce, n = plan.arrivals, plan.n_reduce, len(plan.arrivals)
+    window = min(WINDOW, n_reduce)
+    slots = window + 1 if n_reduce > window else window
+    slot = plan.slot_numel
+    scratch = comm.scratch("ring", slots * slot, flat) if n_reduce else None
+    landing = [
+        scratch[(q % slots) * slot :][: x.stop - x.start] if q < n_reduce else flat[x.start : x.stop]
+        for q, x in enumerate(arrivals)
+    ]
     pending: list = [None] * n
     for q in [*range(window), *range(n_reduce, n)]:
         pending[q] = pg.recv([landing[q]], left, tags[arrivals[q].phase])

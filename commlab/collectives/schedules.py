@@ -79,12 +79,14 @@ class RingPiece:
 class RingPlan:
     """A rank's whole ring pass: step 0's pieces (sent first, data already here, on tag phase
     ``first_phase``) and every arrival. The first ``n_reduce`` arrivals are reduced and land in
-    scratch slots."""
+    scratch slots of ``slot_numel`` elements (the largest of them: a piece may be cut larger than
+    the blocks, and the scratch is no larger than what lands in it)."""
 
     first_sends: tuple[tuple[int, int], ...]
     first_phase: int
     arrivals: tuple[RingPiece, ...]
     n_reduce: int
+    slot_numel: int
 
 
 def ring_steps(rank: int, world: int, reduce_scatter: bool, all_gather: bool) -> list[tuple[int, int, int]]:
@@ -105,7 +107,7 @@ def ring_plan(numel: int, world: int, rank: int, piece_numel: int, reduce_scatte
     and rebuilding this per call cost ~0.1 ms, 3% of a 4 MB all-reduce at world 2."""
     steps = ring_steps(rank, world, reduce_scatter, all_gather)
     if not steps or numel == 0:
-        return RingPlan((), 0, (), 0)
+        return RingPlan((), 0, (), 0, 0)
     bounds = chunk_bounds(numel, world)
     phase = [1 if kind == COPY else 0 for _, _, kind in steps]
     arrivals = tuple(
@@ -113,8 +115,8 @@ def ring_plan(numel: int, world: int, rank: int, piece_numel: int, reduce_scatte
         for s, (_, got, kind) in enumerate(steps)
         for a, b in pieces(*bounds[got], piece_numel)
     )
-    n_reduce = sum(1 for x in arrivals if x.kind != COPY)
-    return RingPlan(tuple(pieces(*bounds[steps[0][0]], piece_numel)), phase[0], arrivals, n_reduce)
+    reduced = [x.stop - x.start for x in arrivals if x.kind != COPY]
+    return RingPlan(tuple(pieces(*bounds[steps[0][0]], piece_numel)), phase[0], arrivals, len(reduced), max(reduced, default=0))
 
 
 # --- binary tree rooted anywhere ------------------------------------------------------------
