@@ -173,7 +173,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
     for rank, out in enumerate(results):
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
-        assert out["same_host"] is True  # so the ring sends whole blocks (ring.piece_bytes_for)
+        assert out["same_host"] is True  # so the ring sends whole blocks (Comm.piece_bytes)
         assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]
         assert out["reduce_broadcast_roots"] and out["fifo"] and out["worker_thread_daemon"]
         errors = out["errors"]

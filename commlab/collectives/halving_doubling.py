@@ -14,10 +14,13 @@ Every step is one exchange with one partner, so the latency term is 2 log2 p' (+
 instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. The index maths
 is in :mod:`commlab.collectives.schedules`.
 
-Segmenting (Gloo): a halving step's exchange is posted as pieces of ``PIECE_BYTES``, all at
-once (the whole received half has its place in the scratch), and each piece is reduced as soon
-as it has arrived, so the reduction of one piece overlaps the transfer of the next, as in the
-ring. Both partners cut the exchanged range identically, so the pieces pair up in order.
+Segmenting and posting order (Gloo), as in the ring (ring.ring_pass says why): a halving step's
+exchange is posted as pieces (``Comm.piece_bytes``: 2 MiB across hosts, whole ranges on one
+host), each reduced as soon as it has arrived; both partners cut the range identically, so the
+pieces pair up in order. The first step's sends go out before any receive. Every doubling
+receive is posted right after that, on the collective's second tag, straight into its place:
+the doubling step with peer q receives the range this rank sent q while halving, fully reduced,
+so it cannot arrive before q has received (and this rank has finished sending) that range.
 """
 
 from __future__ import annotations
@@ -39,27 +42,51 @@ from commlab.collectives.schedules import (
 PIECE_BYTES = 2 << 20
 
 
-def _exchange_and_reduce(
-    comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, send: tuple[int, int], recv: tuple[int, int],
-    peer: int, op: str, sent: list,
-) -> None:
-    """One halving step: send ``flat[send]``, receive the peer's ``recv`` range into ``scratch``
-    and reduce it into ``flat[recv]`` piece by piece as the pieces arrive."""
-    (sa, sb), (ra, rb) = send, recv
-    if comm.coalesce:  # NCCL pipelines inside its one grouped call
+Step = tuple[tuple[int, int], tuple[int, int], int]  # (range sent, range received, peer)
+
+
+def _steps_gloo(comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, op: str,
+                halving: list[Step], doubling: list[Step], owned: tuple[int, int]) -> None:
+    """Halving then doubling on Gloo, in the posting order of the module docstring."""
+    pg, tags = comm.pg, (comm.tag_of(0), comm.tag_of(1))
+    piece = max(1, comm.piece_bytes(PIECE_BYTES) // flat.element_size())
+    sent: list = []
+    gathered: list = []
+    for k, ((sa, sb), (ra, rb), peer) in enumerate(halving):
+        sends = [(flat[a:b], peer) for a, b in pieces(sa, sb, piece)]
+        if k == 0:  # both partners start together: sends first (ring.ring_pass)
+            sent += [pg.send([t], p, tags[0]) for t, p in sends]
+        arriving = pieces(ra, rb, piece)
+        works = [pg.recv([scratch[a - ra : b - ra]], peer, tags[0]) for a, b in arriving]
+        if k == 0:
+            gathered = [pg.recv([flat[a:b]], q, tags[1]) if b > a else None for _, (a, b), q in doubling]
+        else:  # the peer's sends of this step find their receives posted
+            sent += [pg.send([t], p, tags[0]) for t, p in sends]
+        for (a, b), work in zip(arriving, works):
+            work.wait()
+            combine_(flat[a:b], scratch[a - ra : b - ra], op)
+    finish_(flat[owned[0] : owned[1]], op, comm.size)
+    for ((sa, sb), _, peer), work in zip(doubling, gathered):
+        if sb > sa:
+            sent.append(pg.send([flat[sa:sb]], peer, tags[1]))
+        if work is not None:
+            work.wait()  # the next step sends what this one received
+    wait_all(sent)
+
+
+def _steps_nccl(comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, op: str,
+                halving: list[Step], doubling: list[Step], owned: tuple[int, int]) -> None:
+    """Halving then doubling on NCCL: each step one grouped exchange (NCCL pipelines inside it)."""
+    sent: list = []
+    for (sa, sb), (ra, rb), peer in halving:
         _exchange(comm, flat[sa:sb], scratch[: rb - ra], peer, sent)
         combine_(flat[ra:rb], scratch[: rb - ra], op)
-        return
-    piece = max(1, PIECE_BYTES // flat.element_size())
-    arriving = pieces(ra, rb, piece)
-    recv_works, send_works = comm.post(
-        sends=[(flat[a:b], peer) for a, b in pieces(sa, sb, piece)],
-        recvs=[(scratch[a - ra : b - ra], peer) for a, b in arriving],
-    )
-    sent.extend(send_works)
-    for (a, b), work in zip(arriving, recv_works):
-        work.wait()
-        combine_(flat[a:b], scratch[a - ra : b - ra], op)
+    finish_(flat[owned[0] : owned[1]], op, comm.size)
+    wait_all(sent)  # the doubling receives into the ranges the halving sent
+    sent.clear()
+    for (sa, sb), (ra, rb), peer in doubling:
+        _exchange(comm, flat[sa:sb], flat[ra:rb], peer, sent)
+    wait_all(sent)
 
 
 def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, peer: int, sent: list) -> None:
@@ -91,20 +118,16 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
         return bounds[blocks[0]][0], bounds[blocks[1] - 1][1]
 
     halving = hd_reduce_scatter_steps(virtual, p)
+    doubling = hd_all_gather_steps(virtual, p)
     # Reused across calls (p2p.Comm.scratch): half the largest message stays allocated.
     largest = max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0)
     scratch = comm.scratch("halving_doubling", largest, flat)
-    sent: list = []
-    for step in halving:
-        _exchange_and_reduce(comm, flat, scratch, span(step.send), span(step.recv), step.peer, op, sent)
-    lo, hi = bounds[virtual]
-    finish_(flat[lo:hi], op, p)
-    wait_all(sent)  # the all-gather receives into the ranges the halving sent
-    sent.clear()
-    for step in hd_all_gather_steps(virtual, p):
-        (sa, sb), (ra, rb) = span(step.send), span(step.recv)
-        _exchange(comm, flat[sa:sb], flat[ra:rb], step.peer, sent)
-    wait_all(sent)
+    if comm.coalesce:
+        _steps_nccl(comm, flat, scratch, op, [(span(s.send), span(s.recv), s.peer) for s in halving],
+                    [(span(s.send), span(s.recv), s.peer) for s in doubling], bounds[virtual])
+    else:
+        _steps_gloo(comm, flat, scratch, op, [(span(s.send), span(s.recv), s.peer) for s in halving],
+                    [(span(s.send), span(s.recv), s.peer) for s in doubling], bounds[virtual])
 
     if role == "proxy":
         wait_all(comm.post(sends=[(flat, partner)])[1])

@@ -36,6 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Pieces exist so that reducing one piece overlaps the transfer of the next. Across hosts the
+# transfer is the network's work and pieces of a few MiB keep it busy (Gloo's own ring cuts 1 MiB
+# segments, two in flight: gloo/allreduce.cc). Between ranks of one host the "transfer" is the
+# kernel copying through loopback on the very cores that reduce, so there is nothing to overlap
+# and each piece only adds its per-message cost (~80 us of CPU here: Python and Gloo's
+# handshake). There a message goes whole up to this size, which bounds the scratch. Measured:
+# docs/design.md, "Ring piece size".
+LOCAL_PIECE_BYTES = 16 << 20
 TAG_SPAN = 1 << 30  # the worker's tags are 1 .. TAG_SPAN - 1
 TAG_PHASES = 2
 
@@ -80,6 +88,11 @@ class Comm:
         pg = dist.group.WORLD if group is None else group
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag, same_host(ranks, local))
+
+    def piece_bytes(self, across_hosts: int) -> int:
+        """How large a piece to cut a long message into: ``across_hosts`` when the group spans
+        hosts, else whole messages up to LOCAL_PIECE_BYTES (why: the comment there)."""
+        return LOCAL_PIECE_BYTES if self.same_host else across_hosts
 
     def tag_of(self, phase: int) -> int:
         """This collective's tag for its message stream ``phase`` (0 is ``tag`` itself)."""

@@ -30,25 +30,12 @@ from commlab.collectives.schedules import (
     ring_steps,
 )
 
-# Pieces exist so that reducing one piece overlaps the transfer of the next. Across hosts the
-# transfer is the network's work and 2 MiB pieces keep it busy (Gloo's own ring cuts 1 MiB
-# segments, two in flight: gloo/allreduce.cc). Between ranks of one host the "transfer" is the
-# kernel copying through loopback on the very cores that reduce, so there is nothing to overlap
-# and each piece only adds its per-message cost (~80 us of CPU here, Python and Gloo's
-# handshake). There a block goes whole up to LOCAL_PIECE_BYTES, which bounds the scratch at
-# (WINDOW + 1) x 16 MiB. Measured on this machine (2 cores, Gloo, world 2, 4-64 MB, alternating
-# with native): see docs/design.md, "Ring piece size".
+# The piece across hosts; between ranks of one host a block goes whole (Comm.piece_bytes).
 PIECE_BYTES = 2 << 20
-LOCAL_PIECE_BYTES = 16 << 20
 # Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
 # round-robin: the spare slot lets the next receive be posted *before* the current piece is
 # reduced, so the left neighbour's send finds it posted (see ring_pass).
 WINDOW = 4
-
-
-def piece_bytes_for(comm: Comm) -> int:
-    """The default piece: whole blocks (up to 16 MiB) between ranks of one host, else 2 MiB."""
-    return LOCAL_PIECE_BYTES if comm.same_host else PIECE_BYTES
 
 
 def ring_pass(
@@ -81,7 +68,7 @@ def ring_pass(
     1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
     ``commlab bench collectives`` gives the figures that count (README).
     Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, which decides the
-    piece size (:func:`piece_bytes_for`).
+    piece size (:meth:`Comm.piece_bytes`).
 
     Every work object is kept until the pass ends. Dropping each receive's work as soon as it was
     waited for (the previous version) cost the process 0.1-1.2 ms more CPU per 4 MB all-reduce
@@ -92,7 +79,7 @@ def ring_pass(
     if comm.coalesce:
         _ring_pass_stepwise(flat, op, comm, reduce_scatter, all_gather)
         return
-    piece_numel = max(1, (piece_bytes or piece_bytes_for(comm)) // flat.element_size())
+    piece_numel = max(1, (piece_bytes or comm.piece_bytes(PIECE_BYTES)) // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
     if not plan.arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
         return
