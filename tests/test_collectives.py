@@ -96,7 +96,7 @@ def _world3():
                 fn(x, "sum", comm, piece_bytes=piece_bytes)
                 pieces_bad += [] if torch.equal(x, ref) else [(fn.__name__, numel, piece_bytes)]
     out["pieces"] = pieces_bad
-    out["same_host"] = comm.same_host  # commlab.launch runs every rank here (LOCAL_WORLD_SIZE)
+    out["same_host"] = comm.same_host  # commlab.launch runs every rank here (LOCAL_WORLD_SIZE = 3)
     # Non-contiguous and multi-dimensional tensors are reduced in place through a copy.
     base = _input(rank, 60, torch.float64).view(6, 10)
     nc = base.t()

@@ -82,3 +82,47 @@ def test_next_receive_is_posted_before_the_reduction_and_never_into_a_pending_sl
         assert len(in_flight) <= ring.WINDOW + 1
     rs_total = sum(e[0] == "recv" and e[1] == 7 for e in log)
     assert waits_then_posts == rs_total - ring.WINDOW  # every later receive right after a wait, before its combine
+
+
+def test_halving_doubling_sends_its_first_step_first_and_posts_every_doubling_receive_up_front(monkeypatch):
+    from commlab.collectives import halving_doubling as hd
+    from commlab.collectives.schedules import chunk_bounds, hd_all_gather_steps, hd_reduce_scatter_steps
+
+    world, rank, numel = 4, 1, 960
+    pg = _FakeGroup()
+    comm = Comm(None, rank, world, tuple(range(world)), False, pg, tag=7)
+    monkeypatch.setattr(hd, "PIECE_BYTES", 64)  # 16-element pieces: several per exchanged range
+    monkeypatch.setattr(hd, "combine_", lambda acc, incoming, op: pg.log.append(("combine", incoming.data_ptr())))
+    flat = torch.zeros(numel)
+    try:
+        hd.all_reduce_halving_doubling(flat, "sum", comm)
+    finally:
+        release_scratch([pg])
+    log, base, size = pg.log, flat.data_ptr(), flat.element_size()
+    halving, doubling = hd_reduce_scatter_steps(rank, world), hd_all_gather_steps(rank, world)
+    bounds = chunk_bounds(numel, world)
+
+    def span(blocks):
+        return bounds[blocks[0]][0], bounds[blocks[1] - 1][1]
+
+    first = span(halving[0].send)
+    n_first = (first[1] - first[0]) // 16
+    # Step 0's sends before anything else, then its receives, then every doubling receive (tag 2).
+    assert [e[0] for e in log[:n_first]] == ["send"] * n_first and all(e[1] == 7 for e in log[:n_first])
+    first_wait = next(i for i, e in enumerate(log) if e[0] == "wait")
+    early = log[n_first:first_wait]
+    gathered = [e for e in early if e[1] == 7 + TAG_SPAN]
+    assert all(e[0] == "recv" for e in early) and len(gathered) == len(doubling)
+    # Each doubling receive lands in place, in the range sent to that peer while halving.
+    sent_ranges = sorted(span(s.send) for s in halving)
+    landed = sorted(((e[2] - base) // size, (e[2] - base) // size + e[3]) for e in gathered)
+    assert landed == sent_ranges
+    # Later halving steps post their receives before their sends; the doubling sends come last.
+    later = log[first_wait:]
+    step1_recv = next(i for i, e in enumerate(later) if e[0] == "recv")
+    step1_send = next(i for i, e in enumerate(later) if e[0] == "send")
+    assert step1_recv < step1_send
+    doubling_sends = [e for e in log if e[0] == "send" and e[1] == 7 + TAG_SPAN]
+    assert len(doubling_sends) == len(doubling) and log.index(doubling_sends[0]) > max(
+        i for i, e in enumerate(log) if e[0] == "combine"
+    )

@@ -218,10 +218,9 @@ def _ring_dataflow(plans, numel: int, world: int) -> list[list[frozenset]]:
     return held
 
 
-def test_same_host_follows_torchruns_rank_layout():
+def test_same_host_is_a_job_wide_answer_every_rank_gives_alike():
     from commlab.collectives.p2p import same_host
 
-    assert same_host((0, 1), 2) and same_host((2, 3), 2) and same_host((0, 1, 2, 3), 4)
-    assert not same_host((1, 2), 2)  # rank 1 on host 0, rank 2 on host 1
-    assert not same_host((0, 1), 0)  # no launcher said how many ranks a host runs
-    assert same_host((5,), 4)
+    assert same_host(4, 4) and same_host(1, 1)
+    assert not same_host(2, 4)  # two hosts: even a group inside one of them cuts 2 MiB pieces
+    assert not same_host(0, 2)  # no launcher said how many ranks this host runs

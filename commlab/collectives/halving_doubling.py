@@ -15,9 +15,9 @@ instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. Th
 is in :mod:`commlab.collectives.schedules`.
 
 Segmenting and posting order (Gloo), as in the ring (ring.ring_pass says why): a halving step's
-exchange is posted as pieces (``Comm.piece_bytes``: 2 MiB across hosts, whole ranges on one
-host), each reduced as soon as it has arrived; both partners cut the range identically, so the
-pieces pair up in order. The first step's sends go out before any receive. Every doubling
+exchange is posted as pieces (``Comm.piece_bytes``: 2 MiB across hosts, up to 16 MiB when the
+job runs on one host), each reduced as soon as it has arrived; both partners cut the range
+identically, so the pieces pair up in order. The first step's sends go out before any receive. Every doubling
 receive is posted right after that, on the collective's second tag, straight into its place:
 the doubling step with peer q receives the range this rank sent q while halving, fully reduced,
 so it cannot arrive before q has received (and this rank has finished sending) that range.
@@ -52,12 +52,14 @@ def _steps_gloo(comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, op: str,
     piece = max(1, comm.piece_bytes(PIECE_BYTES) // flat.element_size())
     sent: list = []
     gathered: list = []
+    received: list = []  # every work is kept until the end, as the ring keeps its (ring.ring_pass)
     for k, ((sa, sb), (ra, rb), peer) in enumerate(halving):
         sends = [(flat[a:b], peer) for a, b in pieces(sa, sb, piece)]
         if k == 0:  # both partners start together: sends first (ring.ring_pass)
             sent += [pg.send([t], p, tags[0]) for t, p in sends]
         arriving = pieces(ra, rb, piece)
         works = [pg.recv([scratch[a - ra : b - ra]], peer, tags[0]) for a, b in arriving]
+        received += works
         if k == 0:
             gathered = [pg.recv([flat[a:b]], q, tags[1]) if b > a else None for _, (a, b), q in doubling]
         else:  # the peer's sends of this step find their receives posted

@@ -53,11 +53,16 @@ _SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one g
 
 
 
-def same_host(global_ranks: tuple[int, ...], local_world_size: int) -> bool:
-    """Whether these global ranks all run on one host, by torchrun's layout: with L ranks per
-    host (``LOCAL_WORLD_SIZE``), host n runs global ranks n*L .. n*L+L-1; commlab.launch runs
-    every rank on this host. Unknown (0, no launcher said) counts as not the same host."""
-    return local_world_size > 0 and len({g // local_world_size for g in global_ranks}) == 1
+def same_host(local_world_size: int, world_size: int) -> bool:
+    """Whether the whole job runs on this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun's,
+    or commlab.launch's) equals the job's world size; unknown (0) counts as not.
+
+    A job-wide fact on purpose: both ends of a message cut it into the same pieces only if every
+    rank of a group answers alike, and a per-group rule from each rank's own LOCAL_WORLD_SIZE
+    would not (torchrun allows hosts with different numbers of ranks). So a group inside one host
+    of a multi-host job is treated as spanning hosts.
+    """
+    return local_world_size > 0 and local_world_size == world_size
 
 
 def release_scratch(groups) -> None:
@@ -78,7 +83,7 @@ class Comm:
     coalesce: bool  # True on NCCL: post each step as one batch
     pg: dist.ProcessGroup  # the group object itself (the world group for None)
     tag: int = 0  # every message of this collective carries it
-    same_host: bool = False  # every rank of the group runs on this host (see same_host())
+    same_host: bool = False  # the whole job runs on this host (see same_host())
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, tag: int = 0) -> Comm:
@@ -86,8 +91,9 @@ class Comm:
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
         pg = dist.group.WORLD if group is None else group
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag, same_host(ranks, local))
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        local_size = int(local) if local.isdigit() else 0
+        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag, same_host(local_size, dist.get_world_size()))
 
     def piece_bytes(self, across_hosts: int) -> int:
         """How large a piece to cut a long message into: ``across_hosts`` when the group spans

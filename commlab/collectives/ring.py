@@ -79,7 +79,7 @@ def ring_pass(
     if comm.coalesce:
         _ring_pass_stepwise(flat, op, comm, reduce_scatter, all_gather)
         return
-    piece_numel = max(1, (piece_bytes or comm.piece_bytes(PIECE_BYTES)) // flat.element_size())
+    piece_numel = max(1, (comm.piece_bytes(PIECE_BYTES) if piece_bytes is None else piece_bytes) // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
     if not plan.arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
         return
