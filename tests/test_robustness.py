@@ -82,6 +82,11 @@ def test_a_job_queued_from_a_callback_on_the_worker_runs_inline():  # point 12, 
         gate.set()
         wait_future(chained, 10.0, "chained callback")
         assert seen == ["blocking", "async"]
+        # The chained future completes inside the first job's set_result, on the worker thread,
+        # a moment before that thread marks itself inactive: wait (bounded) for it to get there.
+        deadline = time.monotonic() + 5.0
+        while not worker.idle() and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert worker.idle()
     finally:
         worker.stop()
