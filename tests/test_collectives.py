@@ -6,6 +6,7 @@ same code paths run on NCCL with CUDA tensors (see test_nccl_matches_native_on_g
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch
@@ -97,6 +98,21 @@ def _world3():
                 pieces_bad += [] if torch.equal(x, ref) else [(fn.__name__, numel, piece_bytes)]
     out["pieces"] = pieces_bad
     out["same_host"] = comm.same_host  # commlab.launch runs every rank here (LOCAL_WORLD_SIZE = 3)
+    # DDP's sparse gradient all-reduce queues behind a p2p bucket still on the worker instead of
+    # waiting for it on the autograd thread (commlab.ddp.sparse.start_all_reduce).
+    from commlab.collectives.worker import worker_for
+    from commlab.ddp.sparse import start_all_reduce
+
+    grad = torch.sparse_coo_tensor([[rank]], [float(rank + 1)], (4,))
+    gate = threading.Event()
+    blocker = worker_for(None).submit(lambda: gate.wait(20))
+    t0 = time.monotonic()
+    future = start_all_reduce(grad, None)
+    returned = time.monotonic() - t0
+    gate.set()
+    blocker.wait()
+    reduced = C.wait_future(future, 30.0, "sparse all-reduce")[0].to_dense()
+    out["sparse_queued"] = (returned < 5.0, reduced.tolist())
     # Non-contiguous and multi-dimensional tensors are reduced in place through a copy.
     base = _input(rank, 60, torch.float64).view(6, 10)
     nc = base.t()
@@ -174,6 +190,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
         assert out["same_host"] is True  # so the ring sends whole blocks (Comm.piece_bytes)
+        assert out["sparse_queued"] == (True, [1.0, 2.0, 3.0, 0.0])
         assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]
         assert out["reduce_broadcast_roots"] and out["fifo"] and out["worker_thread_daemon"]
         errors = out["errors"]

@@ -24,7 +24,7 @@ from commlab.collectives.ring import all_gather_ring, all_reduce_ring, reduce_sc
 from commlab.collectives.schedules import chunk_bounds
 from commlab.collectives.tree import all_reduce_tree, broadcast_tree, reduce_tree
 from commlab.collectives.handle import CollectiveHandle, wait_future
-from commlab.collectives.worker import group_timeout, release_groups, run_collective, run_ordered
+from commlab.collectives.worker import group_busy, group_timeout, release_groups, run_async, run_collective, run_ordered
 
 
 def _p2p_algorithm(name: str, body: Callable[[torch.Tensor, str, Comm], None]) -> Callable:
@@ -119,10 +119,12 @@ __all__ = [
     "broadcast",
     "chunk_bounds",
     "get_algorithm",
+    "group_busy",
     "group_timeout",
     "reduce",
     "reduce_scatter",
     "release_groups",
+    "run_async",
     "run_ordered",
     "wait_future",
 ]

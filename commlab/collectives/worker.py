@@ -173,6 +173,27 @@ def run_ordered(group: dist.ProcessGroup | None, fn: Callable[[], object]) -> ob
     return worker_for(group).run_inline(fn)
 
 
+def group_busy(group: dist.ProcessGroup | None) -> bool:
+    """Whether the group's worker has collectives queued or running (a p2p algorithm's buckets)."""
+    return not worker_for(group).idle()
+
+
+def run_async(group: dist.ProcessGroup | None, device: torch.device, fn: Callable[[], object]) -> torch.futures.Future:
+    """Queue ``fn`` (which issues collectives on ``group`` and waits for them) on the group's
+    worker, after everything queued before it; the future yields what ``fn`` returns. On CUDA
+    ``fn`` runs on the worker's comm stream once the caller's stream has produced its inputs, and
+    the future completes on that stream, as :func:`run_collective`'s do."""
+    worker = worker_for(group)
+    stream = worker.stream(device)
+    ready = streams.record_ready(device)
+
+    def job() -> object:
+        with streams.on_stream(stream, ready):
+            return fn()
+
+    return worker.submit(job, stream)
+
+
 def release_groups(groups: Sequence[dist.ProcessGroup], *, destroy: bool = True) -> None:
     """Stop the workers of ``groups`` and (``destroy``) destroy the groups themselves."""
     with _WORKERS_LOCK:
@@ -234,4 +255,4 @@ def run_collective(
     return None
 
 
-__all__ = ["group_timeout", "release_groups", "run_collective", "run_ordered", "worker_for"]
+__all__ = ["group_busy", "group_timeout", "release_groups", "run_async", "run_collective", "run_ordered", "worker_for"]

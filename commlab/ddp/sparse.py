@@ -53,6 +53,25 @@ def sparse_reducer(params, names, dense: list[int], group, algorithm: str) -> Sp
     return SparseReducer([params[i] for i in sparse], [names[i] for i in sparse], group=group, algorithm=algorithm)
 
 
+def start_all_reduce(grad: torch.Tensor, group) -> torch.futures.Future:
+    """Start the native all-reduce of a sparse gradient in the group's order, without waiting;
+    the future yields a list holding the reduced gradient.
+
+    Nothing queued on the group's worker (DDP on ``native``): issue it now, async, as the dense
+    buckets are. A p2p algorithm's dense buckets queued there: queue behind them, so the hook
+    returns at once and backward goes on (issuing it on this thread would first wait for every
+    bucket queued before it to finish)."""
+    if not collectives.group_busy(group):
+        return collectives.run_ordered(group, lambda: dist.all_reduce(grad, group=group, async_op=True)).get_future()
+
+    def reduce() -> list[torch.Tensor]:
+        work = dist.all_reduce(grad, group=group, async_op=True)
+        work.wait()
+        return work.result()  # a sparse result need not be written back into ``grad`` (as the future's)
+
+    return collectives.run_async(group, grad.device, reduce)
+
+
 class SparseGradBucket:
     """A sparse parameter's bucket as a comm hook sees it (torch's GradBucket of a sparse
     bucket: ``buffer()`` is the un-divided sparse gradient, ``gradients()`` is empty)."""
@@ -141,8 +160,7 @@ class SparseReducer:
                 # Divided first, in place, and reduced itself, as torch (mark_variable_ready_sparse:
                 # the gradient itself is the bucket), so an unfinished iteration leaves the same.
                 grad = param.grad.div_(self.world_size)
-                work = collectives.run_ordered(self.group, lambda: dist.all_reduce(grad, group=self.group, async_op=True))
-                future = work.get_future()
+                future = start_all_reduce(grad, self.group)
         self._in_flight[index] = future
 
     def finish(self, tracking: bool) -> bool:
