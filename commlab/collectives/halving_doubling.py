@@ -17,8 +17,8 @@ is in :mod:`commlab.collectives.schedules`.
 Segmenting and posting order (Gloo), as in the ring (ring.ring_pass says why): a halving step's
 exchange is posted as pieces (``Comm.piece_bytes``: 2 MiB across hosts, up to 16 MiB when the
 job runs on one host), each reduced as soon as it has arrived; both partners cut the range
-identically, so the pieces pair up in order. The first step's sends go out before any receive. Every doubling
-receive is posted right after that, on the collective's second tag, straight into its place:
+identically, so the pieces pair up in order. The first step's sends go out before any receive.
+Every doubling receive is posted right after that, on the collective's second tag, straight into its place:
 the doubling step with peer q receives the range this rank sent q while halving, fully reduced,
 so it cannot arrive before q has received (and this rank has finished sending) that range.
 """
@@ -124,12 +124,9 @@ def all_reduce_halving_doubling(flat: torch.Tensor, op: str, comm: Comm) -> None
     # Reused across calls (p2p.Comm.scratch): half the largest message stays allocated.
     largest = max((span(s.recv)[1] - span(s.recv)[0] for s in halving), default=0)
     scratch = comm.scratch("halving_doubling", largest, flat)
-    if comm.coalesce:
-        _steps_nccl(comm, flat, scratch, op, [(span(s.send), span(s.recv), s.peer) for s in halving],
-                    [(span(s.send), span(s.recv), s.peer) for s in doubling], bounds[virtual])
-    else:
-        _steps_gloo(comm, flat, scratch, op, [(span(s.send), span(s.recv), s.peer) for s in halving],
-                    [(span(s.send), span(s.recv), s.peer) for s in doubling], bounds[virtual])
+    steps = _steps_nccl if comm.coalesce else _steps_gloo
+    steps(comm, flat, scratch, op, [(span(s.send), span(s.recv), s.peer) for s in halving],
+          [(span(s.send), span(s.recv), s.peer) for s in doubling], bounds[virtual])
 
     if role == "proxy":
         wait_all(comm.post(sends=[(flat, partner)])[1])

@@ -30,7 +30,7 @@ from commlab.collectives.schedules import (
     ring_steps,
 )
 
-# The piece across hosts; between ranks of one host a block goes whole (Comm.piece_bytes).
+# The piece when the job spans hosts; on one host a block goes whole (Comm.piece_bytes).
 PIECE_BYTES = 2 << 20
 # Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
 # round-robin: the spare slot lets the next receive be posted *before* the current piece is

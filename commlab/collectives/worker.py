@@ -184,14 +184,21 @@ def run_async(group: dist.ProcessGroup | None, device: torch.device, fn: Callabl
     ``fn`` runs on the worker's comm stream once the caller's stream has produced its inputs, and
     the future completes on that stream, as :func:`run_collective`'s do."""
     worker = worker_for(group)
+    stream, job = _on_comm_stream(worker, device, lambda stream: fn())
+    return worker.submit(job, stream)
+
+
+def _on_comm_stream(worker: CommWorker, device: torch.device, body: Callable[[Any], object]) -> tuple[Any, Callable[[], object]]:
+    """The worker's comm stream on ``device`` (None on CPU) and a job running ``body(stream)`` with
+    it current, after it has waited for what the caller's stream has queued so far (an event)."""
     stream = worker.stream(device)
     ready = streams.record_ready(device)
 
     def job() -> object:
         with streams.on_stream(stream, ready):
-            return fn()
+            return body(stream)
 
-    return worker.submit(job, stream)
+    return stream, job
 
 
 def release_groups(groups: Sequence[dist.ProcessGroup], *, destroy: bool = True) -> None:
@@ -231,22 +238,20 @@ def run_collective(
     """
     worker = worker_for(group)
     handle = CollectiveHandle(None, worker.timeout, what)  # type: ignore[arg-type]
-    stream = worker.stream(tensor.device)
-    ready = streams.record_ready(tensor.device)
 
-    def job() -> torch.Tensor:
+    def reduce_on(stream: Any) -> torch.Tensor:
         # The tag is taken when the job runs, not when it is queued: the run order is the same on
         # every rank, the queueing order is not (a callback may run before or after a later submit).
         tag = worker.next_tag()
-        with streams.on_stream(stream, ready):
-            handle.launched = streams.stamp(stream)
-            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-            body(flat, tag)
-            if not tensor.is_contiguous():
-                tensor.copy_(flat.view(tensor.shape))
-            streams.keep_alive(tensor, stream)
+        handle.launched = streams.stamp(stream)
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        body(flat, tag)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+        streams.keep_alive(tensor, stream)
         return tensor
 
+    stream, job = _on_comm_stream(worker, tensor.device, reduce_on)
     if async_op:
         handle._future = worker.submit(job, stream)
         return handle
