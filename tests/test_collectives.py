@@ -4,6 +4,7 @@ Each spawned function runs many cases and returns a dict of failures; the parent
 same code paths run on NCCL with CUDA tensors (see test_nccl_matches_native_on_gpus).
 """
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import collectives as C
-from commlab.collectives.p2p import Comm
+from commlab.collectives.p2p import Comm, release_group_state
 from commlab.collectives.ring import all_reduce_ring
 from commlab.collectives.tree import all_reduce_tree
 
@@ -87,6 +88,12 @@ def _world3():
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"matrix": _matrix([0, 1, 2, 7, 1000, 4099])}
     comm = Comm.of(None)
+    # Comm.of asks torch once per group (a collective's Comm differs only in its tag), and
+    # release_group_state forgets the group, so a re-created group is asked again.
+    cached = Comm.of(None) is comm and Comm.of(None, 9) == dataclasses.replace(comm, tag=9)
+    release_group_state([dist.group.WORLD])
+    again = Comm.of(None)
+    out["comm_cache"] = (cached, again is not comm and again == comm)
     # Tiny pieces so pipelining crosses step boundaries and blocks have different piece counts.
     pieces_bad = []
     for numel in [1, 5, 13, 100]:
@@ -189,6 +196,7 @@ def test_world_three_matrix_building_blocks_async_and_errors():
     for rank, out in enumerate(results):
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
+        assert out["comm_cache"] == (True, True)
         assert out["same_host"] is True  # so the ring sends whole blocks (Comm.piece_bytes)
         assert out["sparse_queued"] == (True, [1.0, 2.0, 3.0, 0.0])
         assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from commlab.collectives import ring
-from commlab.collectives.p2p import TAG_SPAN, Comm, release_scratch
+from commlab.collectives.p2p import TAG_SPAN, Comm, release_group_state
 
 
 class _Work:
@@ -46,7 +46,7 @@ def _run(world: int, numel: int, piece_bytes: int, monkeypatch) -> list:
     try:
         ring.ring_pass(torch.zeros(numel), "sum", comm, reduce_scatter=True, all_gather=True, piece_bytes=piece_bytes)
     finally:
-        release_scratch([pg])
+        release_group_state([pg])
     return pg.log
 
 
@@ -97,7 +97,7 @@ def test_halving_doubling_sends_its_first_step_first_and_posts_every_doubling_re
     try:
         hd.all_reduce_halving_doubling(flat, "sum", comm)
     finally:
-        release_scratch([pg])
+        release_group_state([pg])
     log, base, size = pg.log, flat.data_ptr(), flat.element_size()
     halving, doubling = hd_reduce_scatter_steps(rank, world), hd_all_gather_steps(rank, world)
     bounds = chunk_bounds(numel, world)

@@ -50,7 +50,10 @@ TAG_PHASES = 2
 # (group, use, dtype, device) -> a 1-D buffer, grown to the largest request seen and kept.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 _SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one group's worker
-
+# group -> its Comm with tag 0: a group's ranks, size and backend never change, and asking torch
+# for them again on every collective cost ~5 us warm and far more on the cold path right after a
+# barrier (docs/design.md, "Ring piece size": the path before the first send).
+_GROUP_COMMS: dict[dist.ProcessGroup, Comm] = {}
 
 
 def same_host(local_world_size: int, world_size: int) -> bool:
@@ -65,12 +68,14 @@ def same_host(local_world_size: int, world_size: int) -> bool:
     return local_world_size > 0 and local_world_size == world_size
 
 
-def release_scratch(groups) -> None:
-    """Drop the scratch buffers of ``groups`` (their DDP or process group is gone)."""
+def release_group_state(groups) -> None:
+    """Drop the scratch buffers and cached facts of ``groups`` (their DDP or process group is gone)."""
     gone = set(groups)
     with _SCRATCH_LOCK:
         for key in [k for k in _SCRATCH if k[0] in gone]:
             del _SCRATCH[key]
+        for pg in gone & _GROUP_COMMS.keys():
+            del _GROUP_COMMS[pg]
 
 @dataclass(frozen=True)
 class Comm:
@@ -87,13 +92,21 @@ class Comm:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, tag: int = 0) -> Comm:
+        """The group's view for the collective tagged ``tag`` (the group's facts are asked once)."""
+        pg = dist.group.WORLD if group is None else group
+        base = _GROUP_COMMS.get(pg)
+        if base is None:
+            base = _GROUP_COMMS[pg] = cls._ask_torch(group, pg)
+        return base if tag == base.tag else cls(group, base.rank, base.size, base.global_ranks, base.coalesce, pg, tag, base.same_host)
+
+    @classmethod
+    def _ask_torch(cls, group: dist.ProcessGroup | None, pg: dist.ProcessGroup) -> Comm:
         size = dist.get_world_size(group)
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
-        pg = dist.group.WORLD if group is None else group
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         local_size = int(local) if local.isdigit() else 0
-        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, tag, same_host(local_size, dist.get_world_size()))
+        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, 0, same_host(local_size, dist.get_world_size()))
 
     def piece_bytes(self, across_hosts: int) -> int:
         """How large a piece to cut a long message into: ``across_hosts`` when the group spans

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from commlab.collectives import streams
 from commlab.collectives.handle import CollectiveHandle
-from commlab.collectives.p2p import TAG_SPAN, release_scratch
+from commlab.collectives.p2p import TAG_SPAN, release_group_state
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> float:
@@ -103,16 +103,23 @@ class CommWorker:
         """Run ``job`` on the calling thread after every job submitted before it."""
         if self.on_worker():
             return job()
+        # The usual case, nothing queued or running, takes no condition variable: a blocking
+        # collective's first send waits for everything before it (docs/design.md, "Ring piece size").
+        if self._pending or not self._running.acquire(blocking=False):
+            self._wait_turn()
+        try:
+            return job()
+        finally:
+            self._running.release()
+
+    def _wait_turn(self) -> None:
+        """Block until every job submitted so far has run, then hold ``_running``."""
         limit = 2 * self.timeout  # a backstop, as CollectiveHandle.wait's
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0, limit):
                 raise TimeoutError(f"{self._thread.name}: earlier collectives did not finish within {limit:g} s")
         if not self._running.acquire(timeout=limit):
             raise TimeoutError(f"{self._thread.name}: the running collective did not finish within {limit:g} s")
-        try:
-            return job()
-        finally:
-            self._running.release()
 
     def stop(self, timeout: float = 1.0) -> None:
         self._jobs.put(None)
@@ -207,7 +214,7 @@ def release_groups(groups: Sequence[dist.ProcessGroup], *, destroy: bool = True)
         workers = [_WORKERS.pop(g) for g in groups if g in _WORKERS]
     for w in workers:
         w.stop()
-    release_scratch(groups)
+    release_group_state(groups)
     if destroy and dist.is_initialized():
         for g in groups:
             try:
@@ -237,6 +244,12 @@ def run_collective(
     Returns a :class:`CollectiveHandle` when ``async_op``, else None once the tensor is reduced.
     """
     worker = worker_for(group)
+    if not async_op and not tensor.is_cuda:
+        # Blocking on CPU: no stream, no handle, no stamp; only the group's order. This path runs
+        # between a barrier and the first send, where every step costs several times its warm
+        # time (measured: docs/design.md, "Ring piece size").
+        worker.run_inline(lambda: _reduce_flat(body, tensor, worker.next_tag()))
+        return None
     handle = CollectiveHandle(None, worker.timeout, what)  # type: ignore[arg-type]
 
     def reduce_on(stream: Any) -> torch.Tensor:
@@ -244,10 +257,7 @@ def run_collective(
         # every rank, the queueing order is not (a callback may run before or after a later submit).
         tag = worker.next_tag()
         handle.launched = streams.stamp(stream)
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        body(flat, tag)
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
+        _reduce_flat(body, tensor, tag)
         streams.keep_alive(tensor, stream)
         return tensor
 
@@ -258,6 +268,17 @@ def run_collective(
     worker.run_inline(job)
     streams.join(stream)
     return None
+
+
+def _reduce_flat(body: Callable[[torch.Tensor, int], None], tensor: torch.Tensor, tag: int) -> None:
+    """``body(flat, tag)`` on a flat view of ``tensor``, through a contiguous copy written back
+    when ``tensor`` is not contiguous."""
+    if tensor.is_contiguous():
+        body(tensor.view(-1), tag)
+        return
+    flat = tensor.contiguous().view(-1)
+    body(flat, tag)
+    tensor.copy_(flat.view(tensor.shape))
 
 
 __all__ = ["group_busy", "group_timeout", "release_groups", "run_async", "run_collective", "run_ordered", "worker_for"]
