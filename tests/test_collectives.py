@@ -104,7 +104,6 @@ def _world3():
                 fn(x, "sum", comm, piece_bytes=piece_bytes)
                 pieces_bad += [] if torch.equal(x, ref) else [(fn.__name__, numel, piece_bytes)]
     out["pieces"] = pieces_bad
-    out["same_host"] = comm.same_host  # commlab.launch runs every rank here (LOCAL_WORLD_SIZE = 3)
     # DDP's sparse gradient all-reduce queues behind a p2p bucket still on the worker instead of
     # waiting for it on the autograd thread (commlab.ddp.sparse.start_all_reduce).
     from commlab.collectives.worker import worker_for
@@ -197,7 +196,6 @@ def test_world_three_matrix_building_blocks_async_and_errors():
         assert out["matrix"] == [], f"rank {rank}"
         assert out["pieces"] == []
         assert out["comm_cache"] == (True, True)
-        assert out["same_host"] is True  # so the ring sends whole blocks (Comm.piece_bytes)
         assert out["sparse_queued"] == (True, [1.0, 2.0, 3.0, 0.0])
         assert out["noncontiguous"] and out["reduce_scatter"] and out["all_gather"] and out["fewer_elements_than_ranks"]
         assert out["reduce_broadcast_roots"] and out["fifo"] and out["worker_thread_daemon"]

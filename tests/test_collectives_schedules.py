@@ -216,11 +216,3 @@ def _ring_dataflow(plans, numel: int, world: int) -> list[list[frozenset]]:
             nxt[r], progressed = q + 1, True
         assert progressed, "the plans deadlock: some rank waits for a message never sent"
     return held
-
-
-def test_same_host_is_a_job_wide_answer_every_rank_gives_alike():
-    from commlab.collectives.p2p import same_host
-
-    assert same_host(4, 4) and same_host(1, 1)
-    assert not same_host(2, 4)  # two hosts: even a group inside one of them cuts 2 MiB pieces
-    assert not same_host(0, 2)  # no launcher said how many ranks this host runs

@@ -15,9 +15,8 @@ instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. Th
 is in :mod:`commlab.collectives.schedules`.
 
 Segmenting and posting order (Gloo), as in the ring (ring.ring_pass says why): a halving step's
-exchange is posted as pieces (``Comm.piece_bytes``: 2 MiB across hosts, up to 16 MiB when the
-job runs on one host), each reduced as soon as it has arrived; both partners cut the range
-identically, so the pieces pair up in order. The first step's sends go out before any receive.
+exchange is posted as 2 MiB pieces, each reduced as soon as it has arrived; both partners cut the
+range identically, so the pieces pair up in order. The first step's sends go out before any receive.
 Every doubling receive is posted right after that, on the collective's second tag, straight into its place:
 the doubling step with peer q receives the range this rank sent q while halving, fully reduced,
 so it cannot arrive before q has received (and this rank has finished sending) that range.
@@ -39,7 +38,7 @@ from commlab.collectives.schedules import (
 )
 
 
-PIECE_BYTES = 2 << 20
+PIECE_BYTES = 2 << 20  # the ring's piece size; ring.PIECE_BYTES says why
 
 
 Step = tuple[tuple[int, int], tuple[int, int], int]  # (range sent, range received, peer)
@@ -49,7 +48,7 @@ def _steps_gloo(comm: Comm, flat: torch.Tensor, scratch: torch.Tensor, op: str,
                 halving: list[Step], doubling: list[Step], owned: tuple[int, int]) -> None:
     """Halving then doubling on Gloo, in the posting order of the module docstring."""
     pg, tags = comm.pg, (comm.tag_of(0), comm.tag_of(1))
-    piece = max(1, comm.piece_bytes(PIECE_BYTES) // flat.element_size())
+    piece = max(1, PIECE_BYTES // flat.element_size())
     sent: list = []
     gathered: list = []
     received: list = []  # every work is kept until the end, as the ring keeps its (ring.ring_pass)

@@ -29,21 +29,12 @@ worker.py), so one buffer per use per group is never shared by two running colle
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-# Pieces exist so that reducing one piece overlaps the transfer of the next. Across hosts the
-# transfer is the network's work and pieces of a few MiB keep it busy (Gloo's own ring cuts 1 MiB
-# segments, two in flight: gloo/allreduce.cc). Between ranks of one host the "transfer" is the
-# kernel copying through loopback on the very cores that reduce, so there is nothing to overlap
-# and each piece only adds its per-message cost (~80 us of CPU here: Python and Gloo's
-# handshake). There a message goes whole up to this size, which bounds the scratch. Measured:
-# docs/design.md, "Ring piece size".
-LOCAL_PIECE_BYTES = 16 << 20
 TAG_SPAN = 1 << 30  # the worker's tags are 1 .. TAG_SPAN - 1
 TAG_PHASES = 2
 
@@ -56,18 +47,6 @@ _SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one g
 _GROUP_COMMS: dict[dist.ProcessGroup, Comm] = {}
 
 
-def same_host(local_world_size: int, world_size: int) -> bool:
-    """Whether the whole job runs on this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun's,
-    or commlab.launch's) equals the job's world size; unknown (0) counts as not.
-
-    A job-wide fact on purpose: both ends of a message cut it into the same pieces only if every
-    rank of a group answers alike, and a per-group rule from each rank's own LOCAL_WORLD_SIZE
-    would not (torchrun allows hosts with different numbers of ranks). So a group inside one host
-    of a multi-host job is treated as spanning hosts.
-    """
-    return local_world_size > 0 and local_world_size == world_size
-
-
 def release_group_state(groups) -> None:
     """Drop the scratch buffers and cached facts of ``groups`` (their DDP or process group is gone)."""
     gone = set(groups)
@@ -76,6 +55,7 @@ def release_group_state(groups) -> None:
             del _SCRATCH[key]
         for pg in gone & _GROUP_COMMS.keys():
             del _GROUP_COMMS[pg]
+
 
 @dataclass(frozen=True)
 class Comm:
@@ -88,7 +68,6 @@ class Comm:
     coalesce: bool  # True on NCCL: post each step as one batch
     pg: dist.ProcessGroup  # the group object itself (the world group for None)
     tag: int = 0  # every message of this collective carries it
-    same_host: bool = False  # the whole job runs on this host (see same_host())
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, tag: int = 0) -> Comm:
@@ -97,21 +76,14 @@ class Comm:
         base = _GROUP_COMMS.get(pg)
         if base is None:
             base = _GROUP_COMMS[pg] = cls._ask_torch(group, pg)
-        return base if tag == base.tag else cls(group, base.rank, base.size, base.global_ranks, base.coalesce, pg, tag, base.same_host)
+        return base if tag == base.tag else cls(group, base.rank, base.size, base.global_ranks, base.coalesce, pg, tag)
 
     @classmethod
     def _ask_torch(cls, group: dist.ProcessGroup | None, pg: dist.ProcessGroup) -> Comm:
         size = dist.get_world_size(group)
         ranks = tuple(range(size)) if group is None else tuple(dist.get_process_group_ranks(group))
         nccl = str(dist.get_backend(group)).lower() == "nccl"
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        local_size = int(local) if local.isdigit() else 0
-        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, 0, same_host(local_size, dist.get_world_size()))
-
-    def piece_bytes(self, across_hosts: int) -> int:
-        """How large a piece to cut a long message into: ``across_hosts`` when the group spans
-        hosts, else whole messages up to LOCAL_PIECE_BYTES (why: the comment there)."""
-        return LOCAL_PIECE_BYTES if self.same_host else across_hosts
+        return cls(group, dist.get_rank(group), size, ranks, nccl, pg, 0)
 
     def tag_of(self, phase: int) -> int:
         """This collective's tag for its message stream ``phase`` (0 is ``tag`` itself)."""

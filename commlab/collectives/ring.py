@@ -30,7 +30,12 @@ from commlab.collectives.schedules import (
     ring_steps,
 )
 
-# The piece when the job spans hosts; on one host a block goes whole (Comm.piece_bytes).
+# A piece should fit the sending socket's buffer: Gloo writes a send whose receive is posted on
+# the posting thread only as far as the socket takes it, and hands the rest to its event-loop
+# thread, which also reads every incoming piece (gloo/transport/tcp/pair.cc, sendAsyncMode).
+# Loopback's send buffer autotunes to at most 4 MiB here (tcp_wmem); 2 MiB pieces ran at native's
+# time where whole blocks of up to 16 MiB ran 2-12% over it (docs/design.md, "Pieces that fit
+# the socket").
 PIECE_BYTES = 2 << 20
 # Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
 # round-robin: the spare slot lets the next receive be posted *before* the current piece is
@@ -67,8 +72,8 @@ def ring_pass(
     with receives first 1.24/1.03/1.05/1.07/1.01 (1.08); with step 0's sends first
     1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
     ``commlab bench collectives`` gives the figures that count (README).
-    Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, which decides the
-    piece size (:meth:`Comm.piece_bytes`).
+    Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, which is why the
+    pieces are 2 MiB and not Gloo's 1 MiB (:data:`PIECE_BYTES`).
 
     Every work object is kept until the pass ends. Dropping each receive's work as soon as it was
     waited for (the previous version) cost the process 0.1-1.2 ms more CPU per 4 MB all-reduce
@@ -79,7 +84,7 @@ def ring_pass(
     if comm.coalesce:
         _ring_pass_stepwise(flat, op, comm, reduce_scatter, all_gather)
         return
-    piece_numel = max(1, (comm.piece_bytes(PIECE_BYTES) if piece_bytes is None else piece_bytes) // flat.element_size())
+    piece_numel = max(1, (PIECE_BYTES if piece_bytes is None else piece_bytes) // flat.element_size())
     plan = ring_plan(flat.numel(), p, r, piece_numel, reduce_scatter, all_gather)
     if not plan.arrivals and not plan.first_sends:  # with fewer elements than ranks a rank may only send
         return
