@@ -15,8 +15,8 @@ instead of the ring's 2(p-1), at the same 2(p-1)/p n bytes for powers of two. Th
 is in :mod:`commlab.collectives.schedules`.
 
 Segmenting and posting order (Gloo), as in the ring (ring.ring_pass says why): a halving step's
-exchange is posted as 2 MiB pieces, each reduced as soon as it has arrived; both partners cut the
-range identically, so the pieces pair up in order. The first step's sends go out before any receive.
+exchange is posted as 2 MiB pieces (p2p.PIECE_BYTES), each reduced as soon as it has arrived;
+both partners cut the range identically, so the pieces pair up in order. The first step's sends go out before any receive.
 Every doubling receive is posted right after that, on the collective's second tag, straight into its place:
 the doubling step with peer q receives the range this rank sent q while halving, fully reduced,
 so it cannot arrive before q has received (and this rank has finished sending) that range.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from commlab.collectives.p2p import Comm, wait_all
+from commlab.collectives.p2p import PIECE_BYTES, Comm, wait_all
 from commlab.collectives.reduce_ops import combine_, finish_
 from commlab.collectives.schedules import (
     chunk_bounds,
@@ -36,9 +36,6 @@ from commlab.collectives.schedules import (
     hd_reduce_scatter_steps,
     largest_power_of_two,
 )
-
-
-PIECE_BYTES = 2 << 20  # the ring's piece size; ring.PIECE_BYTES says why
 
 
 Step = tuple[tuple[int, int], tuple[int, int], int]  # (range sent, range received, peer)

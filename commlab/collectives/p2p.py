@@ -35,6 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# The piece the ring and halving-doubling cut long Gloo messages into. It should fit the sending
+# socket's buffer: Gloo writes a send whose receive is posted on the posting thread only as far
+# as the socket takes it, and hands the rest to its event-loop thread, which also reads every
+# incoming piece (gloo/transport/tcp/pair.cc, sendAsyncMode). Loopback's send buffer autotunes to
+# at most 4 MiB here (tcp_wmem); 2 MiB pieces ran at native's time where whole blocks of up to
+# 16 MiB ran 2-12% over it (docs/design.md, "Pieces that fit the socket").
+PIECE_BYTES = 2 << 20
 TAG_SPAN = 1 << 30  # the worker's tags are 1 .. TAG_SPAN - 1
 TAG_PHASES = 2
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from commlab.collectives.p2p import Comm, wait_all
+from commlab.collectives.p2p import PIECE_BYTES, Comm, wait_all
 from commlab.collectives.reduce_ops import combine_, finish_
 from commlab.collectives.schedules import (
     COPY,
@@ -30,13 +30,6 @@ from commlab.collectives.schedules import (
     ring_steps,
 )
 
-# A piece should fit the sending socket's buffer: Gloo writes a send whose receive is posted on
-# the posting thread only as far as the socket takes it, and hands the rest to its event-loop
-# thread, which also reads every incoming piece (gloo/transport/tcp/pair.cc, sendAsyncMode).
-# Loopback's send buffer autotunes to at most 4 MiB here (tcp_wmem); 2 MiB pieces ran at native's
-# time where whole blocks of up to 16 MiB ran 2-12% over it (docs/design.md, "Pieces that fit
-# the socket").
-PIECE_BYTES = 2 << 20
 # Reduce-scatter receives in flight at once. They land in WINDOW + 1 scratch slots reused
 # round-robin: the spare slot lets the next receive be posted *before* the current piece is
 # reduced, so the left neighbour's send finds it posted (see ring_pass).
@@ -73,7 +66,7 @@ def ring_pass(
     1.17/0.95/1.03/1.05/1.00 (1.04). World 4, 40 calls: 1.04, 1.03, 1.04 (no clear change).
     ``commlab bench collectives`` gives the figures that count (README).
     Per message the p2p path costs ~80 us of CPU more than Gloo's C++ ring, which is why the
-    pieces are 2 MiB and not Gloo's 1 MiB (:data:`PIECE_BYTES`).
+    pieces are 2 MiB and not Gloo's 1 MiB (:data:`~commlab.collectives.p2p.PIECE_BYTES`).
 
     Every work object is kept until the pass ends. Dropping each receive's work as soon as it was
     waited for (the previous version) cost the process 0.1-1.2 ms more CPU per 4 MB all-reduce
