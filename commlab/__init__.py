@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 
 # Everything loads on first use, so that `import commlab` (and `commlab --help`) does not import
 # torch, which costs seconds.
