@@ -22,9 +22,10 @@ from test_imports import import_graph
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
-# Words that point into a tracker or a development round ("session 4", "issue 13", "issues #9",
-# "#10"). An upstream citation such as pytorch/pytorch#60733 names another project's tracker,
-# which the house style asks for, so `#N` right after a word or a slash is not counted.
+# Words that point into a tracker or a development round: "session" or "issue(s)" followed by a
+# number, or a hash sign followed by digits. An upstream citation (owner/repo, a hash, a number)
+# names another project's tracker, which the house style asks for, so a hash right after a word
+# character or a slash is not counted.
 TRACKER = re.compile(r"\bsessions? ?\d|\bissues? ?#?\d|(?<![\w/])#\d+\b", re.I)
 
 
