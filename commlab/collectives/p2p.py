@@ -40,7 +40,8 @@ import torch.distributed as dist
 # as the socket takes it, and hands the rest to its event-loop thread, which also reads every
 # incoming piece (gloo/transport/tcp/pair.cc, sendAsyncMode). Loopback's send buffer autotunes to
 # at most 4 MiB here (tcp_wmem); 2 MiB pieces ran at native's time where whole blocks of up to
-# 16 MiB ran 2-12% over it (docs/design.md, "Pieces that fit the socket").
+# 16 MiB ran 2-12% over it (docs/design.md, "Why this order and this size on Gloo";
+# docs/measurements.md, 2026-11-25).
 PIECE_BYTES = 2 << 20
 TAG_SPAN = 1 << 30  # the worker's tags are 1 .. TAG_SPAN - 1
 TAG_PHASES = 2
@@ -50,7 +51,7 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 _SCRATCH_LOCK = threading.Lock()  # only the table: each buffer is used by one group's worker
 # group -> its Comm with tag 0: a group's ranks, size and backend never change, and asking torch
 # for them again on every collective cost ~5 us warm and far more on the cold path right after a
-# barrier (docs/design.md, "Ring piece size": the path before the first send).
+# barrier (docs/measurements.md, 2026-11-25: the path before the first send).
 _GROUP_COMMS: dict[dist.ProcessGroup, Comm] = {}
 
 

@@ -104,7 +104,7 @@ class CommWorker:
         if self.on_worker():
             return job()
         # The usual case, nothing queued or running, takes no condition variable: a blocking
-        # collective's first send waits for everything before it (docs/design.md, "Ring piece size").
+        # collective's first send waits for everything before it (docs/measurements.md, 2026-11-25).
         if self._pending or not self._running.acquire(blocking=False):
             self._wait_turn()
         try:
@@ -247,7 +247,7 @@ def run_collective(
     if not async_op and not tensor.is_cuda:
         # Blocking on CPU: no stream, no handle, no stamp; only the group's order. This path runs
         # between a barrier and the first send, where every step costs several times its warm
-        # time (measured: docs/design.md, "Ring piece size").
+        # time (measured: docs/measurements.md, 2026-11-25).
         worker.run_inline(lambda: _reduce_flat(body, tensor, worker.next_tag()))
         return None
     handle = CollectiveHandle(None, worker.timeout, what)  # type: ignore[arg-type]
