@@ -77,7 +77,7 @@ def test_run_directory_choice(tmp_path):
 
     import click
 
-    from commlab.sweep.cli import _run_dir
+    from commlab.cli.sweep import _run_dir
 
     for name, mtime in (("older", 1_000), ("newer", 2_000)):
         (tmp_path / name / "configs").mkdir(parents=True)

@@ -26,86 +26,22 @@ import platform
 import sys
 
 import click
+import pandas as pd
+import torch
 
-from commlab.bench.alpha_beta import format_size, parse_size, size_sweep
-
-DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
-OPS = ("sum", "avg", "max", "min")
-
-
-class _Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+import commlab
+from commlab.bench.alpha_beta import format_size
+from commlab.bench.collectives_ratio import ratio_lines
+from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
+from commlab.bench.collectives_run import run_rank
 
 
-def _int_list(value: str, name: str, minimum: int) -> list[int]:
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
-    if not items or min(items) < minimum:
-        raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}", param_hint=name)
-    return list(dict.fromkeys(items))
+def run(*, sizes: list[int], algorithms: list[str], worlds: list[int], backends: dict[int, str], dtype: str, op: str,
+        iters: int, warmup: int, check: bool, out_dir: str, timeout: float, repeat: int) -> None:
+    """Run the benchmark for each world size (``repeat`` times) and print and write its results.
 
-
-def _algorithms(value: str) -> list[str]:
-    from commlab.collectives import algorithm_names
-
-    known = algorithm_names()
-    if value.strip() == "all":
-        return known
-    chosen = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
-    unknown = [a for a in chosen if a not in known]
-    if not chosen or unknown:
-        raise click.BadParameter(
-            f"unknown algorithm(s) {', '.join(unknown) or repr(value)}: choose from {', '.join(known)} or all",
-            param_hint="--algorithm",
-        )
-    return chosen
-
-
-@click.command("collectives")
-@click.option("-b", "--min-bytes", type=_Size(), default="1K", show_default=True, help="Smallest message (1K, 64M, ...).")
-@click.option("-e", "--max-bytes", type=_Size(), default="16M", show_default=True, help="Largest message.")
-@click.option("-f", "--step-factor", type=click.IntRange(min=2), default=4, show_default=True, help="Size multiplier.")
-@click.option("-n", "--iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed iterations per size.")
-@click.option("-w", "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed iterations first.")
-@click.option("--algorithm", "algorithm", default="all", show_default=True, help="Comma list of algorithms, or all.")
-@click.option("--world-size", "world_size", default="2", show_default=True, help="Comma list of world sizes.")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
-@click.option("--op", type=click.Choice(OPS), default="sum", show_default=True)
-@click.option("--check/--no-check", default=True, show_default=True, help="Count wrong elements (#wrong).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True)
-@click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
-def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorithm, world_size, backend, dtype, op, check, out_dir, timeout, repeat):
-    """nccl-tests-style all-reduce benchmark of every algorithm (interleaved, fair comparison)."""
-    algorithms = _algorithms(algorithm)
-    worlds = _int_list(world_size, "--world-size", 1)
-    try:
-        sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-b/-e") from None
-    import pandas as pd
-    import torch
-
-    import commlab
-    from commlab.bench.collectives_ratio import ratio_lines
-    from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
-    from commlab.bench.collectives_run import run_rank
-    from commlab.runtime import resolve_backend
-
-    try:
-        backends = {w: resolve_backend(backend, w) for w in worlds}
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--backend/--world-size") from None
+    The options were checked by :mod:`commlab.cli.bench`, which declares them.
+    """
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     frames, fits, loads = [], [], {}
     for run, world in [(run, world) for run in range(repeat) for world in worlds]:

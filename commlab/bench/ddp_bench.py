@@ -11,6 +11,8 @@ caching allocator), so a run that touches fresh memory shows up instead of being
     commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
     commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
     commlab bench ddp --glibc-trim                     # glibc's own heap trimming (see below)
+
+The options are declared in :mod:`commlab.cli.bench`; this module is the run.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import statistics
 import time
 
 import click
-
-from commlab.models import check_model_name
 
 
 def _bench_rank(cfg: dict) -> dict:
@@ -143,55 +143,12 @@ def summarise(per_rank: list[dict], key: str = "times") -> dict:
     }
 
 
-def _algorithms() -> list[str]:
-    from commlab import collectives
-
-    return collectives.algorithm_names()
-
-
-@click.command("ddp")
-@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
-@click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
-@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
-@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
-@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
-@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
-@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="bucket_cap_mb (MiB) of both DDPs")
-@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
-@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
-@click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
-@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
-              help="leave glibc's heap trimming as is (default: fixed thresholds, see _keep_freed_memory)")
-@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="seconds before the launch is abandoned")
-def bench_ddp(
-    model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout
-):
-    """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
+def run(cfg: dict, *, world_size: int, backend: str, timeout: float) -> None:
+    """Launch :func:`_bench_rank` on ``world_size`` ranks and print the comparison (options checked by the CLI)."""
     import commlab
-    from commlab.runtime import resolve_backend
 
-    try:
-        check_model_name(model)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--model") from None
-    if algorithm not in _algorithms():
-        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(_algorithms())}", param_hint="--algorithm")
-    try:
-        backend = resolve_backend(backend, world_size)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--backend") from None
-    if backend == "gloo":  # CPU ranks, each with commlab.launch's cpu_count // world_size threads
-        from commlab.runtime.capacity import check_cpu_capacity
-        from commlab.runtime.metadata import cpu_count
-
-        try:
-            check_cpu_capacity(world_size, max(1, cpu_count() // world_size))
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--world-size") from None
-    cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
-               warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim)  # fmt: skip
+    model, depth, width, batch = cfg["model"], cfg["depth"], cfg["width"], cfg["batch"]
+    bucket_mb, iters, warmup, algorithm = cfg["bucket_mb"], cfg["iters"], cfg["warmup"], cfg["algorithm"]
     per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
     s, c, f = summarise(per_rank), summarise(per_rank, "cpu"), summarise(per_rank, "faults")
     shape = f" ({depth} x {width})" if model == "mlp" else ""

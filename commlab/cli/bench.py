@@ -1,0 +1,143 @@
+"""The `commlab bench` commands' options: `bench ddp` and `bench collectives`.
+
+Click declarations and input checks only; the runs live in :mod:`commlab.bench.ddp_bench` and
+:mod:`commlab.bench.collectives_bench`. Everything that imports torch (those modules,
+commlab.models, commlab.collectives) is imported inside the commands, so ``--help`` and bad
+input answer in a fraction of a second.
+
+\b
+    commlab bench ddp --bucket-mb 5 --algorithm ring
+    commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
+"""
+
+from __future__ import annotations
+
+import click
+
+DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+OPS = ("sum", "avg", "max", "min")
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from commlab.bench.alpha_beta import parse_size  # numpy: not for --help
+
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _int_list(value: str, name: str, minimum: int) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
+    if not items or min(items) < minimum:
+        raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}", param_hint=name)
+    return list(dict.fromkeys(items))
+
+
+def _algorithms(value: str) -> list[str]:
+    from commlab.collectives import algorithm_names  # imports torch: inside the command
+
+    known = algorithm_names()
+    if value.strip() == "all":
+        return known
+    chosen = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    unknown = [a for a in chosen if a not in known]
+    if not chosen or unknown:
+        raise click.BadParameter(
+            f"unknown algorithm(s) {', '.join(unknown) or repr(value)}: choose from {', '.join(known)} or all",
+            param_hint="--algorithm",
+        )
+    return chosen
+
+
+def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
+    from commlab.runtime import resolve_backend
+
+    try:
+        return {w: resolve_backend(backend, w) for w in worlds}
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend/--world-size") from None
+
+
+@click.command("collectives")
+@click.option("-b", "--min-bytes", type=_Size(), default="1K", show_default=True, help="Smallest message (1K, 64M, ...).")
+@click.option("-e", "--max-bytes", type=_Size(), default="16M", show_default=True, help="Largest message.")
+@click.option("-f", "--step-factor", type=click.IntRange(min=2), default=4, show_default=True, help="Size multiplier.")
+@click.option("-n", "--iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed iterations per size.")
+@click.option("-w", "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed iterations first.")
+@click.option("--algorithm", "algorithm", default="all", show_default=True, help="Comma list of all-reduce algorithms, or all.")
+@click.option("--world-size", "world_size", default="2", show_default=True, help="Comma list of world sizes.")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--op", type=click.Choice(OPS), default="sum", show_default=True)
+@click.option("--check/--no-check", default=True, show_default=True, help="Count wrong elements (#wrong).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
+def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorithm, world_size, backend, dtype, op,
+                      check, out_dir, timeout, repeat):
+    """nccl-tests-style all-reduce benchmark of every algorithm (interleaved, fair comparison)."""
+    from commlab.bench.alpha_beta import size_sweep
+
+    algorithms = _algorithms(algorithm)
+    worlds = _int_list(world_size, "--world-size", 1)
+    try:
+        sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-b/-e") from None
+    backends = _backends(backend, worlds)
+    from commlab.bench import collectives_bench
+
+    collectives_bench.run(sizes=sizes, algorithms=algorithms, worlds=worlds, backends=backends, dtype=dtype, op=op,
+                          iters=iters, warmup=warmup, check=check, out_dir=out_dir, timeout=timeout, repeat=repeat)
+
+
+@click.command("ddp")
+@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
+@click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
+@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="bucket_cap_mb (MiB) of both DDPs")
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
+@click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
+@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
+              help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, so that where "
+              "glibc happens to place the gradients does not decide which DDP page-faults)")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds before the launch is abandoned")
+def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout):
+    """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
+    from commlab.collectives import algorithm_names
+    from commlab.models import check_model_name
+
+    try:
+        check_model_name(model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    if algorithm not in algorithm_names():
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(algorithm_names())}", param_hint="--algorithm")
+    backend = _backends(backend, [world_size])[world_size]
+    if backend == "gloo":  # CPU ranks, each with commlab.launch's cpu_count // world_size threads
+        from commlab.runtime.capacity import check_cpu_capacity
+        from commlab.runtime.metadata import cpu_count
+
+        try:
+            check_cpu_capacity(world_size, max(1, cpu_count() // world_size))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--world-size") from None
+    from commlab.bench import ddp_bench
+
+    ddp_bench.run(dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
+                       warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim),
+                  world_size=world_size, backend=backend, timeout=timeout)
