@@ -1,16 +1,19 @@
-"""`commlab bench collectives`: the nccl-tests of commlab, for every all-reduce algorithm.
+"""`commlab bench collectives`: the nccl-tests of commlab, for every collective and algorithm.
 
     commlab bench collectives                               # 1K..16M, world 2, gloo, all algorithms
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
     commlab bench collectives -b 8 -e 64K --world-size 4 --algorithm tree,ring -n 200
     commlab bench collectives --backend nccl --world-size 8 -b 1M -e 1G   # one GPU per rank
     commlab bench collectives -b 4M -e 64M -f 2 -n 10 --algorithm ring,native --world-size 2,4 --repeat 5
+    commlab bench collectives --collective all_reduce,reduce_scatter,all_gather,broadcast
 
-Per world size it prints one table, a row as each size completes (size, count, type, redop,
+Collectives are plug-ins (:mod:`commlab.bench.collectives_plugins`, all-reduce by default).
+Per world size and collective it prints one table, a row as each size completes (size, count, type, redop,
 root, algorithm, then time, algbw, busbw, #wrong and the slowest rank's time for out-of-place and
 for in-place), the average bus bandwidth and the fitted alpha-beta model of each algorithm, then
 writes under ``--out``:
-``collectives.csv`` (tidy, one row per size x algorithm x world size, with the run's metadata),
+``collectives.csv`` (tidy, one row per collective x size x algorithm x placement x world size,
+with the run's metadata),
 ``alpha_beta.csv`` and ``busbw.png``. Algorithms of one size run interleaved (see
 :mod:`commlab.bench.collectives_run`), so their ratios are fair on a shared machine. With
 ``native`` among the algorithms it ends with each other algorithm's time ratio to native per size
@@ -31,16 +34,18 @@ import torch
 
 import commlab
 from commlab.bench.alpha_beta import format_size
+from commlab.bench.collectives_plugins import Collective, collective_names, get_collective
 from commlab.bench.collectives_ratio import ratio_lines
-from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, header_lines, write_outputs
+from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, write_outputs
 from commlab.bench.collectives_run import run_rank
 
 
-def run(*, sizes: list[int], algorithms: list[str], worlds: list[int], backends: dict[int, str], dtype: str, op: str,
+def run(*, sizes: list[int], collectives: list[tuple[Collective, list[str]]], worlds: list[int], backends: dict[int, str], dtype: str, op: str,
         iters: int, warmup: int, check: bool, out_dir: str, timeout: float, repeat: int) -> None:
     """Run the benchmark for each world size (``repeat`` times) and print and write its results.
 
-    The options were checked by :mod:`commlab.cli.bench`, which declares them.
+    ``collectives``: each plug-in with the algorithms of it to run (:func:`choose`). The options
+    were checked by :mod:`commlab.cli.bench`, which declares them.
     """
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     frames, fits, loads = [], [], {}
@@ -52,13 +57,12 @@ def run(*, sizes: list[int], algorithms: list[str], worlds: list[int], backends:
             "run": run, "load_avg_1min": loads[(run, world)],
         }
         # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
-        config = {"sizes": sizes, "algorithms": algorithms, "dtype": dtype, "op": op,
+        config = {"sizes": sizes, "collectives": collectives, "dtype": dtype, "op": op,
                   "iters": iters, "warmup": warmup, "check": check, "stream": True}  # fmt: skip
-        click.echo(f"# all-reduce: world size {world}, backend {meta['backend']}, {dtype} {op}, "
+        names = ", ".join(c.name for c, _ in collectives)
+        click.echo(f"# {names}: world size {world}, backend {meta['backend']}, {dtype} {op}, "
                    f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)"
                    + (f", run {run + 1} of {repeat}, load {loads[(run, world)]:.2f}" if repeat > 1 else ""))  # fmt: skip
-        for line in header_lines():
-            click.echo(line)
         sys.stdout.flush()  # before the ranks write their rows to the same stdout
         per_rank = commlab.launch(run_rank, config, world_size=world, backend=meta["backend"], timeout=timeout)
         df = combine_ranks(per_rank, meta)
@@ -80,6 +84,32 @@ def run(*, sizes: list[int], algorithms: list[str], worlds: list[int], backends:
     click.echo(f"# wrote {paths['results']}, {paths['alpha_beta']}, {paths['figure']}")
     if wrong:
         raise click.ClickException(f"{wrong} wrong elements in total: see the #wrong column")
+
+
+def choose(collectives: list[str], algorithms: str) -> list[tuple[Collective, list[str]]]:
+    """Each named collective with the chosen algorithms it has ("all": every one of its own).
+
+    ValueError for an unknown collective, an algorithm none of them has, or a collective left
+    with none of the chosen algorithms.
+    """
+    plugins = []
+    for name in collectives:
+        if name not in collective_names():
+            raise ValueError(f"unknown collective {name!r}: choose from {', '.join(collective_names())}")
+        plugins.append(get_collective(name))
+    if algorithms.strip() == "all":
+        return [(c, c.algorithms()) for c in plugins]
+    chosen = list(dict.fromkeys(a.strip() for a in algorithms.split(",") if a.strip()))
+    known = list(dict.fromkeys(a for c in plugins for a in c.algorithms()))
+    unknown = [a for a in chosen if a not in known]
+    if not chosen or unknown:
+        raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or repr(algorithms)}: "
+                         f"choose from {', '.join(known)} or all")
+    picked = [(c, [a for a in chosen if a in c.algorithms()]) for c in plugins]
+    if empty := [c.name for c, algs in picked if not algs]:
+        raise ValueError(f"{', '.join(empty)} has none of {', '.join(chosen)}: "
+                         + "; ".join(f"{c.name} has {', '.join(c.algorithms())}" for c in plugins))
+    return picked
 
 
 def _write_metadata(out_dir: str, stamp: str) -> None:

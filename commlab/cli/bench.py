@@ -40,22 +40,6 @@ def _int_list(value: str, name: str, minimum: int) -> list[int]:
     return list(dict.fromkeys(items))
 
 
-def _algorithms(value: str) -> list[str]:
-    from commlab.collectives import algorithm_names  # imports torch: inside the command
-
-    known = algorithm_names()
-    if value.strip() == "all":
-        return known
-    chosen = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
-    unknown = [a for a in chosen if a not in known]
-    if not chosen or unknown:
-        raise click.BadParameter(
-            f"unknown algorithm(s) {', '.join(unknown) or repr(value)}: choose from {', '.join(known)} or all",
-            param_hint="--algorithm",
-        )
-    return chosen
-
-
 def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
     from commlab.runtime import resolve_backend
 
@@ -71,7 +55,10 @@ def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
 @click.option("-f", "--step-factor", type=click.IntRange(min=2), default=4, show_default=True, help="Size multiplier.")
 @click.option("-n", "--iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed iterations per size.")
 @click.option("-w", "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed iterations first.")
-@click.option("--algorithm", "algorithm", default="all", show_default=True, help="Comma list of all-reduce algorithms, or all.")
+@click.option("--collective", default="all_reduce", show_default=True,
+              help="Comma list of collectives: all_reduce, reduce_scatter, all_gather, broadcast (or a plug-in's name).")
+@click.option("--algorithm", "algorithm", default="all", show_default=True,
+              help="Comma list of algorithms, or all (each collective runs those of them it has).")
 @click.option("--world-size", "world_size", default="2", show_default=True, help="Comma list of world sizes.")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
@@ -81,21 +68,29 @@ def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
 @click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
-def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, algorithm, world_size, backend, dtype, op,
-                      check, out_dir, timeout, repeat):
-    """nccl-tests-style all-reduce benchmark of every algorithm (interleaved, fair comparison)."""
+def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collective, algorithm, world_size, backend,
+                      dtype, op, check, out_dir, timeout, repeat):
+    """nccl-tests-style benchmark of collectives and their algorithms (interleaved, fair comparison)."""
+    from commlab.bench import collectives_bench  # imports torch: inside the command
     from commlab.bench.alpha_beta import size_sweep
 
-    algorithms = _algorithms(algorithm)
+    from commlab.bench.collectives_plugins import collective_names
+
+    names = list(dict.fromkeys(c.strip() for c in collective.split(",") if c.strip()))
+    if not names or (unknown := [c for c in names if c not in collective_names()]):
+        raise click.BadParameter(f"unknown collective(s) {', '.join(unknown) or repr(collective)}: choose from "
+                                 f"{', '.join(collective_names())}", param_hint="--collective")
+    try:
+        collectives = collectives_bench.choose(names, algorithm)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm") from None
     worlds = _int_list(world_size, "--world-size", 1)
     try:
         sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-b/-e") from None
     backends = _backends(backend, worlds)
-    from commlab.bench import collectives_bench
-
-    collectives_bench.run(sizes=sizes, algorithms=algorithms, worlds=worlds, backends=backends, dtype=dtype, op=op,
+    collectives_bench.run(sizes=sizes, collectives=collectives, worlds=worlds, backends=backends, dtype=dtype, op=op,
                           iters=iters, warmup=warmup, check=check, out_dir=out_dir, timeout=timeout, repeat=repeat)
 
 
