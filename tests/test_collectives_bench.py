@@ -119,7 +119,7 @@ def test_a_fit_without_a_bandwidth_term_prints_na():
         (["-f", "1"], "-f"),
         (["--dtype", "int8"], "int8"),
         (["--collective", "all_reduce,gather"], "unknown collective(s) gather"),
-        (["--collective", "broadcast", "--algorithm", "ring"], "broadcast has none of ring"),
+        (["--collective", "all_gather,broadcast", "--algorithm", "ring"], "broadcast has none of ring"),
     ],
 )
 def test_bad_input_is_a_click_error_before_any_spawn(args, message):
