@@ -40,6 +40,27 @@ def _int_list(value: str, name: str, minimum: int) -> list[int]:
     return list(dict.fromkeys(items))
 
 
+def _check_capacity(world: int, data_bytes_per_rank: int, oversubscribe: bool) -> None:
+    """The sweep's rule for local CPU ranks (commlab.runtime.capacity), before any process starts.
+
+    Each rank gets commlab.launch's cpu_count // world_size torch threads (at least one).
+    """
+    from commlab.runtime.capacity import check_local_ranks
+    from commlab.runtime.metadata import cpu_count
+
+    if oversubscribe:
+        return
+    try:
+        check_local_ranks(world, max(1, cpu_count() // world), data_bytes_per_rank)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}; or add --oversubscribe to run it anyway", param_hint="--world-size") from None
+
+
+_OVERSUBSCRIBE = click.option(
+    "--oversubscribe", is_flag=True,
+    help="Run even with more CPU ranks than twice the cores, or than the memory holds (refused by default).")
+
+
 def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
     from commlab.runtime import resolve_backend
 
@@ -68,8 +89,9 @@ def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
 @click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
+@_OVERSUBSCRIBE
 def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collective, algorithm, world_size, backend,
-                      dtype, op, check, out_dir, timeout, repeat):
+                      dtype, op, check, out_dir, timeout, repeat, oversubscribe):
     """nccl-tests-style benchmark of collectives and their algorithms (interleaved, fair comparison)."""
     from commlab.bench import collectives_bench  # imports torch: inside the command
     from commlab.bench.alpha_beta import size_sweep
@@ -90,6 +112,9 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-b/-e") from None
     backends = _backends(backend, worlds)
+    for world in worlds:
+        if backends[world] == "gloo":  # input, work buffer, expected result and the algorithms' own
+            _check_capacity(world, 4 * sizes[-1], oversubscribe)
     collectives_bench.run(sizes=sizes, collectives=collectives, worlds=worlds, backends=backends, dtype=dtype, op=op,
                           iters=iters, warmup=warmup, check=check, out_dir=out_dir, timeout=timeout, repeat=repeat)
 
@@ -111,7 +136,9 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
               "glibc happens to place the gradients does not decide which DDP page-faults)")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds before the launch is abandoned")
-def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout):
+@_OVERSUBSCRIBE
+def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout,
+              oversubscribe):
     """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
     from commlab.collectives import algorithm_names
     from commlab.models import check_model_name
@@ -123,14 +150,8 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
     if algorithm not in algorithm_names():
         raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(algorithm_names())}", param_hint="--algorithm")
     backend = _backends(backend, [world_size])[world_size]
-    if backend == "gloo":  # CPU ranks, each with commlab.launch's cpu_count // world_size threads
-        from commlab.runtime.capacity import check_cpu_capacity
-        from commlab.runtime.metadata import cpu_count
-
-        try:
-            check_cpu_capacity(world_size, max(1, cpu_count() // world_size))
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--world-size") from None
+    if backend == "gloo":
+        _check_capacity(world_size, 0, oversubscribe)
     from commlab.bench import ddp_bench
 
     ddp_bench.run(dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,

@@ -4,6 +4,8 @@ The local launcher spawns one process per rank, rendezvouses them through a File
 private temporary directory (no listening socket at all) and pins Gloo's transport to the
 loopback interface, so nothing binds outside this machine. Every rank reports its result or its
 traceback through a queue; the parent kills every child when one fails or the deadline passes.
+A parent killed outright (SIGKILL) takes its ranks and its directory with it
+(:mod:`commlab.runtime.orphans`).
 
 Under torchrun the same call initialises from the environment and runs ``fn`` on this rank only,
 so multi-node jobs go through torchrun rather than through anything home-made.
@@ -18,7 +20,6 @@ import os
 import pickle
 import queue
 import signal
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from commlab.runtime import rank_entry
 from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
 from commlab.runtime.devices import rank_device
+from commlab.runtime.orphans import private_tempdir
 
 
 class LaunchError(RuntimeError):
@@ -79,14 +81,14 @@ def launch(
 def _spawn(fn, args, world_size: int, backend: str, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="commlab-") as tmp:
+    with private_tempdir("commlab-") as tmp:
         store_path = os.path.join(tmp, "store")
         q = ctx.Queue()
         # The work travels as bytes that the rank unpickles (importing torch) only after it has
         # set its parent-death signal; see commlab.runtime.rank_entry.
         payload = pickle.dumps((world_size, backend, store_path, timeout, fn, args))
         procs = [
-            ctx.Process(target=rank_entry.main, args=(rank, payload, q), name=f"commlab-rank{rank}")
+            ctx.Process(target=rank_entry.main, args=(rank, payload, q, os.getpid()), name=f"commlab-rank{rank}")
             for rank in range(world_size)
         ]
         try:  # started inside the try: an interrupt between two starts still ends the first
