@@ -141,10 +141,10 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
               oversubscribe):
     """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
     from commlab.collectives import algorithm_names
-    from commlab.models import check_model_name
+    from commlab.models import check_workload
 
-    try:
-        check_model_name(model)
+    try:  # a user's module:factory is imported here, so that a missing one fails before any rank
+        check_workload(model, **({"depth": depth, "width": width} if model == "mlp" else {}))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--model") from None
     if algorithm not in algorithm_names():
