@@ -34,6 +34,7 @@ import torch
 
 import commlab
 from commlab.bench.alpha_beta import format_size
+from commlab.cli._interrupt import keep_partial
 from commlab.bench.collectives_plugins import Collective, collective_names, get_collective
 from commlab.bench.collectives_ratio import ratio_lines
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, write_outputs
@@ -49,32 +50,52 @@ def run(*, sizes: list[int], collectives: list[tuple[Collective, list[str]]], wo
     """
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     frames, fits, loads = [], [], {}
-    for run, world in [(run, world) for run in range(repeat) for world in worlds]:
-        loads[(run, world)] = os.getloadavg()[0]
-        meta = {
-            "backend": backends[world], "dtype": dtype, "op": op, "iters": iters, "warmup": warmup,
-            "timestamp": stamp, "host": platform.node(), "torch": torch.__version__, "commlab": commlab.__version__,
-            "run": run, "load_avg_1min": loads[(run, world)],
-        }
-        # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
-        config = {"sizes": sizes, "collectives": collectives, "dtype": dtype, "op": op,
-                  "iters": iters, "warmup": warmup, "check": check, "stream": True}  # fmt: skip
-        names = ", ".join(c.name for c, _ in collectives)
-        click.echo(f"# {names}: world size {world}, backend {meta['backend']}, {dtype} {op}, "
-                   f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)"
-                   + (f", run {run + 1} of {repeat}, load {loads[(run, world)]:.2f}" if repeat > 1 else ""))  # fmt: skip
-        sys.stdout.flush()  # before the ranks write their rows to the same stdout
-        per_rank = commlab.launch(run_rank, config, world_size=world, backend=meta["backend"], timeout=timeout)
-        df = combine_ranks(per_rank, meta)
-        fit = fit_table(df)
-        for line in footer_lines(df):
-            click.echo(line)
-        click.echo("# alpha-beta fit, t = alpha + bytes / beta:")
-        for row in fit.itertuples(index=False):
-            click.echo(fit_line(row))
-        click.echo("")
-        frames.append(df)
-        fits.append(fit.assign(run=run) if repeat > 1 else fit)
+    partial = os.path.join(out_dir, ".collectives.partial.csv")  # rank 0's rows of the current launch
+    current: dict = {}  # the launch in progress: its metadata columns
+
+    def save_partial() -> str | None:
+        rows = list(frames)
+        if current and os.path.exists(partial):
+            rows.append(pd.read_csv(partial).assign(**{k: v for k, v in current.items() if k not in ("dtype", "op")}))
+        if not rows:
+            return None
+        results = pd.concat(rows, ignore_index=True)
+        paths = write_outputs(results, fit_table(results), out_dir)
+        _write_metadata(out_dir, stamp)
+        return f"{paths['results']} ({len(results)} rows)"
+
+    try:
+        with keep_partial(save_partial):
+            for run, world in [(run, world) for run in range(repeat) for world in worlds]:
+                loads[(run, world)] = os.getloadavg()[0]
+                current = meta = {
+                    "backend": backends[world], "dtype": dtype, "op": op, "iters": iters, "warmup": warmup,
+                    "timestamp": stamp, "host": platform.node(), "torch": torch.__version__,
+                    "commlab": commlab.__version__, "run": run, "load_avg_1min": loads[(run, world)],
+                }
+                # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
+                config = {"sizes": sizes, "collectives": collectives, "dtype": dtype, "op": op, "iters": iters,
+                          "warmup": warmup, "check": check, "stream": True, "partial": partial}  # fmt: skip
+                names = ", ".join(c.name for c, _ in collectives)
+                click.echo(f"# {names}: world size {world}, backend {meta['backend']}, {dtype} {op}, "
+                           f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {iters} iters ({warmup} warm-up)"
+                           + (f", run {run + 1} of {repeat}, load {loads[(run, world)]:.2f}" if repeat > 1 else ""))  # fmt: skip
+                sys.stdout.flush()  # before the ranks write their rows to the same stdout
+                per_rank = commlab.launch(run_rank, config, world_size=world, backend=meta["backend"], timeout=timeout)
+                df = combine_ranks(per_rank, meta)
+                fit = fit_table(df)
+                for line in footer_lines(df):
+                    click.echo(line)
+                click.echo("# alpha-beta fit, t = alpha + bytes / beta:")
+                for row in fit.itertuples(index=False):
+                    click.echo(fit_line(row))
+                click.echo("")
+                frames.append(df)
+                fits.append(fit.assign(run=run) if repeat > 1 else fit)
+                current = {}
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     results = pd.concat(frames, ignore_index=True)
     paths = write_outputs(results, pd.concat(fits, ignore_index=True), out_dir)
     _write_metadata(out_dir, stamp)

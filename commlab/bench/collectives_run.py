@@ -16,16 +16,19 @@ output buffer plus the in-place run, and both are inside the timed region.
 
 With ``config["stream"]``, rank 0 prints each collective's table header, then each size's rows
 as soon as that size is done (the ranks gather their times first), as nccl-tests does, rather
-than one table at the end.
+than one table at the end; with ``config["partial"]`` it also keeps them in that CSV, which an
+interrupted benchmark saves.
 """
 
 from __future__ import annotations
 
 import time
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
+from commlab._atomic import write_via
 from commlab.bench.collectives_plugins import Collective
 from commlab.bench.collectives_report import PLACEMENTS, combine_ranks, format_rows, header_lines
 from commlab.runtime.context import Runtime
@@ -37,14 +40,17 @@ def run_rank(config: dict) -> list[dict]:
     ``config["collectives"]`` is a list of (:class:`Collective`, its algorithms); one row per
     (collective, size, algorithm, placement).
     """
-    rows = []
+    rows, shown = [], []
     for collective, algorithms in config["collectives"]:
         if config.get("stream"):
             _print_header(collective, config)
         for nbytes in config["sizes"]:
             size_rows = _one_size(collective, algorithms, nbytes, config)
-            if config.get("stream"):
-                _print_rows(size_rows, config)
+            if config.get("stream") and (combined := _gather_rows(size_rows, config)):  # rank 0
+                shown += combined
+                if config.get("partial"):  # what an interrupted run keeps; before the rows are shown
+                    write_via(config["partial"], lambda p: pd.DataFrame(shown).to_csv(p, index=False))
+                print(format_rows(pd.DataFrame(combined)), flush=True)
             rows += size_rows
     return rows
 
@@ -100,10 +106,10 @@ def _print_header(c: Collective, config: dict) -> None:
         print("\n".join(header_lines()), flush=True)
 
 
-def _print_rows(size_rows: list[dict], config: dict) -> None:
-    """Rank 0 prints one size's table rows, every rank's times combined (all ranks take part)."""
+def _gather_rows(size_rows: list[dict], config: dict) -> list[dict]:
+    """One size's rows, every rank's times combined, on rank 0 (all ranks take part; others get [])."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, size_rows)
     if dist.get_rank() == 0:
-        df = combine_ranks(gathered, {"dtype": config["dtype"], "op": config["op"]})
-        print(format_rows(df), flush=True)
+        return combine_ranks(gathered, {"dtype": config["dtype"], "op": config["op"]}).to_dict("records")
+    return []

@@ -17,11 +17,18 @@ The options are declared in :mod:`commlab.cli.bench`; this module is the run.
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import statistics
 import time
 
 import click
+
+import commlab
+from commlab._atomic import write_text
+from commlab.cli._interrupt import keep_partial
+from commlab.runtime.orphans import private_tempdir
 
 
 def _bench_rank(cfg: dict) -> dict:
@@ -52,6 +59,8 @@ def _bench_rank(cfg: dict) -> dict:
     times: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     faults: dict[str, list[int]] = {name: [] for name in models}
+    result = {"times": times, "cpu": cpu, "faults": faults, "params": sum(p.numel() for p in work.model.parameters()),
+              "cuda": rt.device.type == "cuda", "kept": kept, "buckets": len(models["commlab"].bucket_sizes)}
     for i in range(cfg["warmup"] + cfg["iters"]):
         order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
         for name in order:
@@ -68,10 +77,9 @@ def _bench_rank(cfg: dict) -> dict:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
                 faults[name].append(fresh() - start_faults)
-    params = sum(p.numel() for p in work.model.parameters())
-    return {"times": times, "cpu": cpu, "faults": faults, "params": params, "cuda": rt.device.type == "cuda",
-            "kept": kept,
-            "buckets": len(models["commlab"].bucket_sizes)}  # fmt: skip
+        if cfg.get("partial_dir") and i >= cfg["warmup"]:  # untimed: what an interrupted run reports
+            write_text(os.path.join(cfg["partial_dir"], f"rank{rt.rank}.json"), json.dumps(result))
+    return result
 
 
 def _keep_freed_memory() -> bool:
@@ -144,12 +152,30 @@ def summarise(per_rank: list[dict], key: str = "times") -> dict:
 
 
 def run(cfg: dict, *, world_size: int, backend: str, timeout: float) -> None:
-    """Launch :func:`_bench_rank` on ``world_size`` ranks and print the comparison (options checked by the CLI)."""
-    import commlab
+    """Launch :func:`_bench_rank` on ``world_size`` ranks and print the comparison (options checked
+    by the CLI). Interrupted, it prints the comparison of the iterations every rank finished."""
+    with private_tempdir("commlab-ddp-bench-") as partial_dir:
+        def save_partial() -> str | None:
+            files = [os.path.join(partial_dir, f"rank{r}.json") for r in range(world_size)]
+            if not all(os.path.exists(f) for f in files):
+                return None
+            per_rank = [json.loads(open(f).read()) for f in files]
+            done = min(len(r["times"][name]) for r in per_rank for name in r["times"])
+            for r in per_rank:  # the iterations every rank finished
+                for key in ("times", "cpu", "faults"):
+                    r[key] = {name: values[:done] for name, values in r[key].items()}
+            _report(per_rank, {**cfg, "iters": done}, world_size, backend)
+            return f"the table above ({done} of {cfg['iters']} timed iterations)"
 
+        with keep_partial(save_partial):
+            per_rank = commlab.launch(_bench_rank, {**cfg, "partial_dir": partial_dir}, world_size=world_size,
+                                      backend=backend, timeout=timeout)
+    _report(per_rank, cfg, world_size, backend)
+
+
+def _report(per_rank: list[dict], cfg: dict, world_size: int, backend: str) -> None:
     model, depth, width, batch = cfg["model"], cfg["depth"], cfg["width"], cfg["batch"]
     bucket_mb, iters, warmup, algorithm = cfg["bucket_mb"], cfg["iters"], cfg["warmup"], cfg["algorithm"]
-    per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
     s, c, f = summarise(per_rank), summarise(per_rank, "cpu"), summarise(per_rank, "faults")
     shape = f" ({depth} x {width})" if model == "mlp" else ""
     click.echo(

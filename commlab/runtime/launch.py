@@ -13,7 +13,6 @@ so multi-node jobs go through torchrun rather than through anything home-made.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from commlab.runtime import rank_entry
 from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
 from commlab.runtime.devices import rank_device
-from commlab.runtime.orphans import private_tempdir
+from commlab.runtime.orphans import Terminated, private_tempdir, sigterm_as_interrupt  # noqa: F401 (public here too)
 
 
 class LaunchError(RuntimeError):
@@ -140,31 +139,6 @@ def exit_reason(rank: int, exitcode: int | None) -> str:
                 "(sys.exit(0) or os._exit(0) inside it?)")
     return (f"{head}: the process ended without raising a Python exception (os._exit({exitcode}), "
             "sys.exit in a C extension, or a fatal error printed on stderr)")
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) like Ctrl-C.
-
-    A batch system or ``kill`` ends a job with SIGTERM; its default action would kill this
-    process at once, skipping every ``finally``: ranks left running, temporary directories left
-    behind. As an exception it unwinds like Ctrl-C, so :func:`launch` ends its ranks and removes
-    its rendezvous directory. Main thread only (Python delivers signals there).
-    """
-    def handler(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM received inside :func:`sigterm_as_interrupt`; exit status 128 + 15 by convention."""
-
-    exit_code = 128 + signal.SIGTERM
 
 
 def _terminate(procs) -> None:

@@ -10,7 +10,9 @@ close that gap without any cooperation from the dying parent:
   only the parent has. When the parent dies, however it dies, the kernel closes the write end,
   the reaper reads end-of-file and removes the directory.
 
-Imports nothing heavy: spawned ranks call :func:`set_parent_death_signal` before importing torch.
+A SIGTERM (a batch system's, ``kill``'s) is the polite case: :func:`sigterm_as_interrupt` turns it
+into an exception so that every ``finally`` runs. Imports nothing heavy: spawned ranks call
+:func:`set_parent_death_signal` before importing torch.
 """
 
 from __future__ import annotations
@@ -72,3 +74,28 @@ def private_tempdir(prefix: str) -> Iterator[str]:
             reaper.stdin.close()  # the reaper finds nothing left and exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 reaper.wait(timeout=5.0)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) like Ctrl-C.
+
+    A batch system or ``kill`` ends a job with SIGTERM; its default action would kill this
+    process at once, skipping every ``finally``: ranks left running, temporary directories left
+    behind. As an exception it unwinds like Ctrl-C, so :func:`commlab.launch` ends its ranks and
+    removes its rendezvous directory. Main thread only (Python delivers signals there).
+    """
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received inside :func:`sigterm_as_interrupt`; exit status 128 + 15 by convention."""
+
+    exit_code = 128 + signal.SIGTERM
