@@ -19,7 +19,6 @@ def rank(pid_dir):
     time.sleep(600)
 
 if __name__ == "__main__":
-    sys.modules["__mp_main__"] = sys.modules["__main__"]
     commlab.launch(rank, sys.argv[1], world_size=2, backend="gloo", timeout=600)
 """
 
