@@ -3,15 +3,21 @@
 Built-in models need nothing beyond torch. ``resnet50`` (torchvision) and ``bert``
 (transformers, random weights from a config: nothing is downloaded) need the ``models`` extra.
 Any other model is named as ``package.module:factory``; the factory takes the sizes as keyword
-arguments (none by default) and returns an ``nn.Module`` whose input is a float tensor of shape ``(batch, *input_shape)`` given by
-an ``input_shape`` attribute on the module (default: ``(in_features,)`` of its first Linear).
+arguments (none by default) and returns an ``nn.Module`` whose input is a float tensor of shape
+``(batch, *input_shape)`` given by an ``input_shape`` attribute on the module (default:
+``(in_features,)`` of its first Linear). The module is imported as ``python -m`` would import
+it: from the current directory first, then ``sys.path`` (in the ranks too, which start in the
+launcher's directory), so ``examples.heldout_models:convnet`` works from the repository root.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -96,10 +102,7 @@ def check_workload(name: str, **sizes) -> None:
         _require(OPTIONAL[name], name)
         return
     module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"model {name!r}: cannot import {module_name!r} ({err})") from None
+    module = import_user_module(name)
     if not callable(getattr(module, attr, None)):
         raise ValueError(f"model {name!r}: {module_name!r} has no callable {attr!r}")
 
@@ -118,12 +121,27 @@ def build_workload(name: str, **sizes) -> Workload:
     if name in OPTIONAL:
         _require(OPTIONAL[name], name)
         return _resnet50() if name == "resnet50" else _bert()
-    module_name, _, attr = name.partition(":")
-    model = getattr(importlib.import_module(module_name), attr)(**sizes)  # sizes go to the factory
+    attr = name.partition(":")[2]
+    model = getattr(import_user_module(name), attr)(**sizes)  # sizes go to the factory
     if not isinstance(model, nn.Module):
         raise ValueError(f"{name} returned {type(model).__name__}, not an nn.Module")
     shape = tuple(getattr(model, "input_shape", ()) or (_first_linear(model).in_features,))
     return Workload(model, _dense_batch(shape, None), _mse_to_zero)
+
+
+def import_user_module(name: str) -> ModuleType:
+    """The module of ``package.module:factory``, imported as ``python -m`` would: the current
+    directory first on the path. ValueError naming the module and the directory searched."""
+    module_name = name.partition(":")[0]
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # `python -c` and `-m` already search it ("")
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"model {name!r}: cannot import {module_name!r} ({err}); searched the current directory "
+                         f"{cwd} first, then sys.path: run from the directory that holds "
+                         f"{module_name.split('.')[0]}/ (or {module_name}.py), or add it to PYTHONPATH") from None
 
 
 def _require(package: str, model: str) -> None:

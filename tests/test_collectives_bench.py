@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from commlab.bench.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, least_squares_line, parse_size, size_sweep
-from commlab.bench.collectives_bench import bench_collectives
+from commlab.cli.bench import bench_collectives
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table
-from commlab.bench.collectives_run import bench_input, expected_result
+from commlab.bench.collectives_plugins import rank_data, reduced
 from commlab.cli import main
 
 
@@ -75,11 +75,11 @@ def test_alpha_beta_fit_recovers_a_known_model():
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
 def test_bench_data_reduce_exactly_to_the_closed_form(dtype, op):
     world, count = 8, 23
-    inputs = torch.stack([bench_input(r, count, dtype, "cpu").double() for r in range(world)])
+    inputs = torch.stack([rank_data(r, world, count, dtype, "cpu").double() for r in range(world)])
     full = {"sum": inputs.sum(0), "avg": inputs.sum(0) / world, "max": inputs.max(0).values, "min": inputs.min(0).values}[op]
     if op == "avg" and not dtype.is_floating_point:
         full = torch.floor(full)
-    assert torch.equal(expected_result(world, count, dtype, op, "cpu"), full.to(dtype))
+    assert torch.equal(reduced(world, count, dtype, op, "cpu"), full.to(dtype))
 
 
 def test_time_averaged_over_ranks_slowest_extra_and_summed_wrong():
@@ -118,6 +118,8 @@ def test_a_fit_without_a_bandwidth_term_prints_na():
         (["--world-size", "two"], "comma-separated integers"),
         (["-f", "1"], "-f"),
         (["--dtype", "int8"], "int8"),
+        (["--collective", "all_reduce,gather"], "unknown collective(s) gather"),
+        (["--collective", "all_gather,broadcast", "--algorithm", "ring"], "broadcast has none of ring"),
     ],
 )
 def test_bad_input_is_a_click_error_before_any_spawn(args, message):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from commlab.bench.ddp_bench import bench_ddp, spread, summarise
+from commlab.bench.ddp_bench import spread, summarise
+from commlab.cli.bench import bench_ddp
 
 
 def test_summary_takes_the_slowest_rank_per_iteration_then_medians():

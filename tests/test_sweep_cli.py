@@ -58,6 +58,8 @@ def test_help_lists_the_options():
     (["--name", "../escape"], "must be a plain directory name inside --out"),
     (["--name", "/tmp/abs"], "must be a plain directory name inside --out"),
     (["--name", "a/b"], "must be a plain directory name inside --out"),
+    (["--name", ""], "an empty name"),
+    (["--name", "  "], "an empty name"),
     (["--world-size", "64"], "64 ranks x 1 thread(s)"),
     (["--world-size", "2", "--threads", "64"], "more than 2 per core"),
     (["--repeat", "0"], "--repeat"),
@@ -195,7 +197,7 @@ def test_sigterm_then_resume(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 143, stderr
-    assert "interrupted: rerun with --resume" in stderr
+    assert "interrupted: partial results in" in stderr and "rerun with --resume to continue" in stderr
     assert _session_gone(proc.pid), subprocess.run(["ps", "-o", "pid,ppid,args", "-s", str(proc.pid)],
                                                    capture_output=True, text=True).stdout  # no rank outlived it
     assert not [p for p in scratch.iterdir() if p.name.startswith("commlab-")]  # rendezvous dirs removed

@@ -46,3 +46,11 @@ def test_reading_results_and_the_simulator_never_import_torch():
 
     code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.predict.lower; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_every_column_is_documented_in_the_store():
+    from commlab.sweep import store
+
+    for column in [*store.STEP_COLUMNS, *store.BUCKET_COLUMNS[3:], *store.RUN_COLUMNS, "scaling_efficiency"]:
+        assert f"``{column}``" in store.__doc__, column
+    assert "smallest world size" in store.__doc__ and "1.0 on a grid whose only world size is 2" in store.__doc__

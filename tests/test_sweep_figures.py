@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.sweep import figdata
-from commlab.sweep.cli import figures, trace
+from commlab.cli.sweep import figures, trace
 from commlab.sweep.store import read_tables
 from commlab.sweep.trace import chrome_trace
 

@@ -77,7 +77,7 @@ def test_run_directory_choice(tmp_path):
 
     import click
 
-    from commlab.sweep.cli import _run_dir
+    from commlab.cli.sweep import _run_dir
 
     for name, mtime in (("older", 1_000), ("newer", 2_000)):
         (tmp_path / name / "configs").mkdir(parents=True)
@@ -91,3 +91,10 @@ def test_run_directory_choice(tmp_path):
     assert _run_dir(str(tmp_path), None, resume=False).name.startswith("sweep-")
     with pytest.raises(click.UsageError, match="no sweep to resume"):
         _run_dir(str(tmp_path / "empty"), None, resume=True)
+    # --resume with a name that has no run: refused, naming the runs there (none started fresh)
+    with pytest.raises(click.UsageError, match=r"no sweep named 'typo' under .* \(runs there: newer, older\)"):
+        _run_dir(str(tmp_path), "typo", resume=True)
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "metadata.json").write_text("{}")  # stopped before a configuration finished
+    assert _run_dir(str(tmp_path), "stopped", resume=True) == tmp_path / "stopped"

@@ -1,6 +1,6 @@
 """Time ratios of each all-reduce algorithm to a baseline (``native``), over repeated runs.
 
-The figure issue #10 accepts the ring by: per message size, the in-place time of an algorithm
+The ring is accepted by this figure: per message size, the in-place time of an algorithm
 divided by the baseline's *from the same run* (the bench interleaves their iterations, so both
 see the same background load), and per run the geometric mean of those ratios over the sizes.
 One run on a shared machine can be 20% off either way, so ``--repeat`` runs the whole sweep
@@ -30,19 +30,21 @@ def ratio_table(df: pd.DataFrame, baseline: str = "native", placement: str = "in
     if "placement" in df:
         df = df[df["placement"] == placement]
     df = df if "cpu_us" in df else df.assign(cpu_us=math.nan)
-    keys = ["run", "world_size", "size_bytes"]
+    df = df if "collective" in df else df.assign(collective="all_reduce")
+    keys = ["run", "collective", "world_size", "size_bytes"]
     base = df[df["algorithm"] == baseline][keys + ["time_us", "cpu_us"]]
     other = df[df["algorithm"] != baseline][keys + ["algorithm", "time_us", "cpu_us"]]
     out = other.merge(base, on=keys, suffixes=("", "_base"))
     out["ratio"] = out["time_us"] / out["time_us_base"]
     out["cpu_ratio"] = out["cpu_us"] / out["cpu_us_base"]
-    return out[["run", "world_size", "algorithm", "size_bytes", "ratio", "cpu_ratio"]].reset_index(drop=True)
+    return out[["run", "collective", "world_size", "algorithm", "size_bytes", "ratio", "cpu_ratio"]].reset_index(drop=True)
 
 
 def geomeans(ratios: pd.DataFrame, column: str = "ratio") -> pd.DataFrame:
-    """Per (run, world size, algorithm): the geometric mean of ``column`` over the sizes."""
+    """Per (run, collective, world size, algorithm): the geometric mean of ``column`` over the sizes."""
+    ratios = ratios if "collective" in ratios else ratios.assign(collective="all_reduce")
     return (
-        ratios.groupby(["run", "world_size", "algorithm"], sort=False)[column]
+        ratios.groupby(["run", "collective", "world_size", "algorithm"], sort=False)[column]
         .apply(statistics.geometric_mean)
         .rename("geomean")
         .reset_index()
@@ -59,13 +61,15 @@ def ratio_lines(df: pd.DataFrame, baseline: str = "native", loads: dict | None =
         return []
     means = geomeans(ratios)
     lines = []
-    for (world, algorithm), part in ratios.groupby(["world_size", "algorithm"], sort=False):
+    for (collective, world, algorithm), part in ratios.groupby(["collective", "world_size", "algorithm"], sort=False):
         runs = sorted(part["run"].unique())
-        lines.append(f"# {algorithm} / {baseline}, in-place time, world size {world}, {len(runs)} run(s): "
+        name = "" if collective == "all_reduce" else f"{collective} "
+        lines.append(f"# {name}{algorithm} / {baseline}, in-place time, world size {world}, {len(runs)} run(s): "
                      "median [min-max] over runs, then each run")  # fmt: skip
         for size, rows in part.groupby("size_bytes", sort=True):
             lines.append(_row(format_size(int(size)), rows.set_index("run")["ratio"], runs))
-        g = means[(means["world_size"] == world) & (means["algorithm"] == algorithm)].set_index("run")["geomean"]
+        mine = (means["collective"] == collective) & (means["world_size"] == world) & (means["algorithm"] == algorithm)
+        g = means[mine].set_index("run")["geomean"]
         lines.append(_row("geomean", g, runs))
         if part["cpu_ratio"].notna().all():  # CPU time per call, all threads: the load-robust view
             c = geomeans(part, "cpu_ratio").set_index("run")["geomean"]

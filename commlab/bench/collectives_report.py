@@ -26,15 +26,17 @@ PLACEMENT_COLUMNS = [  # repeated for out-of-place, then in-place (nccl-tests' t
     ("slowest_us", "slowest(us)", 12, ".1f"),
 ]
 PLACEMENTS = ("out-of-place", "in-place")
-FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes"]
+FIT_COLUMNS = ["algorithm", "backend", "world_size", "alpha_us", "beta_gbps", "r2", "n_sizes", "min_bytes", "max_bytes",
+               "collective"]
 
 
 def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
-    """One tidy row per (size, algorithm): time averaged over ranks, #wrong summed over ranks.
+    """One tidy row per (collective, size, algorithm): time averaged over ranks, #wrong summed.
 
     As nccl-tests does by default, ``time_us`` (and the bandwidths from it) is the mean of the
     ranks' mean times; ``slowest_us`` is the slowest rank's, which is what a job waits for.
-    ``root`` is -1: all-reduce has none (nccl-tests prints the same for it).
+    The collective, its op, root and bus-bandwidth factor come with the ranks' rows (from its
+    plug-in); rows without them are all-reduce's (root -1: it has none, as nccl-tests prints).
     """
     world = len(per_rank)
     rows = []
@@ -42,14 +44,16 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
         same = [rank_rows[i] for rank_rows in per_rank]
         seconds = sum(r["mean_s"] for r in same) / world
         algbw, busbw = bandwidths(first["size_bytes"], seconds, "all_reduce", world)
+        if "busbw_factor" in first:
+            busbw = algbw * first["busbw_factor"]
         wrong = [r["wrong"] for r in same]
         rows.append({
             "world_size": world,
             "size_bytes": first["size_bytes"],
             "count": first["count"],
             "dtype": meta["dtype"],
-            "op": meta["op"],
-            "root": -1,
+            "op": first.get("op", meta["op"]),
+            "root": first.get("root", -1),
             "algorithm": first["algorithm"],
             "placement": first.get("placement", "in-place"),
             "time_us": seconds * 1e6,
@@ -58,6 +62,7 @@ def combine_ranks(per_rank: list[list[dict]], meta: dict) -> pd.DataFrame:
             "algbw_gbps": algbw,
             "busbw_gbps": busbw,
             "wrong": -1 if min(wrong) < 0 else sum(wrong),
+            "collective": first.get("collective", "all_reduce"),
             **{k: v for k, v in meta.items() if k not in ("dtype", "op")},
         })
     return pd.DataFrame(rows)
@@ -80,7 +85,7 @@ def header_lines() -> list[str]:
 def format_rows(df: pd.DataFrame) -> str:
     """The table's body lines for ``df`` (rows of one or more sizes)."""
     lines = []
-    for _, part in df.groupby(["size_bytes", "algorithm"], sort=False):
+    for _, part in df.groupby([*_collective(df), "size_bytes", "algorithm"], sort=False):
         by_place = {row.placement: row for row in part.itertuples(index=False)}
         first = next(iter(by_place.values()))
         cells = [_cell(getattr(first, k), w, f) for k, _, w, f in KEY_COLUMNS]
@@ -98,10 +103,11 @@ def _cell(value, width: int, fmt: str, key: str = "") -> str:
 
 
 def footer_lines(df: pd.DataFrame) -> list[str]:
-    """nccl-tests' closing lines: the bus bandwidth averaged over sizes and placements, per algorithm."""
+    """nccl-tests' closing lines: the bus bandwidth averaged over sizes and placements, per algorithm
+    (of each collective, named where it is not all-reduce)."""
     lines = []
-    for algorithm, part in df.groupby("algorithm", sort=False):
-        lines.append(f"# Avg bus bandwidth ({algorithm}) : {part['busbw_gbps'].mean():.4f} GB/s")
+    for keys, part in df.groupby([*_collective(df), "algorithm"], sort=False):
+        lines.append(f"# Avg bus bandwidth ({_label(*keys)}) : {part['busbw_gbps'].mean():.4f} GB/s")
     wrong = df.loc[df["wrong"] > 0, "wrong"].sum()
     lines.append(f"# Out of bounds values : {int(wrong)} {'OK' if wrong == 0 else 'FAILED'}")
     return lines
@@ -115,21 +121,35 @@ def fit_line(row) -> str:
     else:
         beta = f"{row.beta_gbps:8.3f} GB/s"
     r2 = "n/a" if math.isnan(row.r2) else f"{row.r2:.3f}"
-    return f"#   {row.algorithm:>17s}: alpha {alpha}, beta {beta}, R^2 {r2}"
+    label = _label(getattr(row, "collective", "all_reduce"), row.algorithm)
+    return f"#   {label:>17s}: alpha {alpha}, beta {beta}, R^2 {r2}"
+
+
+def _collective(df: pd.DataFrame) -> list[str]:
+    """The grouping column of the collective, where the rows have one (older CSVs do not)."""
+    return ["collective"] if "collective" in df else []
+
+
+def _label(*keys: str) -> str:
+    """"ring" for all-reduce's ring (the table's name since the start), "all_gather ring" otherwise."""
+    *collective, algorithm = keys
+    return algorithm if collective in ([], ["all_reduce"]) else f"{collective[0]} {algorithm}"
 
 
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The alpha-beta model of each (algorithm, backend, world size), least squares over sizes."""
+    """The alpha-beta model of each (collective, algorithm, backend, world size), least squares
+    over sizes."""
     rows = []
-    # The fit is of the in-place time, the all-reduce itself (out of place adds a copy).
+    # The fit is of the in-place time, the collective itself (out of place may add a copy).
     if "placement" in df:
         df = df[df["placement"] == "in-place"]
-    for (algorithm, backend, world), part in df.groupby(["algorithm", "backend", "world_size"], sort=False):
+    df = df if "collective" in df else df.assign(collective="all_reduce")
+    for (collective, algorithm, backend, world), part in df.groupby(["collective", "algorithm", "backend", "world_size"], sort=False):
         alpha, beta, r2 = fit_alpha_beta(part["size_bytes"], part["time_us"] / 1e6)
         rows.append({
             "algorithm": algorithm, "backend": backend, "world_size": world, "alpha_us": alpha,
             "beta_gbps": beta, "r2": r2, "n_sizes": part["size_bytes"].nunique(),
-            "min_bytes": part["size_bytes"].min(), "max_bytes": part["size_bytes"].max(),
+            "min_bytes": part["size_bytes"].min(), "max_bytes": part["size_bytes"].max(), "collective": collective,
         })
     return pd.DataFrame(rows, columns=FIT_COLUMNS)
 
@@ -163,10 +183,11 @@ def _figure(df: pd.DataFrame, path: str) -> None:
     import seaborn as sns
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    if "placement" in df:  # the all-reduce itself; out of place adds a copy
+    if "placement" in df:  # the collective itself; out of place may add a copy
         df = df[df["placement"] == "in-place"]
+    several = "collective" in df and df["collective"].nunique() > 1
     grid = sns.relplot(
-        data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size",
+        data=df, x="size_bytes", y="busbw_gbps", hue="algorithm", col="world_size", row="collective" if several else None,
         kind="line", marker="o", height=3.5, aspect=1.2, facet_kws={"sharey": False},
     )
     grid.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)")
@@ -176,7 +197,8 @@ def _figure(df: pd.DataFrame, path: str) -> None:
         ax.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
         ax.xaxis.set_minor_formatter(NullFormatter())
-    grid.set_titles("world size {col_name}")
-    grid.figure.suptitle(f"In-place all-reduce bus bandwidth, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]} {df['op'].iloc[0]}", y=1.03)
+    grid.set_titles("{row_name}, world size {col_name}" if several else "world size {col_name}")
+    what = "collectives'" if several else df.get("collective", pd.Series(["all_reduce"])).iloc[0].replace("_", "-")
+    grid.figure.suptitle(f"In-place {what} bus bandwidth, {df['backend'].iloc[0]}, {df['dtype'].iloc[0]}", y=1.03)
     grid.savefig(path, format="png", dpi=110, bbox_inches="tight")
     plt.close(grid.figure)

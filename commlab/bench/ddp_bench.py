@@ -11,17 +11,24 @@ caching allocator), so a run that touches fresh memory shows up instead of being
     commlab bench ddp                                  # 12 x 1024 MLP, gloo, world 2, 25 MB
     commlab bench ddp --bucket-mb 5 --algorithm ring   # another cap, commlab's ring all-reduce
     commlab bench ddp --glibc-trim                     # glibc's own heap trimming (see below)
+
+The options are declared in :mod:`commlab.cli.bench`; this module is the run.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import statistics
 import time
 
 import click
 
-from commlab.models import check_model_name
+import commlab
+from commlab._atomic import write_text
+from commlab._interrupt import keep_partial
+from commlab.runtime.orphans import private_tempdir
 
 
 def _bench_rank(cfg: dict) -> dict:
@@ -52,6 +59,8 @@ def _bench_rank(cfg: dict) -> dict:
     times: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     faults: dict[str, list[int]] = {name: [] for name in models}
+    result = {"times": times, "cpu": cpu, "faults": faults, "params": sum(p.numel() for p in work.model.parameters()),
+              "cuda": rt.device.type == "cuda", "kept": kept, "buckets": len(models["commlab"].bucket_sizes)}
     for i in range(cfg["warmup"] + cfg["iters"]):
         order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
         for name in order:
@@ -68,10 +77,9 @@ def _bench_rank(cfg: dict) -> dict:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
                 faults[name].append(fresh() - start_faults)
-    params = sum(p.numel() for p in work.model.parameters())
-    return {"times": times, "cpu": cpu, "faults": faults, "params": params, "cuda": rt.device.type == "cuda",
-            "kept": kept,
-            "buckets": len(models["commlab"].bucket_sizes)}  # fmt: skip
+        if cfg.get("partial_dir") and i >= cfg["warmup"]:  # untimed: what an interrupted run reports
+            write_text(os.path.join(cfg["partial_dir"], f"rank{rt.rank}.json"), json.dumps(result))
+    return result
 
 
 def _keep_freed_memory() -> bool:
@@ -143,56 +151,31 @@ def summarise(per_rank: list[dict], key: str = "times") -> dict:
     }
 
 
-def _algorithms() -> list[str]:
-    from commlab import collectives
+def run(cfg: dict, *, world_size: int, backend: str, timeout: float) -> None:
+    """Launch :func:`_bench_rank` on ``world_size`` ranks and print the comparison (options checked
+    by the CLI). Interrupted, it prints the comparison of the iterations every rank finished."""
+    with private_tempdir("commlab-ddp-bench-") as partial_dir:
+        def save_partial() -> str | None:
+            files = [os.path.join(partial_dir, f"rank{r}.json") for r in range(world_size)]
+            if not all(os.path.exists(f) for f in files):
+                return None
+            per_rank = [json.loads(open(f).read()) for f in files]
+            done = min(len(r["times"][name]) for r in per_rank for name in r["times"])
+            for r in per_rank:  # the iterations every rank finished
+                for key in ("times", "cpu", "faults"):
+                    r[key] = {name: values[:done] for name, values in r[key].items()}
+            _report(per_rank, {**cfg, "iters": done}, world_size, backend)
+            return f"the table above ({done} of {cfg['iters']} timed iterations)"
 
-    return collectives.algorithm_names()
+        with keep_partial(save_partial):
+            per_rank = commlab.launch(_bench_rank, {**cfg, "partial_dir": partial_dir}, world_size=world_size,
+                                      backend=backend, timeout=timeout)
+    _report(per_rank, cfg, world_size, backend)
 
 
-@click.command("ddp")
-@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
-@click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
-@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
-@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
-@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
-@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
-@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="bucket_cap_mb (MiB) of both DDPs")
-@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
-@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
-@click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
-@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
-              help="leave glibc's heap trimming as is (default: fixed thresholds, see _keep_freed_memory)")
-@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="seconds before the launch is abandoned")
-def bench_ddp(
-    model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout
-):
-    """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
-    import commlab
-    from commlab.runtime import resolve_backend
-
-    try:
-        check_model_name(model)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--model") from None
-    if algorithm not in _algorithms():
-        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(_algorithms())}", param_hint="--algorithm")
-    try:
-        backend = resolve_backend(backend, world_size)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--backend") from None
-    if backend == "gloo":  # CPU ranks, each with commlab.launch's cpu_count // world_size threads
-        from commlab.runtime.capacity import check_cpu_capacity
-        from commlab.runtime.metadata import cpu_count
-
-        try:
-            check_cpu_capacity(world_size, max(1, cpu_count() // world_size))
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--world-size") from None
-    cfg = dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
-               warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim)  # fmt: skip
-    per_rank = commlab.launch(_bench_rank, cfg, world_size=world_size, backend=backend, timeout=timeout)
+def _report(per_rank: list[dict], cfg: dict, world_size: int, backend: str) -> None:
+    model, depth, width, batch = cfg["model"], cfg["depth"], cfg["width"], cfg["batch"]
+    bucket_mb, iters, warmup, algorithm = cfg["bucket_mb"], cfg["iters"], cfg["warmup"], cfg["algorithm"]
     s, c, f = summarise(per_rank), summarise(per_rank, "cpu"), summarise(per_rank, "faults")
     shape = f" ({depth} x {width})" if model == "mlp" else ""
     click.echo(

@@ -7,7 +7,7 @@
     commlab predict --hardware dgx-a100-hdr --world-size 8,16,32,64,128,256 --bucket-mb 25
     commlab tune --model mlp --json                         the bucket to use, no sweep
 
-All three take the sweep's spec file and options (commlab/sweep/cli.py), so a prediction has the
+All three take the sweep's spec file and options (commlab/cli/sweep.py), so a prediction has the
 same configurations, ids, files and columns as the measured sweep of the same spec.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from commlab.sweep import cli as sweep_cli
+from commlab.cli import sweep as sweep_cli
 
 _RUN_ONLY = {"resume", "launcher", "timeout", "nnodes", "rdzv_endpoint"}
 _GRID_ONLY = {"bucket_mb", "overlap", "accumulate", "groups", "iters", "warmup", "out", "name", "draw"}

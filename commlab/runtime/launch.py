@@ -4,6 +4,8 @@ The local launcher spawns one process per rank, rendezvouses them through a File
 private temporary directory (no listening socket at all) and pins Gloo's transport to the
 loopback interface, so nothing binds outside this machine. Every rank reports its result or its
 traceback through a queue; the parent kills every child when one fails or the deadline passes.
+A parent killed outright (SIGKILL) takes its ranks and its directory with it
+(:mod:`commlab.runtime.orphans`).
 
 Under torchrun the same call initialises from the environment and runs ``fn`` on this rank only,
 so multi-node jobs go through torchrun rather than through anything home-made.
@@ -11,14 +13,12 @@ so multi-node jobs go through torchrun rather than through anything home-made.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from commlab.runtime import rank_entry
 from commlab.runtime.context import init_from_env, resolve_backend, under_torchrun
 from commlab.runtime.devices import rank_device
+from commlab.runtime.orphans import Terminated, private_tempdir, sigterm_as_interrupt  # noqa: F401 (public here too)
 
 
 class LaunchError(RuntimeError):
@@ -79,14 +80,14 @@ def launch(
 def _spawn(fn, args, world_size: int, backend: str, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="commlab-") as tmp:
+    with private_tempdir("commlab-") as tmp:
         store_path = os.path.join(tmp, "store")
         q = ctx.Queue()
         # The work travels as bytes that the rank unpickles (importing torch) only after it has
         # set its parent-death signal; see commlab.runtime.rank_entry.
         payload = pickle.dumps((world_size, backend, store_path, timeout, fn, args))
         procs = [
-            ctx.Process(target=rank_entry.main, args=(rank, payload, q), name=f"commlab-rank{rank}")
+            ctx.Process(target=rank_entry.main, args=(rank, payload, q, os.getpid()), name=f"commlab-rank{rank}")
             for rank in range(world_size)
         ]
         try:  # started inside the try: an interrupt between two starts still ends the first
@@ -138,31 +139,6 @@ def exit_reason(rank: int, exitcode: int | None) -> str:
                 "(sys.exit(0) or os._exit(0) inside it?)")
     return (f"{head}: the process ended without raising a Python exception (os._exit({exitcode}), "
             "sys.exit in a C extension, or a fatal error printed on stderr)")
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) like Ctrl-C.
-
-    A batch system or ``kill`` ends a job with SIGTERM; its default action would kill this
-    process at once, skipping every ``finally``: ranks left running, temporary directories left
-    behind. As an exception it unwinds like Ctrl-C, so :func:`launch` ends its ranks and removes
-    its rendezvous directory. Main thread only (Python delivers signals there).
-    """
-    def handler(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM received inside :func:`sigterm_as_interrupt`; exit status 128 + 15 by convention."""
-
-    exit_code = 128 + signal.SIGTERM
 
 
 def _terminate(procs) -> None:

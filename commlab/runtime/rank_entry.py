@@ -8,28 +8,23 @@ killed during those seconds would otherwise leave an orphaned rank behind.
 
 from __future__ import annotations
 
-import ctypes
 import pickle
-import signal
 import sys
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from commlab.runtime.orphans import set_parent_death_signal
 # Whether torch was already imported when the parent-death signal was set (the tests read it).
 torch_loaded_at_pdeathsig: bool | None = None
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the process that started it dies."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when the process that started it (pid ``parent``) dies."""
     global torch_loaded_at_pdeathsig
     torch_loaded_at_pdeathsig = "torch" in sys.modules
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the parent's own cleanup still applies
-        pass
+    set_parent_death_signal(parent)
 
 
-def main(rank: int, payload: bytes, q) -> None:
-    die_with_parent()
+def main(rank: int, payload: bytes, q, parent: int | None = None) -> None:
+    die_with_parent(parent)
     from commlab.runtime.launch import _rank_main
 
     _rank_main(rank, *pickle.loads(payload), q)

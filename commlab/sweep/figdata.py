@@ -81,7 +81,10 @@ def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
     df["bar"] = df.apply(lambda r: "\n".join(filter(None, [
         f"{r['bucket_mb']:g} MiB", "overlap" if _truthy(r["overlap"]) else "no overlap", label(r, hidden) if hidden else ""])), axis=1)
     _one_per_cell(df, ["panel", "bar"])
-    return df.sort_values(["panel", "bucket_mb", "overlap"], ascending=[True, True, False])[["config", "panel", "bar", *SEGMENTS, "step", "step_lo", "step_hi"]]
+    # Panels in the order of their values (w8, w16, ... numerically), not of their labels as text.
+    order = [*outer, "bucket_mb", "overlap"]
+    df = df.sort_values(order, ascending=[True] * (len(order) - 1) + [False], kind="stable")
+    return df[["config", "panel", "bar", *SEGMENTS, "step", "step_lo", "step_hi"]]
 
 
 def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
@@ -103,7 +106,8 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     df["series"] = df.apply(lambda r: label(r, series + _hidden(df, ["panel", x])), axis=1)
     df = _curves_only(df, ["panel", "series"], x)
     _one_per_cell(df, ["panel", "series", x])
-    return df.sort_values(["panel", "series", x])[["config", "panel", "series", x, "median", "p10", "p90", "spread_lo", "spread_hi", "repetitions"]]
+    df = df.sort_values([*panels, "series", x], kind="stable")  # panels by value: w8 before w16
+    return df[["config", "panel", "series", x, "median", "p10", "p90", "spread_lo", "spread_hi", "repetitions"]]
 
 
 def scaling(runs: pd.DataFrame) -> pd.DataFrame:
@@ -167,7 +171,29 @@ def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank:
         raise ValueError(f"configuration {config!r} has no iteration {iteration}")
     bks = first_repetition(buckets[(buckets["config"] == config) & (buckets["rank"] == rank)])
     bks = bks[bks["iteration"] == iteration]
-    return row.iloc[0], bks.sort_values("bucket")
+    return row.iloc[0], transfers(bks.sort_values("bucket"))
+
+
+def transfers(bks: pd.DataFrame) -> pd.DataFrame:
+    """Add ``started``: when a bucket's all-reduce can really have started moving data.
+
+    A process group runs one collective at a time, in launch order (Gloo's one thread per
+    group; NCCL's one stream per group; commlab's worker per group). A bucket launched while the
+    group's previous all-reduce is still running waits inside the backend until that one is done:
+    ``started = max(launched, done of the group's previous launch)``. Between ``launched`` and
+    ``started`` it is queued, not transferring. With round-robin groups, bucket i goes to group
+    i % groups (commlab.ddp).
+    """
+    if bks.empty:
+        return bks.assign(started=pd.Series(dtype=float))
+    groups = int(bks["groups"].iloc[0]) if "groups" in bks and pd.notna(bks["groups"].iloc[0]) else 1
+    started = pd.Series(bks["launched"], index=bks.index, dtype=float)
+    busy_until: dict[int, float] = {}
+    for i, b in bks.sort_values("launched", kind="stable").iterrows():
+        group = int(b["bucket"]) % max(1, groups)
+        started[i] = max(b["launched"], busy_until.get(group, float("-inf")))
+        busy_until[group] = max(busy_until.get(group, float("-inf")), b["done"])
+    return bks.assign(started=started)
 
 
 def first_repetition(df: pd.DataFrame) -> pd.DataFrame:

@@ -46,7 +46,7 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
     drawers = [
-        ("breakdown", lambda: _breakdown(figdata.breakdown(runs, iterations))),
+        ("breakdown", lambda: _breakdown(figdata.breakdown(runs, iterations), measured=not note)),
         ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket cap (MiB)", "step latency (ms)", "Step latency against bucket size", log=True)),
         ("scaling", lambda: _scaling(figdata.scaling(runs))),
         ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)", "Skipping synchronisation: latency per micro-batch")),
@@ -91,7 +91,9 @@ def _panels(n: int, width: float = 4.2, height: float = 3.4, sharey: bool = Fals
     return fig, list(axes.flat[:n])
 
 
-def _breakdown(df: pd.DataFrame):
+def _breakdown(df: pd.DataFrame, measured: bool = True):
+    """``measured=False`` (a prediction): no footnote about measured iterations; the prediction's
+    own note goes in its place (see :func:`draw_all`)."""
     if df.empty:
         return None
     # Every segment is stacked, so that a bar is the whole step; one too thin to see (e.g. no_sync
@@ -116,10 +118,11 @@ def _breakdown(df: pd.DataFrame):
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("Step time breakdown with and without overlapping communication")
-    fig.text(0.5, -0.02, "Each bar: means over the measured iterations (each iteration's slowest rank) of every "
-             "phase; 'other' is the rest of the step, so a bar's height is the mean step time"
-             + (" (error bar: min-max over repetitions)." if (df["step_hi"] > df["step_lo"]).any() else "."),
-             ha="center", va="top", fontsize=7)
+    if measured:
+        fig.text(0.5, -0.02, "Each bar: means over the measured iterations (each iteration's slowest rank) of every "
+                 "phase; 'other' is the rest of the step, so a bar's height is the mean step time"
+                 + (" (error bar: min-max over repetitions)." if (df["step_hi"] > df["step_lo"]).any() else "."),
+                 ha="center", va="top", fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -128,7 +131,9 @@ def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, log: 
     if df.empty:
         return None
     panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = _panels(len(panels), sharey=True)
+    # Each panel its own y axis: world sizes 8 and 256 differ several-fold, and a shared axis
+    # either clips the slow panel or flattens the fast one.
+    fig, axes = _panels(len(panels))
     for ax, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
         for (series, s), color in zip(part.groupby("series", sort=True), sns.color_palette("deep")):
@@ -173,8 +178,14 @@ def _scaling(df: pd.DataFrame):
                       edgecolors="red", linewidths=1.5, zorder=5, label="> 1: check load / threads")
         right.legend(fontsize=7)
     ticks = sorted(df["world_size"].unique())
+    # World sizes double (2, 4, ..., 256): on a linear axis the small ones collide ("816"); on a
+    # log-2 axis they are evenly spaced and each keeps its plain label.
+    spread = ticks[-1] / ticks[0] >= 8
     for ax, ylabel in ((left, "samples / s (dashed: ideal)"), (right, "scaling efficiency")):
-        ax.set_xticks(ticks)
+        if spread:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("world size (processes)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
@@ -198,7 +209,10 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
     for _, b in bks.iterrows():
         name = f"bucket {int(b['bucket'])} ({_size(b['nbytes'])})"
         ax.barh(name, (b["launched"] - b["ready"]) * ms, left=b["ready"] * ms, color="lightgray")
-        ax.barh(name, (b["done"] - b["launched"]) * ms, left=b["launched"] * ms, color=palette[3])
+        # Launched but behind the group's previous all-reduce: queued in the backend, not moving.
+        ax.barh(name, (b["started"] - b["launched"]) * ms, left=b["launched"] * ms, color="white",
+                edgecolor=palette[3], hatch="////", linewidth=0.5)
+        ax.barh(name, (b["done"] - b["started"]) * ms, left=b["started"] * ms, color=palette[3])
         ax.plot([b["ready"] * ms], [name], marker="|", color="black", markersize=10)
     ax.axvline(bwd_end * ms, color="gray", linestyle="--", linewidth=1)
     ax.invert_yaxis()
@@ -206,7 +220,9 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
     ax.set_title(f"One iteration's buckets: {config}, rank 0, iteration {int(row['iteration'])} (median step)", fontsize=8)
     legend = [Patch(color=palette[1], label="forward"), Patch(color=palette[2], label="backward compute"),
               Patch(color="lightgray", label="bucket ready, waiting to launch"),
-              Patch(color=palette[3], label="all-reduce in flight"),
+              Patch(facecolor="white", edgecolor=palette[3], hatch="////", linewidth=0.5,
+                    label="launched, queued behind the group's previous all-reduce"),
+              Patch(color=palette[3], label="all-reduce transferring"),
               Line2D([], [], color="black", marker="|", linestyle="none", markersize=10, label="bucket ready"),
               Line2D([], [], color="gray", linestyle="--", label="end of backward compute")]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)

@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import commlab
+from commlab.runtime.orphans import dies_with_parent, private_tempdir
 from commlab.sweep import store
 from commlab.sweep.progress import Progress
 from commlab.sweep.spec import Config, Plan
@@ -69,7 +69,7 @@ def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
 
 
 def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="commlab-sweep-") as tmp:
+    with private_tempdir("commlab-sweep-") as tmp:
         config_path, result_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_path.write_text(json.dumps(cfg.columns()))
         cmd = [sys.executable, "-m", "torch.distributed.run",
@@ -79,8 +79,10 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
         else:
             cmd += ["--standalone"]
         cmd += ["-m", "commlab.sweep.worker", str(config_path), str(result_path), str(plan.timeout)]
-        # A new session so that a timeout can end torchrun and every rank it started.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # A new session so that a timeout can end torchrun and every rank it started; torchrun
+        # dies with this process if it is killed outright.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=dies_with_parent())
         try:
             output, _ = proc.communicate(timeout=plan.timeout + 30)
         except subprocess.TimeoutExpired:

@@ -128,6 +128,8 @@ def scaling_efficiency(runs: pd.DataFrame) -> pd.Series:
     A series is every configuration that differs only in world size (and the batch columns that
     follow from it). efficiency(w) = (samples/s at w / samples/s at w0) / (w / w0), so 1.0 is
     ideal for both strong and weak scaling; NaN where the series has no successful baseline.
+    The baseline w0 is the smallest world size *in this grid*, not one process: a grid of world
+    size 2 alone gives 1.0, whatever world size 2 costs against one process.
     """
     if runs.empty:
         return pd.Series(dtype=float, index=runs.index)

@@ -10,6 +10,24 @@ Layout of ``results/<name>/``::
                                its repetitions
     metadata.json              versions, hardware, hosts, git commit, command line, times
 
+Columns (besides the configuration's own, :data:`commlab.sweep.spec.CONFIG_COLUMNS`):
+
+- iterations.csv, seconds of one micro-batch step on one rank (commlab.ddp.timing defines them):
+  ``forward``, ``backward_compute``, ``comm`` (first bucket launched to last done),
+  ``exposed_comm`` (communication after backward compute ended), ``total``, ``write_back``
+  (copying the reduced buckets into ``.grad``), ``unused_allreduce`` (the all-reduce of the
+  "used locally" flags of ``find_unused_parameters``; 0 without it), then ``accumulate_time``
+  (the no_sync micro-batches), ``optimizer`` and ``step`` (the whole step).
+- buckets.csv: ``bucket`` (its index), ``nbytes``, ``num_params`` and the seconds since
+  forward start at which it was ``ready`` (its last gradient arrived), ``launched`` (its
+  all-reduce issued; it may then wait behind the group's previous one) and ``done``.
+- runs.csv: ``status``, ``error``, ``seconds``, ``threads_measured``, then the statistics of
+  :func:`commlab.sweep.stats.summarise`: ``step_median``, ``step_p10``/``step_p90``,
+  ``step_spread_lo``/``step_spread_hi``, ``<phase>_median``, ``samples_per_s`` and
+  ``scaling_efficiency``. ``scaling_efficiency`` is relative to the *smallest world size of
+  the same series in this grid*, not to one process: (samples/s at w / samples/s at w0) / (w /
+  w0), so it is 1.0 on a grid whose only world size is 2, and it says nothing about w0 itself.
+
 A record is written to a temporary file in the same directory and then ``os.replace``-d into
 place, so a sweep killed at any moment leaves either the whole record or none of it; the CSVs are
 rebuilt from the records (also atomically), so they can never hold a half-written or duplicated

@@ -57,12 +57,15 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     results (CSV), metadata and figures go to OUT/NAME. Options override SPEC_FILE (YAML with the
     same keys, e.g. sweeps/reference.yaml).
     """
-    from commlab.runtime.launch import sigterm_as_interrupt
     import commlab
+    from commlab._interrupt import keep_partial
     from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
     from commlab.sweep import runner, store
     from commlab.sweep.spec import grid_change, grid_signature, grid_union
 
+    if options.get("name") is not None and not options["name"].strip():
+        raise click.BadParameter("an empty name: give a plain directory name inside --out, or leave --name out",
+                                 param_hint="--name")
     spec = _read_spec(spec_file)
     try:
         plan = build_plan(merge(spec, options))
@@ -97,14 +100,14 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     meta.setdefault("sessions", []).append(session)
     store.write_metadata(run_dir, meta)
     begin = time.monotonic()
-    try:
-        with sigterm_as_interrupt():  # a batch system's SIGTERM cleans up like Ctrl-C
-            runner.run(plan, run_dir, resume=resume, echo=echo)
-    except KeyboardInterrupt as stop:
+
+    def interrupted() -> str:  # every finished configuration is already on disk (store, atomic)
         session["end"], session["interrupted"] = _now(), True
         store.write_metadata(run_dir, meta)
-        echo(f"interrupted: rerun with --resume to continue {run_dir} (finished configurations are kept)")
-        click.get_current_context().exit(getattr(stop, "exit_code", 130))
+        return f"{run_dir} (the finished configurations)"
+
+    with keep_partial(interrupted, resume="rerun with --resume to continue"):
+        runner.run(plan, run_dir, resume=resume, echo=echo)
     records = store.load_records(run_dir)
     session["end"], session["load_average_end"] = _now(), os.getloadavg()
     meta["hosts"] = sorted({h for r in records for h in r.get("hosts", [])})
@@ -176,7 +179,7 @@ def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bo
 
     import commlab
     from commlab._atomic import write_text
-    from commlab.runtime.launch import sigterm_as_interrupt
+    from commlab.runtime.orphans import sigterm_as_interrupt
     from commlab.sweep import profile as profiler
     from commlab.sweep.spec import Config
     from commlab.sweep.store import load_records
@@ -208,12 +211,18 @@ def _run_dir(out: str, name: str | None, resume: bool, writer: bool = True) -> P
     out_dir = Path(out)
     if name is not None and (not name.strip() or name in (".", "..") or Path(name).name != name or "\\" in name):
         raise click.BadParameter(f"{name!r} must be a plain directory name inside --out (no / or ..)", param_hint="--name")
+    runs = sorted((p for p in out_dir.glob("*/configs") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     if name is None and resume:
-        runs = sorted((p for p in out_dir.glob("*/configs") if p.is_dir()), key=lambda p: p.stat().st_mtime)
         if not runs:
             raise click.UsageError(f"--resume: no sweep to resume under {out_dir}/ (give --name)")
         return runs[-1].parent
     run_dir = out_dir / (name or time.strftime("sweep-%Y%m%d-%H%M%S"))
+    if resume and not ((run_dir / "configs").is_dir() or (run_dir / "metadata.json").is_file()):
+        # A run stopped before its first configuration finished has metadata and no configs/ yet.
+        there = ", ".join(sorted({p.parent.name for p in out_dir.glob("*/metadata.json")} | {p.parent.name for p in runs}))
+        there = there or "none"
+        raise click.UsageError(f"--resume: no sweep named {name!r} under {out_dir}/ (runs there: {there}); "
+                               "leave out --resume to start it")
     if writer and not resume and any((run_dir / "configs").glob("*.json")):
         raise click.UsageError(f"{run_dir} already holds results: add --resume to continue it, or pick another --name")
     return run_dir

@@ -1,4 +1,9 @@
-"""The `commlab` command line: one click group whose subcommands load only when used."""
+"""The `commlab` command line: one click group whose subcommands load only when used.
+
+One module per command group: :mod:`commlab.cli.sweep` (sweep, figures, trace) and
+:mod:`commlab.cli.bench` (bench ddp, bench collectives) hold click declarations only and import
+torch inside the commands, so every ``--help`` answers without it.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,19 @@ import click
 # name -> "module:attribute" of a click command; loading lazily keeps `commlab --help` fast
 # (importing torch and pandas for every subcommand would cost seconds).
 _COMMANDS = {
-    "sweep": ("commlab.sweep.cli:sweep", "Sweep DDP over bucket size x backend x world size ..."),
-    "figures": ("commlab.sweep.cli:figures", "Regenerate every figure of a results directory."),
-    "trace": ("commlab.sweep.cli:trace", "Write one configuration's timeline as a Chrome trace."),
+    "sweep": ("commlab.cli.sweep:sweep", "Sweep DDP over bucket size x backend x world size ..."),
+    "figures": ("commlab.cli.sweep:figures", "Regenerate every figure of a results directory."),
+    "trace": ("commlab.cli.sweep:trace", "Write one configuration's timeline as a Chrome trace."),
     "pipeline": ("commlab.pipeline.cli:pipeline", "Pipeline schedules: show, simulate, benchmark."),
     "calibrate": ("commlab.predict.cli:calibrate", "Measure the DDP model's terms once; cache them in a profile."),
     "predict": ("commlab.predict.cli:predict", "Predict a sweep (same files, ids, figures) without running it."),
     "tune": ("commlab.predict.cli:tune", "Recommend bucket_cap_mb, algorithm and overlap by simulation."),
 }
 _BENCH_COMMANDS = {
-    "ddp": ("commlab.bench.ddp_bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),
+    "ddp": ("commlab.cli.bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),
     "collectives": (
-        "commlab.bench.collectives_bench:bench_collectives",
-        "nccl-tests-style all-reduce benchmark of every algorithm.",
+        "commlab.cli.bench:bench_collectives",
+        "nccl-tests-style benchmark of collectives and their algorithms.",
     ),
 }
 
@@ -66,6 +71,8 @@ def main() -> None:
     """
 
 
-@main.group(cls=_LazyGroup, lazy=_BENCH_COMMANDS)
-def bench() -> None:
+# Named bench_group, not bench: the submodule commlab.cli.bench, once imported, is the package's
+# attribute `bench`.
+@main.group("bench", cls=_LazyGroup, lazy=_BENCH_COMMANDS)
+def bench_group() -> None:
     """Micro-benchmarks that compare two implementations in one run."""

@@ -1,0 +1,159 @@
+"""The `commlab bench` commands' options: `bench ddp` and `bench collectives`.
+
+Click declarations and input checks only; the runs live in :mod:`commlab.bench.ddp_bench` and
+:mod:`commlab.bench.collectives_bench`. Everything that imports torch (those modules,
+commlab.models, commlab.collectives) is imported inside the commands, so ``--help`` and bad
+input answer in a fraction of a second.
+
+\b
+    commlab bench ddp --bucket-mb 5 --algorithm ring
+    commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
+"""
+
+from __future__ import annotations
+
+import click
+
+DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+OPS = ("sum", "avg", "max", "min")
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from commlab.bench.alpha_beta import parse_size  # numpy: not for --help
+
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _int_list(value: str, name: str, minimum: int) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
+    if not items or min(items) < minimum:
+        raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}", param_hint=name)
+    return list(dict.fromkeys(items))
+
+
+def _check_capacity(world: int, data_bytes_per_rank: int, oversubscribe: bool) -> None:
+    """The sweep's rule for local CPU ranks (commlab.runtime.capacity), before any process starts.
+
+    Each rank gets commlab.launch's cpu_count // world_size torch threads (at least one).
+    """
+    from commlab.runtime.capacity import check_local_ranks
+    from commlab.runtime.metadata import cpu_count
+
+    if oversubscribe:
+        return
+    try:
+        check_local_ranks(world, max(1, cpu_count() // world), data_bytes_per_rank)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}; or add --oversubscribe to run it anyway", param_hint="--world-size") from None
+
+
+_OVERSUBSCRIBE = click.option(
+    "--oversubscribe", is_flag=True,
+    help="Run even with more CPU ranks than twice the cores, or than the memory holds (refused by default).")
+
+
+def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
+    from commlab.runtime import resolve_backend
+
+    try:
+        return {w: resolve_backend(backend, w) for w in worlds}
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--backend/--world-size") from None
+
+
+@click.command("collectives")
+@click.option("-b", "--min-bytes", type=_Size(), default="1K", show_default=True, help="Smallest message (1K, 64M, ...).")
+@click.option("-e", "--max-bytes", type=_Size(), default="16M", show_default=True, help="Largest message.")
+@click.option("-f", "--step-factor", type=click.IntRange(min=2), default=4, show_default=True, help="Size multiplier.")
+@click.option("-n", "--iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed iterations per size.")
+@click.option("-w", "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed iterations first.")
+@click.option("--collective", default="all_reduce", show_default=True,
+              help="Comma list of collectives: all_reduce, reduce_scatter, all_gather, broadcast (or a plug-in's name).")
+@click.option("--algorithm", "algorithm", default="all", show_default=True,
+              help="Comma list of algorithms, or all (each collective runs those of them it has).")
+@click.option("--world-size", "world_size", default="2", show_default=True, help="Comma list of world sizes.")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--op", type=click.Choice(OPS), default="sum", show_default=True)
+@click.option("--check/--no-check", default=True, show_default=True, help="Count wrong elements (#wrong).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
+@_OVERSUBSCRIBE
+def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collective, algorithm, world_size, backend,
+                      dtype, op, check, out_dir, timeout, repeat, oversubscribe):
+    """nccl-tests-style benchmark of collectives and their algorithms (interleaved, fair comparison)."""
+    from commlab.bench import collectives_bench  # imports torch: inside the command
+    from commlab.bench.alpha_beta import size_sweep
+
+    from commlab.bench.collectives_plugins import collective_names
+
+    names = list(dict.fromkeys(c.strip() for c in collective.split(",") if c.strip()))
+    if not names or (unknown := [c for c in names if c not in collective_names()]):
+        raise click.BadParameter(f"unknown collective(s) {', '.join(unknown) or repr(collective)}: choose from "
+                                 f"{', '.join(collective_names())}", param_hint="--collective")
+    try:
+        collectives = collectives_bench.choose(names, algorithm)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm") from None
+    worlds = _int_list(world_size, "--world-size", 1)
+    try:
+        sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-b/-e") from None
+    backends = _backends(backend, worlds)
+    for world in worlds:
+        if backends[world] == "gloo":  # input, work buffer, expected result and the algorithms' own
+            _check_capacity(world, 4 * sizes[-1], oversubscribe)
+    collectives_bench.run(sizes=sizes, collectives=collectives, worlds=worlds, backends=backends, dtype=dtype, op=op,
+                          iters=iters, warmup=warmup, check=check, out_dir=out_dir, timeout=timeout, repeat=repeat)
+
+
+@click.command("ddp")
+@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
+@click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
+@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="bucket_cap_mb (MiB) of both DDPs")
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed iterations each")
+@click.option("--algorithm", default="native", show_default=True, help="commlab's all-reduce for each bucket")
+@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
+              help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, so that where "
+              "glibc happens to place the gradients does not decide which DDP page-faults)")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds before the launch is abandoned")
+@_OVERSUBSCRIBE
+def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters, warmup, algorithm, glibc_trim, timeout,
+              oversubscribe):
+    """commlab DDP vs torch DDP on the same model and data, alternating; medians and ratio."""
+    from commlab.collectives import algorithm_names
+    from commlab.models import check_workload
+
+    try:  # a user's module:factory is imported here, so that a missing one fails before any rank
+        check_workload(model, **({"depth": depth, "width": width} if model == "mlp" else {}))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    if algorithm not in algorithm_names():
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(algorithm_names())}", param_hint="--algorithm")
+    backend = _backends(backend, [world_size])[world_size]
+    if backend == "gloo":
+        _check_capacity(world_size, 0, oversubscribe)
+    from commlab.bench import ddp_bench
+
+    ddp_bench.run(dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
+                       warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim),
+                  world_size=world_size, backend=backend, timeout=timeout)
