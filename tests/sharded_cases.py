@@ -1,0 +1,199 @@
+"""Rank-side code of the sharded tests: commlab's ShardedDataParallel beside torch's DDP and
+torch's fully_shard, many configurations per spawn, returning plain data for the parent to assert.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from _helpers import error_of
+from commlab.sharded import ShardedDataParallel
+from commlab.sharded.memory_model import zero_memory
+
+STEPS = 5
+
+
+class Net(nn.Module):
+    """131 parameters (63 + 50 + 18): no layer's count nor the total divides by 2 or 3... except
+    18 (the head), which gives the even case."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 9), nn.Linear(9, 5), nn.Linear(5, 3)
+        self.scale = nn.Parameter(torch.ones(3))  # held by the root itself
+        if frozen:
+            self.b.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+}
+SPLIT_MB = 200 / (1024 * 1024)  # 200-byte cap: the 131 parameters (524 B) fall into 3 buckets
+
+
+def _data(step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + 10 * step + micro)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _train(model, opt, steps: int, micro: int, no_sync=None) -> None:
+    for step in range(steps):
+        for m in range(micro):
+            x, y = _data(step, m)
+            if m < micro - 1 and no_sync is not None:
+                with no_sync():
+                    nn.functional.mse_loss(model(x), y).backward()
+            else:
+                nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _diff(ours: dict, theirs: dict) -> dict:
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    rel = max(((ours[k] - theirs[k]).abs() / theirs[k].abs().clamp_min(1e-6)).max().item() for k in ours)
+    return {"rel": rel, "exact": all(torch.equal(ours[k], theirs[k]) for k in ours)}
+
+
+def against_ddp(stage: int, opt: str = "adam", micro: int = 1, frozen: bool = False, units: bool = False, **kw) -> dict:
+    torch.manual_seed(dist.get_rank())  # ranks start different: construction must broadcast
+    base = Net(frozen)
+    theirs = TorchDDP(copy.deepcopy(base))
+    if units:
+        kw["units"] = [base.a, base.b, base.head]
+    ours = ShardedDataParallel(base, stage=stage, **kw)
+    opt_o, opt_t = OPTIMIZERS[opt](ours.parameters()), OPTIMIZERS[opt](theirs.parameters())
+    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None)
+    _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None)
+    result = _diff(ours.state_dict(), theirs.module.state_dict())
+    result["buckets"] = ours.bucket_names
+    result["memory"] = _memory(ours, opt_o)
+    timings = ours.iteration_timings
+    result["timings"] = (len(timings), [sorted({c.kind for c in t.collectives}) for t in timings[-1:]],
+                         [len(t.collectives) for t in timings[-1:]])
+    result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
+    result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
+    return result
+
+
+def _memory(ours: ShardedDataParallel, opt) -> dict:
+    """Measured bytes at the end of a step against the ZeRO model (fp32 Adam: K = 8)."""
+    m = ours.memory(opt)
+    psi = sum(layout.total for layout in ours.layouts)
+    world = dist.get_world_size()
+    model = zero_memory(psi, world, ours.stage, "fp32")
+    return {
+        "measured": (m.parameters, m.gradients, m.optimizer),
+        "model": (model.parameters, model.gradients, model.optimizer),
+        "padding": sum(layout.padding for layout in ours.layouts),
+        "buckets": len(ours.layouts),
+        "peak_gathered": m.peak_gathered,
+        "gathered_now": m.gathered,
+        "full_bytes": [layout.padded * 4 for layout in ours.layouts],
+    }
+
+
+def against_fully_shard() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # fully_shard does not broadcast: every rank builds the same values
+    base = Net()
+    theirs = copy.deepcopy(base)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (theirs.a, theirs.b, theirs.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    ours = ShardedDataParallel(base, stage=3, units=[base.a, base.b, base.head])
+    opt_o, opt_t = OPTIMIZERS["adam"](ours.parameters()), OPTIMIZERS["adam"](theirs.parameters())
+    _train(ours, opt_o, STEPS, 1)
+    _train(theirs, opt_t, STEPS, 1)
+    full = {k: v.full_tensor().detach() for k, v in theirs.state_dict().items()}
+    return _diff(ours.state_dict(), full)
+
+
+def state_dicts(stage: int) -> dict:
+    torch.manual_seed(dist.get_rank())
+    base = Net()
+    ours = ShardedDataParallel(base, stage=stage, bucket_cap_mb=SPLIT_MB)
+    opt = OPTIMIZERS["adam"](ours.parameters())
+    _train(ours, opt, 2, 1)
+    sd = ours.state_dict()
+    plain = Net()
+    plain.load_state_dict(sd)  # loads into the unsharded model
+    x, _ = _data(99)
+    same_output = torch.equal(plain(x), ours(x))
+    # Round trip: a fresh wrapper of other values takes the dict and gives it back.
+    torch.manual_seed(50 + dist.get_rank())
+    other = ShardedDataParallel(Net(), stage=stage, bucket_cap_mb=SPLIT_MB)
+    other.load_state_dict(sd)
+    again = other.state_dict()
+    bad = dict(sd)
+    bad["extra"] = bad.pop("a.bias")
+    return {
+        "keys": sorted(sd) == sorted(Net().state_dict()),
+        "same_output": same_output,
+        "round_trip": all(torch.equal(again[k], sd[k]) for k in sd),
+        "same_output_after_load": torch.equal(other(x), plain(x)),
+        "bad_keys": error_of(lambda: other.load_state_dict(bad)),
+        "bad_shape": error_of(lambda: other.load_state_dict({**sd, "a.bias": torch.zeros(2)})),
+    }
+
+
+def optimizer_errors() -> dict:
+    base = Net()
+    originals = [p for p in base.parameters()]
+    ours = ShardedDataParallel(base, stage=2)
+    wrong = torch.optim.SGD(originals, lr=0.1)
+    x, y = _data(0)
+    nn.functional.mse_loss(ours(x), y).backward()
+    factored = torch.optim.Adafactor(ours.parameters()) if hasattr(torch.optim, "Adafactor") else None
+    return {
+        "unsharded": error_of(wrong.step),
+        "adafactor": error_of(factored.step) if factored is not None else "ValueError: not element-wise (absent)",
+        "unrelated": error_of(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1).step),
+    }
+
+
+def run_world2() -> dict:
+    warnings.simplefilter("ignore", FutureWarning)
+    cases = {}
+    for stage in (1, 2, 3):
+        for opt in OPTIMIZERS:
+            cases[f"s{stage}-{opt}"] = against_ddp(stage, opt)
+        cases[f"s{stage}-split"] = against_ddp(stage, bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-units"] = against_ddp(stage, units=True)
+        cases[f"s{stage}-no_sync"] = against_ddp(stage, "sgd", micro=3, bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-frozen"] = against_ddp(stage, frozen=True, bucket_cap_mb=SPLIT_MB)
+    for prefetch in (0, 1, 2):
+        for reshard in (True, False):
+            cases[f"s3-p{prefetch}-r{int(reshard)}"] = against_ddp(
+                3, "adamw", bucket_cap_mb=SPLIT_MB, prefetch=prefetch, reshard_after_forward=reshard
+            )
+    return {
+        "cases": cases,
+        "fully_shard": against_fully_shard(),
+        "state": {stage: state_dicts(stage) for stage in (1, 2, 3)},
+        "optimizer": optimizer_errors(),
+    }
+
+
+def run_world3() -> dict:
+    warnings.simplefilter("ignore", FutureWarning)
+    cases = {}
+    for stage in (1, 2, 3):
+        cases[f"s{stage}-split"] = against_ddp(stage, bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-units"] = against_ddp(stage, units=True, prefetch=2)
+        cases[f"s{stage}-no_sync"] = against_ddp(stage, "adamw", micro=2)
+    return {"cases": cases, "fully_shard": against_fully_shard(), "state": {3: state_dicts(3)}}
