@@ -92,3 +92,4 @@ class Recorder:
                 collectives=self.collectives,
             )
         )
+        self.start()  # collectives until the next forward (a state dict's gathers) go elsewhere
