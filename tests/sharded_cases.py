@@ -157,7 +157,13 @@ def state_dicts(stage: int) -> dict:
     }
 
 
-def optimizer_errors() -> dict:
+class WithUnused(Net):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(3, 3)
+
+
+def misuse() -> dict:
     base = Net()
     originals = [p for p in base.parameters()]
     ours = ShardedDataParallel(base, stage=2)
@@ -169,7 +175,17 @@ def optimizer_errors() -> dict:
         "unsharded": error_of(wrong.step),
         "adafactor": error_of(factored.step) if factored is not None else "ValueError: not element-wise (absent)",
         "unrelated": error_of(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1).step),
+        # Every rank leaves the same parameter unused: each raises instead of waiting forever.
+        "unused": error_of(lambda: nn.functional.mse_loss(ShardedDataParallel(WithUnused(), stage=3)(x), y).backward()),
+        "gathered_after_no_grad_forward": _no_grad_forward_gathered(),
     }
+
+
+def _no_grad_forward_gathered() -> int:
+    ours = ShardedDataParallel(Net(), stage=3, reshard_after_forward=False)
+    with torch.no_grad():
+        ours(_data(0)[0])
+    return ours.memory().gathered
 
 
 def run_world2() -> dict:
@@ -195,7 +211,7 @@ def run_world2() -> dict:
         "cases": cases,
         "fully_shard": against_fully_shard(),
         "state": {stage: state_dicts(stage) for stage in (1, 2, 3)},
-        "optimizer": optimizer_errors(),
+        "optimizer": misuse(),  # last: it leaves a failed backward behind
     }
 
 

@@ -107,7 +107,8 @@ def test_stage3_holds_no_gathered_parameters_between_steps(world2, world3):
 def test_peak_of_gathered_bytes_follows_prefetch_and_reshard(world2):
     # Units: root [scale] 16 B, a 256 B, b 200 B, head 72 B (padded, fp32, world 2). The root's
     # bucket stays gathered (as fully_shard's root); each unit is freed after its forward.
-    peaks = {(p, r): world2[0]["cases"][f"s3-units-p{p}-r{r}"]["memory"]["peak_gathered"] for p in (0, 1, 2) for r in (0, 1)}
+    cases = world2[0]["cases"]
+    peaks = {(p, r): cases[f"s3-units-p{p}-r{r}"]["memory"]["peak_gathered"] for p in (0, 1, 2) for r in (0, 1)}
     assert peaks[(0, 1)] == 16 + 256  # one unit at a time
     assert peaks[(1, 1)] == 16 + 256 + 200  # the unit in use and the next
     assert peaks[(2, 1)] == 16 + 256 + 200 + 72
@@ -146,6 +147,8 @@ def test_optimizer_over_unsharded_parameters_is_refused_at_its_first_step(world2
         assert errors["unsharded"].startswith("ValueError") and "sharded.parameters()" in errors["unsharded"]
         assert errors["adafactor"].startswith("ValueError") and "not element-wise" in errors["adafactor"]
         assert errors["unrelated"] == "no error"
+        assert errors["unused"].startswith("RuntimeError") and "every trainable parameter" in errors["unused"]
+        assert errors["gathered_after_no_grad_forward"] == 0
 
 
 # --- bad input, refused before any process group is needed ------------------------------------

@@ -63,7 +63,9 @@ def plan_buckets(module: nn.Module, bucket_cap_mb: float, units: Sequence[nn.Mod
         if not isinstance(unit, nn.Module) or id(unit) not in submodules:
             raise ValueError(f"units[{u}] is not a submodule of the wrapped module")
         if unit is module:
-            raise ValueError(f"units[{u}] is the wrapped module itself: its parameters not in a unit form the root bucket already")
+            raise ValueError(
+                f"units[{u}] is the wrapped module itself: the parameters outside the units form the root bucket"
+            )
         mine = [index[id(p)] for p in unit.parameters() if id(p) in index]
         if not mine:
             raise ValueError(f"units[{u}] ({type(unit).__name__}) holds no trainable parameters")

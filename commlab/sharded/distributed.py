@@ -27,6 +27,7 @@ Contract, and what is not supported:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -74,14 +75,16 @@ class ShardedDataParallel(nn.Module):
         self.process_group = process_group
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         # Every rank starts from group rank 0's values, as DDP's construction broadcast.
-        names, tensors = zip(*module.state_dict(keep_vars=True).items()) if module.state_dict() else ((), ())
-        verify_param_shapes(list(names), list(tensors), process_group)
+        entries = module.state_dict(keep_vars=True)
+        names, tensors = list(entries), list(entries.values())
+        verify_param_shapes(names, tensors, process_group)
         broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], process_group)
         params = [p for _, p in trainable(module)]
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
         buckets = [
-            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group) for i, idx in enumerate(plan.buckets)
+            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group)
+            for i, idx in enumerate(plan.buckets)
         ]
         self.shards = nn.ParameterList([b.shard for b in buckets])
         object.__setattr__(self, "module", module)  # not a submodule: parameters() are the shards
@@ -91,9 +94,8 @@ class ShardedDataParallel(nn.Module):
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
         sharded = {id(p) for p in params}
         self._frozen = [p for p in module.parameters() if id(p) not in sharded]
-        self._guard = validate.optimizer_guard(
-            self, lambda: sharded, lambda: {id(s) for s in self.shards}
-        )
+        guard = validate.optimizer_guard(self, lambda: sharded, lambda: {id(s) for s in self.shards})
+        weakref.finalize(self, guard.remove)  # the global step pre-hook goes with the wrapper
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._engine.before_forward()
@@ -126,7 +128,9 @@ class ShardedDataParallel(nn.Module):
             raise ValueError("ShardedDataParallel.state_dict() takes no arguments; it gives the full module state dict")
         return state.full_state_dict(self.module, self._engine)
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):  # type: ignore[override]
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
+    ) -> None:
         """Load a full module state dict (every rank the same); missing or unexpected keys or a
         wrong shape raise ValueError before anything changes."""
         if not strict or assign:

@@ -34,7 +34,9 @@ def check_keys(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Non
         )
     for key, tensor in expected.items():
         if tuple(state_dict[key].shape) != tuple(tensor.shape):
-            raise ValueError(f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, the module's is {tuple(tensor.shape)}")
+            raise ValueError(
+                f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, the module's is {tuple(tensor.shape)}"
+            )
 
 
 def load_full_state_dict(module: nn.Module, engine: ShardedEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
