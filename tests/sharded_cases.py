@@ -5,12 +5,15 @@ torch's fully_shard, many configurations per spawn, returning plain data for the
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from _helpers import error_of
 from commlab.sharded import ShardedDataParallel
@@ -178,7 +181,33 @@ def misuse() -> dict:
         # Every rank leaves the same parameter unused: each raises instead of waiting forever.
         "unused": error_of(lambda: nn.functional.mse_loss(ShardedDataParallel(WithUnused(), stage=3)(x), y).backward()),
         "gathered_after_no_grad_forward": _no_grad_forward_gathered(),
+        "collected": _collected(),
+        "module_called_directly": _module_called_directly(),
     }
+
+
+def _collected() -> tuple[bool, int]:
+    """A dropped wrapper is collected, and its optimizer step pre-hook goes with it."""
+    before = len(_global_optimizer_pre_hooks)
+    ours = ShardedDataParallel(Net(), stage=3)
+    during = len(_global_optimizer_pre_hooks)
+    ref = weakref.ref(ours)
+    del ours
+    gc.collect()
+    return ref() is None, during - before, len(_global_optimizer_pre_hooks) - before
+
+
+def _module_called_directly() -> bool:
+    """Stage 2 after a step: calling the wrapped module itself still gathers the new values first."""
+    net = Net()
+    ours = ShardedDataParallel(net, stage=2)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    x, y = _data(0)
+    first = ours(x)
+    nn.functional.mse_loss(first, y).backward()
+    opt.step()
+    direct = net(x)
+    return torch.equal(direct, ours(x)) and not torch.equal(direct, first)
 
 
 def _no_grad_forward_gathered() -> int:

@@ -149,6 +149,8 @@ def test_optimizer_over_unsharded_parameters_is_refused_at_its_first_step(world2
         assert errors["unrelated"] == "no error"
         assert errors["unused"].startswith("RuntimeError") and "every trainable parameter" in errors["unused"]
         assert errors["gathered_after_no_grad_forward"] == 0
+        assert errors["collected"] == (True, 1, 0)
+        assert errors["module_called_directly"]
 
 
 # --- bad input, refused before any process group is needed ------------------------------------

@@ -14,8 +14,10 @@ import torch.distributed as dist
 
 ALGORITHMS = ("native",)
 
-# torch 2.13 renamed reduce_scatter_tensor (the old name warns); take the new one where present.
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); take
+# the new ones where present.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_algorithm(algorithm: str) -> None:
@@ -28,7 +30,7 @@ def check_algorithm(algorithm: str) -> None:
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
     """Every rank's ``shard`` into ``full`` (rank r's at ``r * shard.numel()``)."""
-    return dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+    return _all_gather(full, shard, group=group, async_op=True)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group) -> dist.Work:

@@ -94,7 +94,8 @@ class ShardedDataParallel(nn.Module):
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
         sharded = {id(p) for p in params}
         self._frozen = [p for p in module.parameters() if id(p) not in sharded]
-        guard = validate.optimizer_guard(self, lambda: sharded, lambda: {id(s) for s in self.shards})
+        # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
+        guard = validate.optimizer_guard(self, sharded, {id(s) for s in self.shards})
         weakref.finalize(self, guard.remove)  # the global step pre-hook goes with the wrapper
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

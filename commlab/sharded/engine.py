@@ -132,11 +132,15 @@ class ShardedEngine:
         self.synced_grads = False
         self.recorder.start()
         self.peak_gathered = self.gathered_bytes()
+        self._refresh()
+        self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
+
+    def _refresh(self) -> None:
+        """Stages 1-2 after a step: launch every bucket's all-gather (each module waits for its own)."""
         if self.stage < 3 and self.stale:
+            self.stale = False
             for b in range(len(self.buckets)):
                 self._launch_gather(b)
-            self.stale = False
-        self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
 
     def after_forward(self) -> None:
         self.recorder.forward_end = time.perf_counter()
@@ -151,6 +155,7 @@ class ShardedEngine:
                 if self.stage == 3:
                     self._gather_stage3(b, range(b + 1, min(b + 1 + self.prefetch, len(self.buckets))))
                 else:
+                    self._refresh()  # the module called without the wrapper still gets fresh values
                     self._wait_gather(b)
 
         return hook

@@ -1,6 +1,8 @@
 """Per-iteration timings of a sharded step: each collective's stamps and the exposed time.
 
-Stamps are ``time.perf_counter()`` seconds relative to the start of the iteration's forward.
+Stamps are ``time.perf_counter()`` seconds relative to the start of the iteration's forward,
+taken on the host: right for CPU (Gloo); on CUDA they would time the issue of work, not the GPU's
+execution (DDP's CUDA events are not carried over yet).
 Per collective (one all-gather or reduction of one bucket):
 
 - ``kind``: "all_gather", "reduce_scatter" (stages 2-3) or "all_reduce" (stage 1);

@@ -11,8 +11,6 @@ optimizer known not to be element-wise (see :data:`NOT_ELEMENTWISE`) over the sh
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -47,21 +45,22 @@ def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forwar
         )
 
 
-def optimizer_guard(owner, originals: Callable[[], set[int]], shards: Callable[[], set[int]]):
-    """Register the step pre-hook for ``owner`` (held weakly); returns the hook's handle."""
+def optimizer_guard(owner, originals: set[int], shards: set[int]):
+    """Register the step pre-hook for ``owner`` (held weakly), which knows the ids of the
+    module's sharded parameters and of the shards; returns the hook's handle."""
     ref = weakref.ref(owner)
 
     def hook(optimizer: torch.optim.Optimizer, args, kwargs):
         if ref() is None:
             return None
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if held & originals():
+        if held & originals:
             raise ValueError(
                 "this optimizer holds the wrapped module's own parameters; with ShardedDataParallel "
                 "build it over sharded.parameters() (the rank's shards)"
             )
         name = type(optimizer).__name__
-        if held & shards() and name in NOT_ELEMENTWISE:
+        if held & shards and name in NOT_ELEMENTWISE:
             raise ValueError(
                 f"{name} is not element-wise (it needs whole parameters), which flat shards do not "
                 "give; use an element-wise optimizer such as SGD, Adam or AdamW"
