@@ -69,7 +69,7 @@ def _diff(ours: dict, theirs: dict) -> dict:
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     # Element-wise relative difference, and the difference relative to the tensor's largest value.
     rel = max(((ours[k] - theirs[k]).abs() / theirs[k].abs().clamp_min(1e-12)).max().item() for k in ours)
-    scaled = max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in ours)
+    scaled = max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30)).item() for k in ours)
     return {"rel": rel, "scaled": scaled, "exact": all(torch.equal(ours[k], theirs[k]) for k in ours)}
 
 
@@ -92,8 +92,25 @@ def against_ddp(stage: int, opt: str = "adam", micro: int = 1, frozen: bool = Fa
     result["timings"] = (len(timings), [sorted({c.kind for c in t.collectives}) for t in timings[-1:]],
                          [len(t.collectives) for t in timings[-1:]])
     result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
+    result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, frozen)
     result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
     return result
+
+
+def _optimizer_state(ours, opt_o, opt_t, opt: str, frozen: bool) -> dict:
+    """The gathered optimizer state against torch DDP's optimizer's, and loaded into a plain one."""
+    full, ref = ours.full_optimizer_state_dict(opt_o), opt_t.state_dict()
+
+    def flat(sd):
+        return {f"{i}.{k}": v for i, entry in sd["state"].items() for k, v in entry.items()}
+
+    plain_opt = OPTIMIZERS[opt](Net(frozen).parameters())
+    plain_opt.load_state_dict(full)
+    return {
+        **_diff(flat(full), flat(ref)),
+        "groups_equal": full["param_groups"] == ref["param_groups"],
+        "loaded_equal": all(torch.equal(a, b) for a, b in zip(flat(plain_opt.state_dict()).values(), flat(full).values())),
+    }
 
 
 def _memory(ours: ShardedDataParallel, opt) -> dict:

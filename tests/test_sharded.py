@@ -45,6 +45,15 @@ def test_world3_same_parameters_as_torch_ddp_within_the_summation_order(world3):
         assert r["scaled"] <= 1e-6 and r["rel"] <= 1e-5, (rank, name, r["scaled"], r["rel"])
 
 
+def test_full_optimizer_state_is_torch_ddps_optimizer_state_and_loads(world2, world3):
+    for rank, name, r in _cases(world2):
+        o = r["optimizer_state"]
+        assert o["exact"] and o["groups_equal"] and o["loaded_equal"], (rank, name)
+    for rank, name, r in _cases(world3):
+        o = r["optimizer_state"]
+        assert o["scaled"] <= 1e-6 and o["groups_equal"] and o["loaded_equal"], (rank, name, o["scaled"])
+
+
 def test_same_parameters_as_torch_fully_shard_on_each_layer(world2, world3):
     for result in world2:
         assert result["fully_shard"]["exact"]

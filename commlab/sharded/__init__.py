@@ -4,7 +4,8 @@ Package map: ``layout`` (where parameters lie in a flat padded bucket and its sh
 ``memory_model`` (the ZeRO memory model, pure), ``buckets`` (which parameters share a bucket),
 ``flat_bucket`` (one bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks,
 gathers, frees, reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes),
-``state`` (full state dicts), ``validate`` (argument and optimizer checks), ``distributed`` (the
+``state`` (full module state dicts), ``optim_state`` (the full optimizer state dict),
+``validate`` (argument and optimizer checks), ``distributed`` (the
 public wrapper).
 
 How commlab's stage 3 differs from torch's ``fully_shard`` (FSDP2,

@@ -43,6 +43,7 @@ from commlab.sharded.engine import ShardedEngine
 from commlab.sharded.flat_bucket import FlatBucket
 from commlab.sharded.layout import ShardLayout
 from commlab.sharded.memory import ShardedMemory, measure
+from commlab.sharded.optim_state import full_optimizer_state_dict
 from commlab.sharded.timing import ShardedIterationTiming
 
 
@@ -137,6 +138,12 @@ class ShardedDataParallel(nn.Module):
         if not strict or assign:
             raise ValueError("ShardedDataParallel.load_state_dict supports strict=True, assign=False only")
         state.load_full_state_dict(self.module, self._engine, state_dict)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state (built over ``self.parameters()``) as the same optimizer over the
+        unsharded module would hold it, loadable there (commlab/sharded/optim_state.py). A
+        collective: every rank must call it."""
+        return full_optimizer_state_dict(self.module, self._engine.buckets, optimizer)
 
     # --- what can be read ----------------------------------------------------------------
     @property
