@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from _helpers import error_of
+from commlab.models import TinyTransformer
 from commlab.sharded import ShardedDataParallel
 from commlab.sharded.memory_model import zero_memory
 
@@ -149,6 +150,26 @@ def against_fully_shard() -> dict:
     return _diff(ours.state_dict(), full)
 
 
+def transformer(stage: int, **kw) -> bool:
+    """A small transformer (embedding, attention, layer norms, a root-held position table) after
+    three Adam steps: the same parameters as torch's DDP?"""
+    torch.manual_seed(dist.get_rank())
+    base = TinyTransformer(vocab=32, d_model=8, layers=2, heads=2, seq=6)
+    theirs = TorchDDP(copy.deepcopy(base))
+    if kw.pop("units", False):
+        kw["units"] = [base.embed, *base.encoder.layers, base.head]
+    ours = ShardedDataParallel(base, stage=stage, **kw)
+    opt_o, opt_t = OPTIMIZERS["adam"](ours.parameters()), OPTIMIZERS["adam"](theirs.parameters())
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+        x = torch.randint(0, 32, (3, 6), generator=g)
+        for model, opt in ((ours, opt_o), (theirs, opt_t)):
+            nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    return _diff(ours.state_dict(), theirs.module.state_dict())["exact"]
+
+
 def state_dicts(stage: int) -> dict:
     torch.manual_seed(dist.get_rank())
     base = Net()
@@ -198,6 +219,8 @@ def misuse() -> dict:
         # Every rank leaves the same parameter unused: each raises instead of waiting forever.
         "unused": error_of(lambda: nn.functional.mse_loss(ShardedDataParallel(WithUnused(), stage=3)(x), y).backward()),
         "gathered_after_no_grad_forward": _no_grad_forward_gathered(),
+        # One parameter per bucket: attention's out_proj weight is read by its parent's forward.
+        "outside_its_module": error_of(lambda: transformer(3, bucket_cap_mb=1e-6)),
         "collected": _collected(),
         "module_called_directly": _module_called_directly(),
     }
@@ -256,6 +279,12 @@ def run_world2() -> dict:
     return {
         "cases": cases,
         "fully_shard": against_fully_shard(),
+        "transformer": {
+            "s3-units": transformer(3, units=True),
+            "s3-one-bucket": transformer(3),
+            "s3-split": transformer(3, bucket_cap_mb=0.0005),
+            "s2-split": transformer(2, bucket_cap_mb=0.0005),
+        },
         "state": {stage: state_dicts(stage) for stage in (1, 2, 3)},
         "optimizer": misuse(),  # last: it leaves a failed backward behind
     }

@@ -61,6 +61,11 @@ def test_same_parameters_as_torch_fully_shard_on_each_layer(world2, world3):
         assert result["fully_shard"]["scaled"] <= 1e-6 and result["fully_shard"]["rel"] <= 1e-5
 
 
+def test_a_transformer_gets_torch_ddps_parameters(world2):
+    for result in world2:
+        assert result["transformer"] == dict.fromkeys(["s3-units", "s3-one-bucket", "s3-split", "s2-split"], True)
+
+
 def test_buckets_split_by_size_or_by_unit(world2):
     cases = world2[0]["cases"]
     names = ["scale", "a.weight", "a.bias", "b.weight", "b.bias", "head.weight", "head.bias"]
@@ -158,6 +163,7 @@ def test_optimizer_over_unsharded_parameters_is_refused_at_its_first_step(world2
         assert errors["unrelated"] == "no error"
         assert errors["unused"].startswith("RuntimeError") and "every trainable parameter" in errors["unused"]
         assert errors["gathered_after_no_grad_forward"] == 0
+        assert errors["outside_its_module"].startswith("RuntimeError") and "units=" in errors["outside_its_module"]
         assert errors["collected"] == (True, 1, 0)
         assert errors["module_called_directly"]
 

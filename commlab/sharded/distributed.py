@@ -17,8 +17,11 @@ Contract, and what is not supported:
   AdamW, ...): a shard cuts parameters at arbitrary points, so an update that needs a whole
   parameter (per-parameter norms as in LAMB/LARS, matrix factors as in Adafactor,
   orthogonalisation as in Muon) is wrong on it; those torch ships are refused by name.
-- Every trainable parameter must receive a gradient in every backward, and stage 3 needs each
-  parameter used inside the forward of a module that holds it (or of its unit).
+- Every trainable parameter must receive a gradient in every backward (else a RuntimeError at
+  the end of backward), and stage 3 needs each parameter used inside the forward of a module
+  that holds it, of its unit, or of a module holding another parameter of its bucket (else a
+  RuntimeError naming the fix: nn.MultiheadAttention reads its out_proj's weight itself, so a
+  bucket size that separates them needs units).
 - The module's buffers are not broadcast after construction (torch's fully_shard does not either).
 - ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
@@ -103,6 +106,15 @@ class ShardedDataParallel(nn.Module):
         self._engine.before_forward()
         try:
             return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            if self.stage == 3 and "storage of size 0" in str(e):
+                # A freed parameter was read: its holder's forward did not run around the use.
+                raise RuntimeError(
+                    "stage 3 found a parameter used outside the forward of the module holding it "
+                    "(as nn.MultiheadAttention uses its out_proj's weight): group the user and the "
+                    "holder in one unit (units=[...]) or in one bucket (a larger bucket_cap_mb)"
+                ) from e
+            raise
         finally:
             self._engine.after_forward()
 
