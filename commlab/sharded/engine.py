@@ -204,6 +204,7 @@ class ShardedEngine:
                     entry = self.recorder.launched(bucket.index, kind, bucket.full_nbytes, ready)
                     self.reductions.append((bucket, bucket.launch_reduction(), entry))
                 if self.stage == 3 and bucket.gathered:
+                    self._wait_gather(bucket.index)  # never free under a gather still writing
                     bucket.free()
 
         return hook
@@ -223,6 +224,8 @@ class ShardedEngine:
             self.free(range(len(self.buckets)))
         self.last_peak_gathered = self.peak_gathered
         if missing:
+            for b in missing:  # a half-filled gradient buffer must not leak into the next backward
+                self.buckets[b].drop_full_gradients()
             raise RuntimeError(
                 f"buckets {missing} did not receive every gradient in this backward: every trainable "
                 "parameter must get a gradient in every backward (unused parameters are not supported); "
@@ -232,8 +235,3 @@ class ShardedEngine:
             self.stale = self.stage < 3
             self.synced_grads = True
             self.recorder.end(backward_end)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []

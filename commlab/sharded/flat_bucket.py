@@ -99,7 +99,8 @@ class FlatBucket:
             self.grad_buffer = None
 
     def drop_full_gradients(self) -> None:
-        """Stage 1, at the next forward: the module's full gradients go (the shard's stays)."""
+        """The module's full gradients go (the shard's stays): stage 1 at the next forward, any
+        stage after a backward that left the bucket incomplete."""
         for p in self.params:
             p.grad = None
         self.grad_buffer = None
