@@ -38,6 +38,25 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
 
 
+class TiedNet(nn.Module):
+    """One weight used by two modules (``b.weight`` is ``a.weight``): one parameter, two holders."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def bn_net(frozen: bool = False) -> nn.Module:
+    """Buffers (batch-norm statistics), which stay each rank's own, as with torch DDP's
+    ``broadcast_buffers=False``."""
+    return nn.Sequential(nn.Linear(6, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
+
+
+MODELS = {"net": Net, "tied": TiedNet, "bn": bn_net}
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
@@ -74,10 +93,12 @@ def _diff(ours: dict, theirs: dict) -> dict:
     return {"rel": rel, "scaled": scaled, "exact": all(torch.equal(ours[k], theirs[k]) for k in ours)}
 
 
-def against_ddp(stage: int, opt: str = "adam", micro: int = 1, frozen: bool = False, units: bool = False, **kw) -> dict:
+def against_ddp(
+    stage: int, opt: str = "adam", micro: int = 1, frozen: bool = False, units: bool = False, model: str = "net", **kw
+) -> dict:
     torch.manual_seed(dist.get_rank())  # ranks start different: construction must broadcast
-    base = Net(frozen)
-    theirs = TorchDDP(copy.deepcopy(base))
+    base = MODELS[model](frozen)
+    theirs = TorchDDP(copy.deepcopy(base), broadcast_buffers=False)
     if units:
         kw["units"] = [base.a, base.b, base.head]
     ours = ShardedDataParallel(base, stage=stage, **kw)
@@ -93,19 +114,19 @@ def against_ddp(stage: int, opt: str = "adam", micro: int = 1, frozen: bool = Fa
     result["timings"] = (len(timings), [sorted({c.kind for c in t.collectives}) for t in timings[-1:]],
                          [len(t.collectives) for t in timings[-1:]])
     result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
-    result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, frozen)
+    result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, MODELS[model](frozen))
     result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
     return result
 
 
-def _optimizer_state(ours, opt_o, opt_t, opt: str, frozen: bool) -> dict:
+def _optimizer_state(ours, opt_o, opt_t, opt: str, plain: nn.Module) -> dict:
     """The gathered optimizer state against torch DDP's optimizer's, and loaded into a plain one."""
     full, ref = ours.full_optimizer_state_dict(opt_o), opt_t.state_dict()
 
     def flat(sd):
         return {f"{i}.{k}": v for i, entry in sd["state"].items() for k, v in entry.items()}
 
-    plain_opt = OPTIMIZERS[opt](Net(frozen).parameters())
+    plain_opt = OPTIMIZERS[opt](plain.parameters())
     plain_opt.load_state_dict(full)
     return {
         **_diff(flat(full), flat(ref)),
@@ -267,6 +288,8 @@ def run_world2() -> dict:
         cases[f"s{stage}-units"] = against_ddp(stage, units=True)
         cases[f"s{stage}-no_sync"] = against_ddp(stage, "sgd", micro=3, bucket_cap_mb=SPLIT_MB)
         cases[f"s{stage}-frozen"] = against_ddp(stage, frozen=True, bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-tied"] = against_ddp(stage, model="tied", bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-bn"] = against_ddp(stage, model="bn", bucket_cap_mb=SPLIT_MB)
     for prefetch in (0, 1, 2):
         for reshard in (True, False):
             cases[f"s3-p{prefetch}-r{int(reshard)}"] = against_ddp(
