@@ -19,50 +19,17 @@ from _helpers import error_of
 from commlab.models import TinyTransformer
 from commlab.sharded import ShardedDataParallel
 from commlab.sharded.memory_model import zero_memory
+from sharded_models import MODELS, Net, WithUnused
 
 STEPS = 5
 
 
-class Net(nn.Module):
-    """131 parameters (63 + 50 + 18 + 3): the total divides by neither 2 nor 3, nor do most
-    layers; ``scale`` is held by the root itself, as fully_shard's root keeps its own."""
-
-    def __init__(self, frozen: bool = False):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(6, 9), nn.Linear(9, 5), nn.Linear(5, 3)
-        self.scale = nn.Parameter(torch.ones(3))  # held by the root itself
-        if frozen:
-            self.b.bias.requires_grad_(False)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
-
-
-class TiedNet(nn.Module):
-    """One weight used by two modules (``b.weight`` is ``a.weight``): one parameter, two holders."""
-
-    def __init__(self, frozen: bool = False):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
-        self.b.weight = self.a.weight
-
-    def forward(self, x):
-        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
-
-
-def bn_net(frozen: bool = False) -> nn.Module:
-    """Buffers (batch-norm statistics), which stay each rank's own, as with torch DDP's
-    ``broadcast_buffers=False``."""
-    return nn.Sequential(nn.Linear(6, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 3))
-
-
-MODELS = {"net": Net, "tied": TiedNet, "bn": bn_net}
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
 }
-SPLIT_MB = 200 / (1024 * 1024)  # 200-byte cap: the 131 parameters (524 B) fall into 3 buckets
+SPLIT_MB = 200 / (1024 * 1024)  # 200-byte cap: the 134 parameters (536 B) fall into 3 buckets
 
 
 def _data(step: int, micro: int = 0):
@@ -217,12 +184,6 @@ def state_dicts(stage: int) -> dict:
         "bad_keys": error_of(lambda: other.load_state_dict(bad)),
         "bad_shape": error_of(lambda: other.load_state_dict({**sd, "a.bias": torch.zeros(2)})),
     }
-
-
-class WithUnused(Net):
-    def __init__(self):
-        super().__init__()
-        self.unused = nn.Linear(3, 3)
 
 
 def misuse() -> dict:

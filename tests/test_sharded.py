@@ -16,7 +16,7 @@ from torch import nn
 import commlab
 import sharded_cases
 from commlab.sharded import ShardedDataParallel
-from sharded_cases import Net
+from sharded_models import Net
 
 
 @pytest.fixture(scope="module")
