@@ -1,0 +1,237 @@
+"""The sharded step's life cycle: gathers, frees and reductions, driven by module and gradient hooks.
+
+One iteration, bucket by bucket (buckets in forward order 0..n-1):
+
+1. Forward start (the wrapper's forward). Stage 1 drops the full gradients of the last synchronised
+   backward. Stages 1-2, after an optimizer step: every bucket's all-gather is launched at once
+   (the shards changed; the replica is refreshed lazily, here).
+2. A forward pre-hook on each module that uses bucket b (its unit, or the modules holding its
+   parameters) waits for b's all-gather. Stage 3 first launches the all-gathers of b and of the
+   ``prefetch`` buckets after it that are not gathered, into storage allocated again for them.
+3. Stage 3 with ``reshard_after_forward``: a forward post-hook frees b (storage resized to 0)
+   once every module using it has run, except buckets the root module uses itself (needed again
+   at once, as torch's fully_shard keeps its root unsharded). The same hook puts a gradient hook on
+   the module's outputs: in backward it fires before the module's backward runs and gathers b
+   again, with the ``prefetch`` buckets before it (the backward order).
+4. A post-accumulate-grad hook on each parameter copies its gradient into b's flat gradient buffer
+   (pre-divided by the world size, as torch's DDP) and drops the parameter's own; the last one
+   launches b's reduction at once, overlapping the rest of backward: an all-reduce (stage 1, which
+   keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
+   (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
+5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
+   every reduction, then give each shard its gradient (``shard.grad``, accumulated if present).
+6. The user's optimizer steps the shards. Nothing else happens until the next forward (step 1).
+
+Inside ``no_sync()`` step 4 only counts: gradients accumulate, full size, in the module's
+parameters' .grad, and the next synchronised backward reduces the sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from commlab.sharded.flat_bucket import FlatBucket
+from commlab.sharded.timing import Recorder
+
+
+class ShardedEngine:
+    """The hooks and the state of the iteration in progress (this module's docstring)."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        buckets: list[FlatBucket],
+        owners: list[list[nn.Module]],
+        stage: int,
+        prefetch: int,
+        reshard_after_forward: bool,
+    ):
+        self.buckets, self.stage, self.prefetch = buckets, stage, prefetch
+        self.recorder = Recorder()
+        self.sync = True
+        self.stale = False  # stages 1-2: the shards may have been stepped since the last gather
+        self.synced_grads = False  # stage 1: a synchronised backward's full gradients are held
+        self.gathers: dict[int, tuple] = {}  # bucket -> (work, timing entry) in flight
+        self.reductions: list[tuple] = []  # (bucket, work, timing entry)
+        self.callback_queued = False
+        self.backward_done: set[int] = set()
+        self.peak_gathered = self.gathered_bytes()
+        self.last_peak_gathered = self.peak_gathered
+        self.reshard = [
+            stage == 3 and reshard_after_forward and not any(m is root for m in owners[b]) for b in range(len(buckets))
+        ]
+        self.owner_ids = [{id(m) for m in owners[b]} for b in range(len(buckets))]
+        self.forward_pending: dict[int, set[int]] = {}
+        uses: dict[int, tuple[nn.Module, list[int]]] = {}
+        for b, modules in enumerate(owners):
+            for m in modules:
+                uses.setdefault(id(m), (m, []))[1].append(b)
+        self.handles = []
+        for m, bs in uses.values():
+            self.handles.append(m.register_forward_pre_hook(self._forward_pre_hook(bs)))
+            self.handles.append(m.register_forward_hook(self._forward_hook(id(m), bs)))
+        for bucket in buckets:
+            for slot, p in enumerate(bucket.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, slot)))
+
+    # --- memory accounting ---------------------------------------------------------------
+    def gathered_bytes(self) -> int:
+        return sum(b.full_nbytes for b in self.buckets if b.gathered)
+
+    def _count(self) -> None:
+        self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
+
+    # --- gathering ---------------------------------------------------------------------------
+    def _launch_gather(self, b: int) -> None:
+        if b in self.gathers:
+            return
+        bucket = self.buckets[b]
+        entry = self.recorder.launched(b, "all_gather", bucket.full_nbytes)
+        self.gathers[b] = (bucket.launch_gather(), entry)
+        self._count()
+
+    def _wait_gather(self, b: int) -> None:
+        if b in self.gathers:
+            work, entry = self.gathers.pop(b)
+            self.recorder.wait(work, entry)
+
+    def _gather_stage3(self, b: int, window: Sequence[int]) -> None:
+        """Launch b and the buckets of ``window`` (prefetch) that hold no gathered values, wait b."""
+        for j in (b, *window):
+            if not self.buckets[j].gathered and j not in self.backward_done:
+                self._launch_gather(j)
+        self._wait_gather(b)
+
+    def gather_all(self) -> list[int]:
+        """Every bucket gathered and current (state dicts); returns those to free again."""
+        freed = [b for b, bucket in enumerate(self.buckets) if not bucket.gathered]
+        for b in range(len(self.buckets)):
+            if self.stale or not self.buckets[b].gathered:
+                self._launch_gather(b)
+        self.stale = False
+        for b in range(len(self.buckets)):
+            self._wait_gather(b)
+        return freed
+
+    def free(self, bs: Sequence[int]) -> None:
+        for b in bs:
+            if self.buckets[b].gathered:
+                self.buckets[b].free()
+
+    # --- forward ---------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self.synced_grads and self.stage == 1:
+            for bucket in self.buckets:
+                bucket.drop_full_gradients()
+        self.synced_grads = False
+        self.recorder.start()
+        self.peak_gathered = self.gathered_bytes()
+        self._refresh()
+        self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
+
+    def _refresh(self) -> None:
+        """Stages 1-2 after a step: launch every bucket's all-gather (each module waits for its own)."""
+        if self.stage < 3 and self.stale:
+            self.stale = False
+            for b in range(len(self.buckets)):
+                self._launch_gather(b)
+
+    def after_forward(self) -> None:
+        self.recorder.forward_end = time.perf_counter()
+        for b in list(self.gathers):
+            self._wait_gather(b)
+        if self.stage == 3 and not torch.is_grad_enabled():
+            self.free(range(len(self.buckets)))  # no backward follows: nothing stays gathered
+
+    def _forward_pre_hook(self, bs: list[int]):
+        def hook(module, args):
+            for b in bs:
+                if self.stage == 3:
+                    self._gather_stage3(b, range(b + 1, min(b + 1 + self.prefetch, len(self.buckets))))
+                else:
+                    self._refresh()  # the module called without the wrapper still gets fresh values
+                    self._wait_gather(b)
+
+        return hook
+
+    def _forward_hook(self, module_id: int, bs: list[int]):
+        def hook(module, args, output):
+            if self.stage != 3:
+                return
+            for b in bs:
+                pending = self.forward_pending.get(b)
+                if pending is not None:
+                    pending.discard(module_id)
+                    if not pending:
+                        del self.forward_pending[b]
+                        self.free([b])
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward_hook(bs))
+
+        return hook
+
+    # --- backward --------------------------------------------------------------------------
+    def _pre_backward_hook(self, bs: list[int]):
+        def hook(grad):
+            for b in bs:
+                if b not in self.backward_done:
+                    self._gather_stage3(b, range(b - 1, max(b - 1 - self.prefetch, -1), -1))
+            return None
+
+        return hook
+
+    def _grad_hook(self, bucket: FlatBucket, slot: int):
+        def hook(param):
+            if not self.callback_queued:
+                self.callback_queued = True
+                Variable._execution_engine.queue_callback(self._finalize)
+            if self.sync:
+                bucket.add_gradient(slot)
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                ready = time.perf_counter()
+                self.backward_done.add(bucket.index)
+                if self.sync:
+                    kind = "all_reduce" if self.stage == 1 else "reduce_scatter"
+                    entry = self.recorder.launched(bucket.index, kind, bucket.full_nbytes, ready)
+                    self.reductions.append((bucket, bucket.launch_reduction(), entry))
+                if self.stage == 3 and bucket.gathered:
+                    self._wait_gather(bucket.index)  # never free under a gather still writing
+                    bucket.free()
+
+        return hook
+
+    def _finalize(self) -> None:
+        backward_end = time.perf_counter()
+        missing = [b.index for b in self.buckets if b.pending != 0]
+        for bucket, work, entry in self.reductions:
+            self.recorder.wait(work, entry)
+            bucket.finish_reduction()
+        self.reductions = []
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self.backward_done.clear()
+        self.callback_queued = False
+        if self.stage == 3:
+            self.free(range(len(self.buckets)))
+        self.last_peak_gathered = self.peak_gathered
+        if missing:
+            for b in missing:  # a half-filled gradient buffer must not leak into the next backward
+                self.buckets[b].drop_full_gradients()
+            raise RuntimeError(
+                f"buckets {missing} did not receive every gradient in this backward: every trainable "
+                "parameter must get a gradient in every backward (unused parameters are not supported); "
+                "freeze it (requires_grad=False) to keep it out of the shards"
+            )
+        if self.sync:
+            self.stale = self.stage < 3
+            self.synced_grads = True
+            self.recorder.end(backward_end)
