@@ -4,6 +4,7 @@ Public API (everything else is internal):
 
 - ``commlab.launch`` / ``commlab.Runtime`` / ``commlab.init_from_env``: ranks and process groups;
 - ``commlab.DistributedDataParallel``: torch's DDP, bucketed and overlapped in readable Python;
+- ``commlab.ShardedDataParallel``: ZeRO stages 1-3 on flat padded buckets (torch's ``fully_shard``'s results);
 - ``commlab.collectives``: ring, tree and halving-doubling all-reduce on point-to-point ops;
 - ``commlab.pipeline``: GPipe, 1F1B and interleaved pipeline schedules.
 """
@@ -23,6 +24,7 @@ _LAZY = {
     "init_from_env": ("commlab.runtime.context", "init_from_env"),
     "launch": ("commlab.runtime.launch", "launch"),
     "DistributedDataParallel": ("commlab.ddp", "DistributedDataParallel"),
+    "ShardedDataParallel": ("commlab.sharded", "ShardedDataParallel"),
     "Topology": ("commlab.runtime.topology", "Topology"),
     "collectives": ("commlab.collectives", None),
     "pipeline": ("commlab.pipeline", None),
@@ -42,6 +44,7 @@ __all__ = [
     "DistributedDataParallel",
     "LaunchError",
     "Runtime",
+    "ShardedDataParallel",
     "Topology",
     "collectives",
     "init_from_env",
