@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.predict import profile as prof
-from commlab.predict.calibrate import Workload, default_threads, parameter_sizes
-from commlab.predict.costs import fit_table
+from commlab.costmodel import profile as prof
+from commlab.costmodel.calibrate import Workload, default_threads, parameter_sizes
+from commlab.costmodel.costs import fit_table
 from commlab.sweep.spec import build_plan, merge
 from commlab.sweep.store import read_tables, tables
 

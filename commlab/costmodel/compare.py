@@ -5,7 +5,7 @@ Pure pandas over two ``runs`` tables (commlab/sweep/store.py) plus the drawing:
 - error = predicted / measured - 1 of the median step time;
 - shape error: the same after dividing out one common factor per workload (model, sizes,
   backend, world size, batch), the median of measured / predicted over its configurations. It is
-  what is left when the machine's drift (20-30% over minutes here, issue 13) is taken out, and it
+  what is left when the machine's drift (20-30% over minutes here) is taken out, and it
   is what picking a bucket needs;
 - Kendall's tau between the predicted and the measured order of bucket sizes in each series (the
   configurations that differ only in bucket size); a series counts as *resolved* when its

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from commlab.predict.costs import cost_from_entry
-from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.costs import cost_from_entry
+from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step
 from commlab.sweep.spec import Config
 
 SOURCE = "predicted"
@@ -26,7 +26,7 @@ class UnpriceableConfig(ValueError):
 
 
 def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
-    """The lowering's costs from one calibration profile entry (commlab/predict/profile.py)."""
+    """The lowering's costs from one calibration profile entry (commlab/costmodel/profile.py)."""
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")

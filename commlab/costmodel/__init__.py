@@ -1,6 +1,6 @@
 """Predicting DDP from a calibration: profiles, cost terms, the lowering onto commlab.sim, tuning.
 
-    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/predict/cli.py)
+    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/costmodel/cli.py)
     commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (this module)
 """
 
@@ -20,20 +20,20 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
-    instance (saved once, whole, so that the spawned ranks can load it: commlab/predict/instance.py;
+    instance (saved once, whole, so that the spawned ranks can load it: commlab/costmodel/instance.py;
     its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
     Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
     "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords.
     """
     from commlab.models import check_workload
-    from commlab.predict.calibrate import DEFAULT_PROFILE, Workload, profile_for
-    from commlab.predict.session import tune_entry
+    from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
+    from commlab.costmodel.session import tune_entry
     from commlab.sweep.spec import canonical_model_args, parse_model_args
 
     import torch
 
     if isinstance(model_or_name, torch.nn.Module):
-        from commlab.predict.instance import as_name
+        from commlab.costmodel.instance import as_name
 
         if model_args:
             raise ValueError("model_args are the sizes of a named model; an nn.Module instance takes none")

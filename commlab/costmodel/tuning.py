@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step
 
 DEFAULT_GRID_MB = tuple(round(0.5 * 2 ** (i / 4), 3) for i in range(0, 35))  # 0.5 .. ~181 MB, 19% steps
 

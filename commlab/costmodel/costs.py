@@ -1,11 +1,11 @@
 """Cost terms of the DDP model: collective time tables, alpha-beta fits, contention factors.
 
-Pure functions over numbers that calibration measured (commlab/predict/calibrate.py) or that a
-hardware preset states (commlab/predict/hardware.py); nothing here touches torch.
+Pure functions over numbers that calibration measured (commlab/costmodel/calibrate.py) or that a
+hardware preset states (commlab/costmodel/hardware.py); nothing here touches torch.
 
 - A collective's time over the sizes that occur is the measured table, interpolated linearly in
   size between neighbouring points (and extrapolated from the last two points above the table):
-  on this machine one alpha-beta line misses small sizes by up to 31% (issue 13), the table does
+  on this machine one alpha-beta line misses small sizes by up to 31% (measured 2026-11), the table does
   not. The alpha-beta fit (:func:`commlab.bench.alpha_beta.fit_alpha_beta`) is kept beside it,
   with its residuals, to say how far the straight line is from what was measured.
 - Contention: while compute and communication run at once on one host, compute advances at

@@ -57,7 +57,7 @@ def _plan(spec_file, options, *, hardware: str | None = None):
 
 def _entries(plan, profile_path, recalibrate, *, world_size=None):
     """One profile entry per (workload, backend, world size, threads) of the plan."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     try:
         return session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
@@ -70,7 +70,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
     """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
-    from commlab.predict.profile import key_id
+    from commlab.costmodel.profile import key_id
 
     for entry in entries.values():
         c = entry["compute"]
@@ -87,12 +87,12 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
 def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resume, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
     and figures as `commlab sweep`, with a `source` column saying `predicted`."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     begin = time.monotonic()
     preset = None
     if hardware is not None:
-        from commlab.predict.hardware import load_preset
+        from commlab.costmodel.hardware import load_preset
 
         try:
             preset = load_preset(hardware)
@@ -115,7 +115,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
         records, meta = session.predict(plan, entries, preset)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.predict.predict import write_prediction
+    from commlab.costmodel.predict import write_prediction
 
     write_prediction(run_dir, records, meta)
     _ECHO(f"commlab predict: {len(records)} configuration(s) -> {run_dir} ({time.monotonic() - begin:.1f} s)")
@@ -125,7 +125,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
         written = draw_all(run_dir)
         _ECHO(f"figures in {run_dir / 'figures'}: {', '.join(p.name for p in written if p.suffix == '.png')}")
     if measured is not None:
-        from commlab.predict import compare
+        from commlab.costmodel import compare
         from commlab.sweep.store import read_tables
 
         both = compare.join(read_tables(run_dir)[2], measured)
@@ -143,7 +143,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
 
 def _tune(spec_file, profile_path, recalibrate, as_json, **options):
     """Recommend bucket_cap_mb (and first bucket, algorithm, overlap) by simulation: no sweep."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
@@ -170,7 +170,7 @@ predict = click.Command("predict", callback=_predict, context_settings=_CTX, hel
     click.Option(["--against"], type=click.Path(exists=True, file_okay=False, path_type=Path),
                  help="a measured sweep's results directory: print measured, predicted, error, rank order"),
     _PROFILE, _RECAL,
-    click.Option(["--hardware"], help="a hardware preset (commlab/predict/hardware.yaml) instead of this machine's collectives"),
+    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
     *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL,

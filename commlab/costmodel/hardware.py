@@ -1,6 +1,6 @@
 """Hardware presets: a named machine's collective costs (and a compute scale) instead of this one's.
 
-Presets live in commlab/predict/hardware.yaml (each with its numbers' sources); a path to a YAML
+Presets live in commlab/costmodel/hardware.yaml (each with its numbers' sources); a path to a YAML
 file of the same form works too. See that file for the all-reduce model.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from commlab.predict.costs import CollectiveCost
-from commlab.predict.lower import StepCosts
+from commlab.costmodel.costs import CollectiveCost
+from commlab.costmodel.lower import StepCosts
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
 FIELDS = ("gpus_per_node", "intra_busbw_gbps", "inter_busbw_gbps", "intra_hop_s", "inter_hop_s", "compute_speedup", "source")
