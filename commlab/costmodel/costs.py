@@ -12,13 +12,17 @@ hardware preset states (commlab/costmodel/hardware.py); nothing here touches tor
   1 / (1 + kc) and communication at 1 / (1 + km) (on a CPU they share cores and memory
   bandwidth). :func:`solve_contention` recovers (kc, km) from one run of each alone and one run
   of both started together.
+
+The one costs type is :class:`SystemCosts`: everything calibration measured (or a hardware preset
+states) about the machine, in one place; what a workload computes is a small profile of its own
+(:class:`DDPProfile`, :class:`StageProfile`). A lowering takes one of each.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,6 +60,110 @@ class CollectiveCost:
         """A pure alpha-beta cost (hardware presets): a two-point table on the line."""
         sizes = (1, 1 << 40)
         return cls(sizes, tuple(alpha_s + s / beta_bytes_per_s for s in sizes), alpha_s, beta_bytes_per_s)
+
+
+
+@dataclass(frozen=True)
+class PointToPoint:
+    """One message of ``nbytes`` between two ranks: ``alpha_s + nbytes * beta_s_per_byte``."""
+
+    alpha_s: float = 0.0
+    beta_s_per_byte: float = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How one algorithm's collectives and compute slow each other on a host (the fluid model).
+
+    ``kc``/``km``: compute runs at 1/(1+kc) beside communication, communication at 1/(1+km)
+    beside compute. ``lanes``: collectives one channel runs at once (Gloo's process group has two
+    worker threads, ProcessGroupGloo::Options threads=2, so two queued native all-reduces run
+    together; commlab's p2p algorithms run one at a time); ``lane_gain``: the aggregate speed of
+    two at once over one.
+    """
+
+    kc: float = 0.0
+    km: float = 0.0
+    lanes: int = 1
+    lane_gain: float = 1.0
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs of the runtime itself, in seconds."""
+
+    bucket_fixed_s: float = 0.0  # the reducer's launch of one bucket
+    writeback_s_per_byte: float = 0.0  # copying a reduced bucket back into .grad
+    action_s: float = 0.0  # a pipeline executor's own time per action
+
+
+@dataclass(frozen=True)
+class SystemCosts:
+    """What calibration measured about a machine (or a hardware preset states), in one place.
+
+    ``collectives`` is keyed by (collective, algorithm, world size), e.g. ("allreduce", "ring", 4).
+    ``corun``: how much a rank's compute stretches when every rank of the host computes at once.
+    """
+
+    collectives: Mapping[tuple[str, str, int], CollectiveCost] = field(default_factory=dict)
+    p2p: PointToPoint = PointToPoint()
+    contention: Mapping[str, Contention] = field(default_factory=dict)  # per algorithm
+    corun: float = 1.0
+    overheads: Overheads = Overheads()
+
+    def collective(self, collective: str, algorithm: str, world_size: int) -> CollectiveCost:
+        """The cost table of one collective; ValueError naming what was calibrated if absent."""
+        key = (collective, algorithm, world_size)
+        if key not in self.collectives:
+            have = ", ".join(f"{c}/{a}/w{w}" for c, a, w in sorted(self.collectives)) or "none"
+            raise ValueError(f"no {collective} cost for algorithm {algorithm!r} at world size {world_size} "
+                             f"(calibrated: {have})")
+        return self.collectives[key]
+
+    def contention_of(self, algorithm: str) -> Contention:
+        """An algorithm's contention; none measured means none modelled."""
+        return self.contention.get(algorithm, Contention())
+
+
+@dataclass(frozen=True)
+class DDPProfile:
+    """What one rank of a DDP workload computes, in seconds (profiled inside DDP on one rank)."""
+
+    forward_s: float
+    ready_s: tuple[float, ...]  # per parameter in ready order: ready time after forward's end
+    ready_order: tuple[int, ...]  # parameter indices (module order) in the order grads are ready
+    param_nbytes: tuple[int, ...]  # module order
+    optimizer_s: float
+    nosync_s: float  # one no_sync micro-batch (forward + backward)
+
+    def __post_init__(self) -> None:
+        if len(self.ready_s) != len(self.ready_order):
+            raise ValueError("ready_s and ready_order must have one entry per parameter")
+
+    def scaled(self, speedup: float) -> DDPProfile:
+        """The same workload on a device ``speedup`` times as fast."""
+        return DDPProfile(self.forward_s / speedup, tuple(t / speedup for t in self.ready_s), self.ready_order,
+                          self.param_nbytes, self.optimizer_s / speedup, self.nosync_s / speedup)
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """What each pipeline stage computes per micro-batch, in seconds, and what it sends.
+
+    ``backward[s]`` is B = I + W, W taking ``weight_share`` of it; ``message_bytes[s]``: the
+    boundary after stage s (activations forward, the same size of gradients back);
+    ``param_nbytes[s]``: stage s's gradients, for its data-parallel buckets.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight_share: float = 0.5
+    message_bytes: tuple[float, ...] = ()
+    param_nbytes: tuple[tuple[int, ...], ...] = ()
+    optimizer_s: float = 0.0
 
 
 def fit_table(sizes: Sequence[int], seconds: Sequence[float]) -> dict:

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from commlab.costmodel.buckets import bucket_tasks
+from commlab.costmodel.costs import DDPProfile, SystemCosts
 from commlab.sim import SimResult, Task, simulate
 from commlab.sweep.store import STEP_COLUMNS
 
@@ -35,7 +37,8 @@ COMM_KINDS = ("allreduce",)
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Every cost the lowering needs for one workload on one setting, in seconds."""
+    """Every cost the lowering needs for one workload on one algorithm and world size, in seconds:
+    a :class:`~commlab.costmodel.costs.SystemCosts` and a DDPProfile bound by :func:`step_costs`."""
 
     forward_s: float
     ready_s: tuple[float, ...]  # per parameter in ready order: ready time after forward's end
@@ -49,12 +52,21 @@ class StepCosts:
     kc: float
     km: float
     allreduce: Callable[[int], float]  # bytes -> seconds, for this algorithm and world size
-    # Collectives one channel runs at once: Gloo's process group has two worker threads
-    # (ProcessGroupGloo::Options, threads=2), so two queued native all-reduces run together;
-    # commlab's p2p algorithms run one at a time on the group's single worker. lane_gain is the
-    # aggregate speed of two at once over one (measured 1.07-1.18x for 8-32 MB on 2026-11).
+    # Collectives one channel runs at once, and their aggregate speed (costs.Contention).
     lanes: int = 1
     lane_gain: float = 1.0
+
+
+def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int) -> StepCosts:
+    """The lowering's costs of one workload on one algorithm and world size (ValueError if the
+    system has no all-reduce cost for them). One rank has no co-run stretch."""
+    c, o = system.contention_of(algorithm), system.overheads
+    return StepCosts(
+        forward_s=profile.forward_s, ready_s=profile.ready_s, ready_order=profile.ready_order,
+        param_nbytes=profile.param_nbytes, optimizer_s=profile.optimizer_s, nosync_s=profile.nosync_s,
+        writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
+        corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
+        allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain)
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,11 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         launch_after.append(max(last, launch_after[-1]) if launch_after else last)
     if not setting.overlap:
         launch_after = [len(costs.ready_order) - 1] * len(buckets)
+    channels = [f"chan{k % setting.groups}" for k in range(len(buckets))]
+    if costs.lanes > 1:
+        channels = [c + f".{(k // setting.groups) % costs.lanes}" for k, c in enumerate(channels)]
+    reduce = bucket_tasks(nbytes, costs.allreduce, channel=channels, host=host,
+                          launched_by=[f"launch{k}" for k in range(len(buckets))])
     k = 0
     previous = 0.0
     for j, p in enumerate(costs.ready_order):
@@ -114,11 +131,7 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         previous = costs.ready_s[j]
         while k < len(buckets) and launch_after[k] == j:
             compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
-            channel = f"chan{k % setting.groups}"
-            if costs.lanes > 1:
-                channel += f".{(k // setting.groups) % costs.lanes}"
-            tasks.append(Task(f"allreduce{k}", channel, costs.allreduce(nbytes[k]),
-                              (f"launch{k}",), "allreduce", host, meta={"bucket": k, "nbytes": nbytes[k]}))
+            tasks.append(reduce[k])
             k += 1
     for k, size in enumerate(nbytes):
         compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",), stretched=False, bucket=k)
