@@ -16,14 +16,15 @@ if TYPE_CHECKING:
 def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
          backend: str = "gloo", world_size: int = 2, threads: int | None = None,
          algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
-         recalibrate: bool = False) -> dict[str, Any]:
+         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",)) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
     instance (saved once, whole, so that the spawned ranks can load it: commlab/costmodel/instance.py;
     its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
     Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
-    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords.
+    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords. ``bucket_policies``:
+    the bucket policies searched (names or instances, commlab/ddp/policy.py).
     """
     from commlab.models import check_workload
     from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
@@ -48,4 +49,4 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     entry = profile_for(workload, backend=backend, world_size=world_size, threads=threads,
                         path=Path(profile) if profile else DEFAULT_PROFILE, recalibrate=recalibrate,
                         algorithms=tuple(algorithms))
-    return tune_entry(entry)
+    return tune_entry(entry, policies=tuple(bucket_policies))

@@ -7,8 +7,8 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 
     [no_sync micro-batches] forward grad(p) ... [launch(k)] ... grad(p) ... writeback(k) ... optimizer
 
-- buckets come from :func:`commlab.ddp.assignment.buckets_from_ready_order`, the function the
-  real DDP rebuilds its buckets with after the first iteration, fed the calibrated ready order;
+- buckets come from the bucket policy's ``rebuild`` (commlab/ddp/policy.py), what the real DDP
+  rebuilds its buckets with after the first iteration, fed the calibrated ready order;
 - a gradient's time includes its copy into the bucket (it was profiled inside DDP);
 - bucket k is launched (a compute task of the reducer's fixed cost per bucket) as soon as its last
   gradient is ready and bucket k-1 was launched; with overlap off, all launches follow backward;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from commlab.costmodel.buckets import bucket_tasks
 from commlab.costmodel.costs import DDPProfile, SystemCosts
@@ -32,6 +33,8 @@ from commlab.sim import SimResult, Task, simulate
 from commlab.sweep.store import STEP_COLUMNS
 
 COMPUTE = "compute"
+# commlab.ddp.policy.DEFAULT_POLICY, written out because commlab.ddp imports torch (a test holds them equal)
+DEFAULT_POLICY = "size_cap"
 COMM_KINDS = ("allreduce",)
 
 
@@ -78,6 +81,7 @@ class DDPSetting:
     overlap: bool = True
     accumulate: int = 1
     groups: int = 1
+    policy: Any = DEFAULT_POLICY  # a bucket policy's name or instance (commlab/ddp/policy.py)
 
     def __post_init__(self) -> None:
         if self.accumulate < 1 or self.groups < 1:
@@ -85,14 +89,16 @@ class DDPSetting:
 
 
 def assign_buckets(costs: StepCosts, setting: DDPSetting) -> list[list[int]]:
-    """The rebuilt buckets (reduction order), from the same function the real DDP uses."""
+    """The rebuilt buckets (reduction order), from the bucket policy the real DDP uses."""
+    # Lazy: commlab.ddp imports torch, and the lowering stays torch-free until it assigns buckets.
     import torch
 
-    from commlab.ddp.assignment import TensorSpec, bucket_caps, buckets_from_ready_order
+    from commlab.ddp.assignment import TensorSpec
+    from commlab.ddp.policy import checked, make_policy
 
-    first, cap = bucket_caps(setting.bucket_cap_mb, setting.first_bucket_mb)
+    policy = make_policy(setting.policy, bucket_cap_mb=setting.bucket_cap_mb, first_bucket_mb=setting.first_bucket_mb)
     specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in costs.param_nbytes]
-    return buckets_from_ready_order(specs, list(costs.ready_order), first, cap)
+    return checked(policy.rebuild(specs, list(costs.ready_order)), len(specs), policy)
 
 
 def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:

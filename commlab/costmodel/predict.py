@@ -57,7 +57,8 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
 
 
 def setting_of(cfg: Config) -> DDPSetting:
-    return DDPSetting(bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, accumulate=cfg.accumulate, groups=cfg.groups)
+    return DDPSetting(bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, accumulate=cfg.accumulate, groups=cfg.groups,
+                      policy=cfg.bucket_policy)
 
 
 def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = None) -> dict[str, Any]:
