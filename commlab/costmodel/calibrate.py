@@ -84,7 +84,8 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     from commlab.costmodel.measure import calibrate_rank
 
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
-         f"world size {world_size}, {threads} thread(s) per rank ...")
+         f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
+         "typically 15-50 s ...")
     results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
     entry = assemble(results, spec, nbytes, shapes,
                      prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
@@ -153,9 +154,11 @@ def profile_for(workload: Workload, *, backend: str, world_size: int, threads: i
                 return entry
             echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
         except KeyError:
-            pass
+            echo(f"no calibration of {prof.key_id(key)} in {path}: calibrating")
         except prof.StaleProfile as stale:
             echo(f"{stale}: recalibrating")
+    else:
+        echo(f"--recalibrate: calibrating {prof.key_id(key)} again")
     entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo)
     prof.store(path, entry)
     return entry

@@ -21,13 +21,32 @@ import click
 
 from commlab.sweep import cli as sweep_cli
 
-_RUN_ONLY = {"resume", "launcher", "timeout", "nnodes", "rdzv_endpoint"}
+# The sweep's options about running and measuring: nothing here runs a configuration.
+_RUN_ONLY = {"resume", "force", "launcher", "timeout", "nnodes", "rdzv_endpoint", "repeat"}
 _GRID_ONLY = {"bucket_mb", "overlap", "accumulate", "groups", "iters", "warmup", "out", "name", "draw"}
+_MEASURED = {"iters", "warmup"}  # steps a measurement takes; a prediction simulates one
 
 
 def _sweep_params(drop: set[str]) -> list[click.Parameter]:
     """The sweep's own options (whatever it grows), minus those that mean nothing here."""
     return [p for p in sweep_cli.sweep.params if p.name not in drop]
+
+
+def _refuse(ctx: click.Context, param: click.Parameter, value):
+    if value not in (None, False, ()):
+        raise click.UsageError(f"{param.opts[0]} is an option of `commlab sweep`: a prediction runs nothing, "
+                               "so it does not use it", ctx)
+
+
+def _refused(names: set[str]) -> list[click.Parameter]:
+    """The sweep's options named, accepted by the parser but refused with a usage error when given
+    (a silently ignored option would let a user believe it changed the prediction)."""
+    out = []
+    for p in sweep_cli.sweep.params:
+        if p.name in names:
+            flag = dict(is_flag=True, default=False) if getattr(p, "is_flag", False) else {}
+            out.append(click.Option(p.opts, hidden=True, expose_value=False, callback=_refuse, **flag))
+    return out
 
 
 _PROFILE = click.Option(["--profile", "profile_path"], type=click.Path(dir_okay=False, path_type=Path),
@@ -84,7 +103,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                        f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
 
 
-def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resume, **options):
+def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
     and figures as `commlab sweep`, with a `source` column saying `predicted`."""
     from commlab.costmodel import session
@@ -98,6 +117,9 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
             preset = load_preset(hardware)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
+    if against is not None and not against.is_dir():
+        raise click.UsageError(f"--against {against}: no such directory. It is a measured sweep's results: run "
+                               f"`commlab sweep` with the same spec first (it writes OUT/NAME), then predict against it")
     plan = _plan(spec_file, options, hardware=hardware)
     measured = None
     if against is not None:
@@ -107,7 +129,12 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
             measured = read_tables(against)[2]
         except FileNotFoundError as err:
             raise click.UsageError(f"--against: {err}") from None
-    run_dir = Path(plan.out) / (plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S")))
+    name = plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S"))
+    run_dir = Path(plan.out) / name
+    if plan.name is None and (against is not None or session.holds_measured(run_dir)):
+        # Without --name, a prediction never lands on measured results (the sweep of the same
+        # spec writes OUT/<spec name>): it takes a name of its own beside them.
+        run_dir = Path(plan.out) / f"{name}-predicted"
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
@@ -166,9 +193,10 @@ _CTX = {"help_option_names": ["-h", "--help"]}
 calibrate = click.Command("calibrate", callback=_calibrate, context_settings=_CTX, help=_calibrate.__doc__,
                           params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL])
 predict = click.Command("predict", callback=_predict, context_settings=_CTX, help=_predict.__doc__, params=[
-    *_sweep_params(set()),
-    click.Option(["--against"], type=click.Path(exists=True, file_okay=False, path_type=Path),
-                 help="a measured sweep's results directory: print measured, predicted, error, rank order"),
+    *_sweep_params(_RUN_ONLY | _MEASURED), *_refused(_RUN_ONLY | _MEASURED),
+    click.Option(["--against"], type=click.Path(file_okay=False, path_type=Path),
+                 help="a measured sweep's results directory: print measured, predicted, error, rank order "
+                      "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
     _PROFILE, _RECAL,
     click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
 ])

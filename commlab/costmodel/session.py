@@ -6,6 +6,7 @@ lowering, prediction, hardware presets, the search) know nothing of each other.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,18 @@ def predict(plan, entries: dict[Key, dict], preset: dict | None = None) -> tuple
     return records, meta
 
 
+def holds_measured(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a sweep's records that are not a prediction's."""
+    meta = Path(run_dir) / "metadata.json"
+    if not any((Path(run_dir) / "configs").glob("*.json")):
+        return False
+    return not meta.exists() or json.loads(meta.read_text()).get("source") != "predicted"
+
+
 def check_run_dir(run_dir: Path) -> None:
     """A prediction may replace an earlier prediction, never a measured sweep's results."""
-    import json
-
-    meta = Path(run_dir) / "metadata.json"
     if any((Path(run_dir) / "configs").glob("*.json")):
-        if not meta.exists() or json.loads(meta.read_text()).get("source") != "predicted":
+        if holds_measured(run_dir):
             raise ValueError(f"{run_dir} holds measured results: pick another --name or --out")
         for old in (Path(run_dir) / "configs").glob("*.json"):
             old.unlink()
