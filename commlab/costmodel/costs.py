@@ -1,21 +1,21 @@
-"""Cost terms of the DDP model: collective time tables, alpha-beta fits, contention factors.
+"""The one costs type (what a machine costs) beside workload profiles (what a workload computes).
 
-Pure functions over numbers that calibration measured (commlab/costmodel/calibrate.py) or that a
-hardware preset states (commlab/costmodel/hardware.py); nothing here touches torch.
+:class:`SystemCosts` holds everything calibration measured (or a hardware preset states) about
+the machine, in one place; what a workload computes is a small profile of its own
+(:class:`DDPProfile`, :class:`StageProfile`). A lowering takes one of each
+(commlab/costmodel/lower.py's ``step_costs`` for DDP). Pure dataclasses and functions over
+numbers that calibration measured (commlab/costmodel/calibrate.py) or that a hardware preset
+states (commlab/costmodel/hardware.py); nothing here touches torch.
 
 - A collective's time over the sizes that occur is the measured table, interpolated linearly in
   size between neighbouring points (and extrapolated from the last two points above the table):
-  on this machine one alpha-beta line misses small sizes by up to 31% (measured 2026-11), the table does
-  not. The alpha-beta fit (:func:`commlab.bench.alpha_beta.fit_alpha_beta`) is kept beside it,
-  with its residuals, to say how far the straight line is from what was measured.
+  on this machine one alpha-beta line misses small sizes by up to 31% (measured 2026-11), the
+  table does not. The alpha-beta fit (:func:`commlab.bench.alpha_beta.fit_alpha_beta`) is kept
+  beside it, with its residuals, to say how far the straight line is from what was measured.
 - Contention: while compute and communication run at once on one host, compute advances at
   1 / (1 + kc) and communication at 1 / (1 + km) (on a CPU they share cores and memory
   bandwidth). :func:`solve_contention` recovers (kc, km) from one run of each alone and one run
   of both started together.
-
-The one costs type is :class:`SystemCosts`: everything calibration measured (or a hardware preset
-states) about the machine, in one place; what a workload computes is a small profile of its own
-(:class:`DDPProfile`, :class:`StageProfile`). A lowering takes one of each.
 """
 
 from __future__ import annotations
