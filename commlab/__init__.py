@@ -26,7 +26,7 @@ _LAZY = {
     "Topology": ("commlab.runtime.topology", "Topology"),
     "collectives": ("commlab.collectives", None),
     "pipeline": ("commlab.pipeline", None),
-    "tune": ("commlab.costmodel", "tune"),
+    "tune": ("commlab.costmodel.api", "tune"),
 }
 
 

@@ -125,3 +125,16 @@ def test_registry_and_the_default_size_cap_policy():
     assert torch_default.rebuild(specs, order) == buckets_from_ready_order(specs, order, MIB, 25 * MIB) == [[5, 4], [3, 2, 1, 0]]
     with pytest.raises(ValueError, match="exactly one"):
         checked([[0, 1], [1]], 2, Pairs())
+
+
+def test_the_tuner_searches_the_policies_it_is_given():
+    from commlab.costmodel.tuning import search, step_time
+
+    costs = _four_params()
+    rec = search({"native": costs}, grid_mb=(25.0,), overlaps=(True,), first_buckets=(None,), policies=("test_pairs",))
+    assert rec.as_json()["commlab_kwargs"]["bucket_policy"] == "test_pairs"
+    assert rec.predicted_step_s == step_time(costs, DDPSetting(bucket_cap_mb=25.0, policy="test_pairs"))
+    assert rec.default_step_s == step_time(costs, DDPSetting())  # the baseline stays torch's default
+    both = search({"native": costs}, grid_mb=(25.0,), overlaps=(True,), first_buckets=(None,),
+                  policies=("size_cap", Pairs()))
+    assert both.predicted_step_s == min(rec.predicted_step_s, step_time(costs, DDPSetting(bucket_cap_mb=25.0)))

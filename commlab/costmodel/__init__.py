@@ -1,7 +1,7 @@
 """The cost model: calibration, one costs type, lowerings onto commlab.sim, prediction and tuning.
 
     commlab calibrate / commlab predict SPEC / commlab tune        (commlab/costmodel/cli.py)
-    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (this module)
+    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (commlab/costmodel/api.py)
 
 Modules (one job each):
 
@@ -16,52 +16,6 @@ Modules (one job each):
 - predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
 - tuning.py: the exhaustive search behind ``commlab tune``; session.py: plan <-> profiles glue;
 - compare.py, validate.py: predicted against measured, and the held-out validation;
-- instance.py: an nn.Module instance made nameable for spawned ranks; cli.py: the commands.
+- api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks;
+  cli.py: the commands.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
-
-
-def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
-         backend: str = "gloo", world_size: int = 2, threads: int | None = None,
-         algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
-         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",)) -> dict[str, Any]:
-    """Recommend DDP settings for a workload by simulation (calibrating first when needed).
-
-    ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
-    instance (saved once, whole, so that the spawned ranks can load it: commlab/costmodel/instance.py;
-    its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
-    Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
-    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords. ``bucket_policies``:
-    the bucket policies searched (names or instances, commlab/ddp/policy.py).
-    """
-    from commlab.models import check_workload
-    from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
-    from commlab.costmodel.session import tune_entry
-    from commlab.sweep.spec import canonical_model_args, parse_model_args
-
-    import torch
-
-    if isinstance(model_or_name, torch.nn.Module):
-        from commlab.costmodel.instance import as_name
-
-        if model_args:
-            raise ValueError("model_args are the sizes of a named model; an nn.Module instance takes none")
-        model_or_name, model_args = as_name(model_or_name)
-    elif not isinstance(model_or_name, str):
-        raise TypeError("commlab.tune takes an nn.Module, a model name or 'package.module:factory', "
-                        f"got {type(model_or_name).__name__}")
-    check_workload(model_or_name, **parse_model_args(model_args))
-    if batch_per_rank < 1 or world_size < 1:
-        raise ValueError(f"batch_per_rank and world_size must be >= 1, got {batch_per_rank}, {world_size}")
-    workload = Workload(model_or_name, canonical_model_args(model_args), batch_per_rank)
-    entry = profile_for(workload, backend=backend, world_size=world_size, threads=threads,
-                        path=Path(profile) if profile else DEFAULT_PROFILE, recalibrate=recalibrate,
-                        algorithms=tuple(algorithms))
-    return tune_entry(entry, policies=tuple(bucket_policies))

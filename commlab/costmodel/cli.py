@@ -174,7 +174,8 @@ def _tune(spec_file, profile_path, recalibrate, as_json, **options):
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
-    results = [session.tune_entry(entry) for entry in entries.values()]
+    policies = tuple(dict.fromkeys(c.bucket_policy for c in plan.configs))  # a spec's bucket_policy key
+    results = [session.tune_entry(entry, policies=policies) for entry in entries.values()]
     if as_json:
         click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
         return
