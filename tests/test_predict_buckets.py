@@ -1,6 +1,7 @@
 """The composable bucket lowering and the one costs type, on their own (no processes, no calibration)."""
 
 import pytest
+import torch
 
 from commlab.costmodel.buckets import bucket_tasks
 from commlab.costmodel.costs import CollectiveCost, Contention, DDPProfile, Overheads, SystemCosts
@@ -61,3 +62,15 @@ def test_system_costs_and_a_profile_price_a_ddp_step():
         step_costs(system, profile, "native", 2)
     with pytest.raises(ValueError, match="one entry per parameter"):
         DDPProfile(0.1, (0.1,), (0, 1), (1, 1), 0.0, 0.0)
+
+
+def test_assign_gives_a_stage_its_buckets_from_the_ddp_policy():
+    from commlab.costmodel.buckets import assign
+    from commlab.ddp.assignment import TensorSpec, buckets_from_ready_order
+
+    sizes, order = (MIB // 2,) * 4 + (3 * MIB,), (4, 3, 2, 1, 0)
+    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in sizes]
+    assert assign(sizes, order) == buckets_from_ready_order(specs, order, MIB, 25 * MIB) == [[4], [3, 2, 1, 0]]
+    assert assign(sizes, order, bucket_cap_mb=1) == [[4], [3, 2], [1, 0]]
+    nbytes = [sum(sizes[i] for i in b) for b in assign(sizes, order, bucket_cap_mb=1)]
+    assert [t.meta["nbytes"] for t in bucket_tasks(nbytes, lambda n: 0.0, after=("B",))] == [3 * MIB, MIB, MIB]

@@ -7,6 +7,8 @@ backward. Pure: sizes and a cost function in, :class:`commlab.sim.Task` records 
     bucket_tasks([4 << 20, 1 << 20], allreduce, after=("B3s1",), channel="dp1", prefix="s1.allreduce")
     # -> s1.allreduce0 (deps B3s1), s1.allreduce1, on resource dp1 in that order
 
+:func:`assign` gives the buckets themselves, from the bucket policy DDP uses.
+
 Tasks of one resource run in the order given (commlab/sim/core.py), so only the first bucket of
 each channel needs the ``after`` dependency: the rest queue behind it, as collectives on a
 process group run in the order they were issued.
@@ -15,10 +17,28 @@ process group run in the order they were issued.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from commlab.sim import Task
 
 ALLREDUCE = "allreduce"
+DEFAULT_POLICY = "size_cap"  # commlab.ddp.policy.DEFAULT_POLICY (that package imports torch; a test holds them equal)
+
+
+def assign(param_nbytes: Sequence[int], ready_order: Sequence[int], *, policy: Any = DEFAULT_POLICY,
+           bucket_cap_mb: float | None = None, first_bucket_mb: float | None = None) -> list[list[int]]:
+    """The steady-state buckets (reduction order) of parameters of these sizes whose gradients
+    become ready in ``ready_order``: the bucket policy's rebuild, as the real DDP makes them after
+    its first iteration. ``policy``: a name or instance (commlab/ddp/policy.py)."""
+    # Lazy: commlab.ddp imports torch, and the lowerings stay torch-free until they assign buckets.
+    import torch
+
+    from commlab.ddp.assignment import TensorSpec
+    from commlab.ddp.policy import checked, make_policy
+
+    chosen = make_policy(policy, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in param_nbytes]
+    return checked(chosen.rebuild(specs, list(ready_order)), len(specs), chosen)
 
 
 def bucket_tasks(

@@ -27,14 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from commlab.costmodel.buckets import bucket_tasks
+from commlab.costmodel.buckets import DEFAULT_POLICY, assign, bucket_tasks
 from commlab.costmodel.costs import DDPProfile, SystemCosts
 from commlab.sim import SimResult, Task, simulate
 from commlab.sweep.store import STEP_COLUMNS
 
 COMPUTE = "compute"
-# commlab.ddp.policy.DEFAULT_POLICY, written out because commlab.ddp imports torch (a test holds them equal)
-DEFAULT_POLICY = "size_cap"
 COMM_KINDS = ("allreduce",)
 
 
@@ -90,15 +88,8 @@ class DDPSetting:
 
 def assign_buckets(costs: StepCosts, setting: DDPSetting) -> list[list[int]]:
     """The rebuilt buckets (reduction order), from the bucket policy the real DDP uses."""
-    # Lazy: commlab.ddp imports torch, and the lowering stays torch-free until it assigns buckets.
-    import torch
-
-    from commlab.ddp.assignment import TensorSpec
-    from commlab.ddp.policy import checked, make_policy
-
-    policy = make_policy(setting.policy, bucket_cap_mb=setting.bucket_cap_mb, first_bucket_mb=setting.first_bucket_mb)
-    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in costs.param_nbytes]
-    return checked(policy.rebuild(specs, list(costs.ready_order)), len(specs), policy)
+    return assign(costs.param_nbytes, costs.ready_order, policy=setting.policy,
+                  bucket_cap_mb=setting.bucket_cap_mb, first_bucket_mb=setting.first_bucket_mb)
 
 
 def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:
