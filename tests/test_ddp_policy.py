@@ -64,11 +64,12 @@ def _rank():
         worst = max(worst, max((a.grad - b.grad).abs().max().item()
                                for a, b in zip(ours.parameters(), theirs.parameters())))
         layouts.append(ours.bucket_indices)
-    return {"layouts": layouts, "worst": worst}
+    return {"layouts": layouts, "worst": worst, "policy": ours.bucket_policy}
 
 
 def test_ddp_uses_a_policy_registered_in_a_test_file():
     results = commlab.launch(_rank, world_size=2, backend="gloo", timeout=120)
+    assert isinstance(results[0]["policy"], Pairs)
     for r in results:
         assert r["worst"] <= 1e-6  # the gradients are torch DDP's, whatever the buckets
         assert r["layouts"][0] == [[5, 4], [3, 2], [1, 0]]  # the policy's initial buckets

@@ -114,6 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.overlap = overlap
         self.bucket_bytes_cap = cap
         self.first_bucket_bytes_cap = first_cap
+        self.bucket_policy = policy  # commlab/ddp/policy.py; the reducer assigns buckets with it
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         names = [n for n, _ in named]
