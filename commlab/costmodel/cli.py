@@ -117,6 +117,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
             preset = load_preset(hardware)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
+    if against is not None and against.exists() and not against.is_dir():
+        raise click.UsageError(f"--against {against} is a file: give a measured sweep's results directory (OUT/NAME)")
     if against is not None and not against.is_dir():
         raise click.UsageError(f"--against {against}: no such directory. It is a measured sweep's results: run "
                                f"`commlab sweep` with the same spec first (it writes OUT/NAME), then predict against it")
