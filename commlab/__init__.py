@@ -28,7 +28,7 @@ _LAZY = {
     "Topology": ("commlab.runtime.topology", "Topology"),
     "collectives": ("commlab.collectives", None),
     "pipeline": ("commlab.pipeline", None),
-    "tune": ("commlab.predict", "tune"),
+    "tune": ("commlab.costmodel.api", "tune"),
 }
 
 

@@ -3,7 +3,7 @@
     commlab predict --model examples.heldout_models:convnet --model-args channels=64 ...
 
 (run from the repository root, or with it on PYTHONPATH). The predictor was calibrated and
-tuned on the built-in MLP only; these are its held-out workloads (commlab/predict/validate.py).
+tuned on the built-in MLP only; these are its held-out workloads (commlab/costmodel/validate.py).
 Each factory returns an nn.Module with an ``input_shape`` attribute (commlab/models.py).
 """
 

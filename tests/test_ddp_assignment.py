@@ -19,6 +19,7 @@ from commlab.ddp.assignment import (
     initial_size_limits,
     will_rebuild,
 )
+from commlab.ddp.policy import SizeCapPolicy
 from commlab.models import TinyTransformer, mlp
 
 
@@ -95,6 +96,10 @@ def test_size_limit_policy_equals_torch(cap_mb, find_unused, static):
     torch_limits = config.compute_bucket_size_limits(static, find_unused)[0]
     assert initial_size_limits(first, cap, find_unused, static) == torch_limits
     assert will_rebuild(find_unused, static) == (static or not find_unused)
+    # The default bucket policy's construction-time buckets are torch's limits applied.
+    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in (300_000, 700_000, 1_500_000, 40_000)]
+    policy = SizeCapPolicy(cap_mb, None)
+    assert policy.initial(specs, will_rebuild(find_unused, static)) == initial_buckets(specs, torch_limits)
 
 
 def test_first_bucket_override_and_reduction_order():

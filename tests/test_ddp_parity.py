@@ -148,7 +148,7 @@ def test_constructor_takes_torchs_keywords_in_torchs_order():
     assert [p.name for p in positional] == list(theirs)
     assert [p.default for p in positional] == [p.default for p in theirs.values()]
     own = [p.name for p in ours.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert own == ["algorithm", "overlap", "first_bucket_mb", "round_robin_groups"]
+    assert own == ["algorithm", "overlap", "first_bucket_mb", "round_robin_groups", "bucket_policy"]
 
 
 @pytest.mark.parametrize(

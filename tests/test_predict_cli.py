@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.predict import profile as prof
-from commlab.predict.calibrate import Workload, default_threads, parameter_sizes
-from commlab.predict.costs import fit_table
+from commlab.costmodel import profile as prof
+from commlab.costmodel.calibrate import Workload, default_threads, parameter_sizes
+from commlab.costmodel.costs import fit_table
 from commlab.sweep.spec import build_plan, merge
 from commlab.sweep.store import read_tables, tables
 
@@ -166,3 +166,49 @@ def test_predicting_over_a_measured_run_is_a_usage_error(tmp_path, profile):
     r = invoke("predict", *ARGS, "--out", str(tmp_path), "--name", "measured", "--profile", str(profile))
     assert r.exit_code == 2 and "holds measured results" in r.output
     assert (measured / "configs" / "x.json").read_text() == "{}"
+
+
+def test_the_documented_against_command_works_before_and_after_the_sweep(tmp_path, profile):
+    spec = tmp_path / "bucket_size.yaml"
+    spec.write_text("model: mlp\nmodel_args: depth=2,width=64\nbucket_mb: 0.01,1\nalgorithm: native\n")
+    measured = tmp_path / "bucket_size"
+    common = [str(spec), "--out", str(tmp_path), "--profile", str(profile), "--no-figures", "--against", str(measured)]
+    r = invoke("predict", *common)  # before the sweep: say what to do, create nothing
+    assert r.exit_code == 2 and "no such directory" in r.output and "commlab sweep" in r.output
+    assert not measured.exists() and not (tmp_path / "bucket_size-predicted").exists()
+    # The sweep's results (a prediction relabelled as a measurement stands in for one).
+    assert invoke("predict", str(spec), "--out", str(tmp_path), "--profile", str(profile), "--no-figures").exit_code == 0
+    meta = json.loads((measured / "metadata.json").read_text())
+    (measured / "metadata.json").write_text(json.dumps({**meta, "source": "measured"}))
+    r = invoke("predict", *common)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "bucket_size-predicted" / "comparison.json").read_text())["median_abs_error"] == pytest.approx(0.0)
+    assert json.loads((measured / "metadata.json").read_text())["source"] == "measured"  # untouched
+    # Without --against, a spec whose default directory holds measured results predicts beside it too.
+    r = invoke("predict", str(spec), "--out", str(tmp_path), "--profile", str(profile), "--no-figures")
+    assert r.exit_code == 0 and "bucket_size-predicted" in r.output
+
+
+@pytest.mark.parametrize("option", [["--resume"], ["--force"], ["--launcher", "torchrun"], ["--timeout", "5"],
+                                    ["--nnodes", "2"], ["--iters", "5"], ["--repeat", "3"]])
+def test_predict_refuses_the_options_of_a_run(tmp_path, profile, option):
+    r = invoke("predict", *ARGS, *option, "--out", str(tmp_path), "--name", "x", "--profile", str(profile))
+    assert r.exit_code == 2 and f"{option[0]} is an option of `commlab sweep`" in r.output
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["tune", "calibrate"])
+def test_tune_and_calibrate_offer_no_sweep_run_options(command):
+    r = invoke(command, "--help")
+    assert r.exit_code == 0 and "--model" in r.output
+    for word in ("--force", "--resume", "--repeat", "--launcher"):
+        assert word not in r.output, word
+
+
+def test_comparison_legend_names_what_differs_in_words():
+    from commlab.costmodel.compare import series_label
+
+    values = {"model": "mlp", "model_args": "", "world_size": 4, "algorithm": "ring", "overlap": False}
+    assert series_label(values, ["world_size", "overlap"]) == "world 4, overlap off"
+    assert series_label(values, ["model", "model_args", "algorithm"]) == "mlp, default sizes, ring"
+    assert series_label(values, []) == "all configurations"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from commlab.predict.lower import DDPSetting, StepCosts, assign_buckets, breakdown, lower, simulate_step
+from commlab.costmodel.lower import DDPSetting, StepCosts, assign_buckets, breakdown, lower, simulate_step
 
 MIB = 1 << 20
 

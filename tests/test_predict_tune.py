@@ -2,8 +2,8 @@
 
 import pytest
 
-from commlab.predict.lower import DDPSetting, StepCosts
-from commlab.predict.tuning import search, step_time
+from commlab.costmodel.lower import DDPSetting, StepCosts
+from commlab.costmodel.tuning import search, step_time
 
 MIB = 1 << 20
 
@@ -53,7 +53,7 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
     from torch import nn
 
     import commlab
-    from commlab.predict import instance
+    from commlab.costmodel import instance
 
     monkeypatch.setenv("COMMLAB_MODULE_DIR", str(tmp_path / "modules"))
     net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 3))
@@ -85,7 +85,7 @@ def test_modules_that_differ_only_in_options_or_activations_get_different_names(
     import torch
     from torch import nn
 
-    from commlab.predict.instance import digest
+    from commlab.costmodel.instance import digest
 
     def mlp(act):
         torch.manual_seed(0)

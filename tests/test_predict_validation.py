@@ -14,8 +14,8 @@ import math
 import pandas as pd
 import pytest
 
-from commlab.predict.compare import format_table, join, series_taus, workload_table
-from commlab.predict.validate import CONVNET, validate_parts
+from commlab.costmodel.compare import format_table, join, series_taus, workload_table
+from commlab.costmodel.validate import CONVNET, validate_parts
 
 WORKLOAD = dict(model="mlp", model_args="depth=2", backend="gloo", world_size=2, batch_per_rank=32, algorithm="native")
 

@@ -3,7 +3,7 @@
 import math
 
 from commlab.ddp.timing import COLUMNS, CpuClock, RawIteration, resolve
-from commlab.predict.lower import DDPSetting, breakdown, simulate_step
+from commlab.costmodel.lower import DDPSetting, breakdown, simulate_step
 from commlab.sweep import store
 from commlab.sweep.spec import build_plan, merge
 from test_predict_lower import costs
@@ -44,7 +44,7 @@ def test_reading_results_and_the_simulator_never_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.predict.lower; print('torch' in sys.modules)"
+    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.costmodel.lower; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -57,6 +57,16 @@ def test_grid_is_the_product_with_stable_unique_ids():
     assert list(first.columns()) == CONFIG_COLUMNS
 
 
+def test_the_default_bucket_policy_keeps_the_ids_and_records_made_before_it_was_a_key():
+    cfg = plan(iters=3, warmup=1, bucket_mb="1", overlap="on").configs[0]
+    assert cfg.bucket_policy == "size_cap"
+    # Its id as commlab wrote it before bucket_policy existed (tests/fixtures/sweep, 2026-11-25).
+    assert cfg.id == "mlp-gloo-w2-b1-native-ov-a1-g1-t1-eaaad5"
+    old = {k: v for k, v in cfg.columns().items() if k != "bucket_policy"}
+    assert Config.from_columns(old) == cfg
+    assert plan(iters=3, warmup=1, bucket_mb="1", overlap="on", bucket_policy="size_cap").configs[0].id == cfg.id
+
+
 def test_strong_and_weak_batches():
     strong = plan(world_size="1,2,4", global_batch=64, overlap="on")
     assert [(c.global_batch, c.batch_per_rank) for c in strong.configs] == [(64, 64), (64, 32), (64, 16)]

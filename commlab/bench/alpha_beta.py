@@ -10,7 +10,9 @@ link out of (into) the root, factor 1.
 
 The alpha-beta (latency-bandwidth, Hockney) model says one collective on S bytes takes
 t = alpha + S / beta; :func:`fit_alpha_beta` estimates it by least squares over a size sweep
-(:func:`least_squares_line`, which the pipeline planner's ping-pong fit uses too).
+with both terms non-negative (:func:`nonnegative_line`): a latency below zero means nothing, and an
+unconstrained line through noisy small sizes gave one (a negative alpha printed without comment).
+:func:`least_squares_line` is the unconstrained fit, which the pipeline planner's ping-pong fit uses.
 """
 
 from __future__ import annotations
@@ -106,13 +108,32 @@ def least_squares_line(x, y) -> tuple[float, float]:
     return float(y.mean() - slope * x.mean()), slope
 
 
+def nonnegative_line(x, y) -> tuple[float, float]:
+    """Least squares ``y = intercept + slope * x`` with intercept >= 0 and slope >= 0.
+
+    Two parameters, so a closed form: the residual is a convex quadratic, whose minimum over the
+    quadrant is the unconstrained one when that lies inside, and otherwise the best of the
+    minimum along each edge (intercept 0: slope = sum(xy)/sum(xx); slope 0: intercept = mean(y)),
+    each clipped at zero. (NaN, NaN) as :func:`least_squares_line` when undetermined.
+    """
+    intercept, slope = least_squares_line(x, y)
+    if math.isnan(slope) or (intercept >= 0 and slope >= 0):
+        return intercept, slope
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    edges = [(0.0, max(float((x * y).sum() / (x * x).sum()), 0.0)), (max(float(y.mean()), 0.0), 0.0)]
+    return min(edges, key=lambda e: float(((y - e[0] - e[1] * x) ** 2).sum()))
+
+
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float, float]:
-    """Least-squares fit of t = alpha + S / beta: returns (alpha in us, beta in GB/s, R^2).
+    """Least-squares fit of t = alpha + S / beta, alpha >= 0 and 1/beta >= 0 (:func:`nonnegative_line`):
+    returns (alpha in us, beta in GB/s, R^2).
 
     NaNs where the data cannot determine them (fewer than two distinct sizes); beta is inf when
-    the fitted time does not grow with size.
+    the time does not grow with size over the sweep (no bandwidth term is measurable there: sizes
+    too small, or noise larger than the transfer time).
     """
-    alpha, slope = least_squares_line(nbytes, seconds)
+    alpha, slope = nonnegative_line(nbytes, seconds)
     if math.isnan(slope):
         return math.nan, math.nan, math.nan
     x = np.asarray(nbytes, dtype=float)

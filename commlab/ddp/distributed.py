@@ -18,6 +18,7 @@ from commlab import collectives
 from commlab.ddp import join as uneven
 from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
+from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
 from commlab.ddp.sparse import sparse_parameters, sparse_reducer
@@ -33,7 +34,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     all-reduce; ``overlap=False`` reduces every bucket only after backward (the DDP paper's
     non-overlapped baseline); ``first_bucket_mb`` overrides the small first bucket's cap;
     ``round_robin_groups=k`` (or a list of process groups) gives consecutive buckets to k groups
-    in turn, so that their all-reduces may run concurrently.
+    in turn, so that their all-reduces may run concurrently; ``bucket_policy`` (a name from
+    ``commlab.ddp.policy.policy_names()`` or a BucketPolicy) decides which gradients share a bucket.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         overlap: bool = True,
         first_bucket_mb: float | None = None,
         round_robin_groups: int | Sequence[dist.ProcessGroup] = 1,
+        bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -81,6 +84,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"unknown all-reduce algorithm {algorithm!r}: choose from {', '.join(collectives.algorithm_names())}"
             )
         first_cap, cap = bucket_caps(bucket_cap_mb, first_bucket_mb)
+        policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs an initialised process group (use commlab.launch)")
         options.warn_check_reduction(check_reduction)
@@ -110,6 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.overlap = overlap
         self.bucket_bytes_cap = cap
         self.first_bucket_bytes_cap = first_cap
+        self.bucket_policy = policy  # commlab/ddp/policy.py; the reducer assigns buckets with it
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         names = [n for n, _ in named]
@@ -142,8 +147,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
-            first_cap=first_cap,
-            cap=cap,
+            policy=policy,
             device=params[0].device,
         )
         if self._sparse is not None:  # the dense reducer drives the sparse one (sparse.py)

@@ -12,7 +12,8 @@ docs/design.md, and the C++ original is torch/csrc/distributed/c10d/reducer.cpp)
 4. The end of backward (an autograd engine callback queued by the first hook) launches what is
    left, waits for every bucket and writes the averaged values back into ``.grad``.
 5. After the first synchronised iteration the buckets are rebuilt once from the order in which
-   gradients became ready (rank 0's order, broadcast), with the small first bucket.
+   gradients became ready (rank 0's order, broadcast): by default with the small first bucket
+   (the bucket policy decides both assignments: commlab/ddp/policy.py).
 """
 
 from __future__ import annotations
@@ -26,15 +27,11 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from commlab import collectives
-from commlab.ddp.assignment import (
-    buckets_from_ready_order,
-    initial_buckets,
-    initial_size_limits,
-    will_rebuild,
-)
+from commlab.ddp.assignment import TensorSpec, will_rebuild
 from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
 from commlab.ddp import inflight
+from commlab.ddp.policy import BucketPolicy, checked
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
 
@@ -54,8 +51,7 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool,
-        first_cap: int,
-        cap: int,
+        policy: BucketPolicy,
         device: torch.device | None = None,
     ):
         self.params = list(params)
@@ -66,7 +62,8 @@ class Reducer:
         self.algorithm = algorithm
         self.overlap = overlap
         self.as_view = gradient_as_bucket_view
-        self.first_cap, self.cap = first_cap, cap
+        self.policy = policy  # commlab/ddp/policy.py: which gradients share a bucket
+        self._specs = [TensorSpec.of(p) for p in self.params]
         # ``device`` for a model whose parameters all have sparse gradients (no dense one here)
         self.device = self.params[0].device if self.params else device
         self.clock = make_clock(self.device)
@@ -74,8 +71,7 @@ class Reducer:
         self.comm_state: Any = None
         self.sparse: Any = None  # the SparseReducer beside this one (commlab/ddp/sparse.py), if any
         self.rebuild_pending = will_rebuild(find_unused_parameters, static_graph)
-        limits = initial_size_limits(first_cap, cap, find_unused_parameters, static_graph)
-        self._install(initial_buckets(self.params, limits))
+        self._install(checked(policy.initial(self._specs, self.rebuild_pending), len(self.params), policy))
         self._accumulators = grad_accumulators(self.params)  # held, as torch's Reducer does
         self._accumulator_index = {acc: i for i, acc in enumerate(self._accumulators)}
         # The hooks reach the reducer through a weak reference, so a dropped DDP is freed (and its
@@ -126,7 +122,7 @@ class Reducer:
         # torch syncs the rebuilt indices from rank 0 (Reducer::sync_bucket_indices).
         src = dist.get_global_rank(self.group, 0)
         collectives.run_ordered(self.group, lambda: dist.broadcast(order, src, group=self.group))
-        self._install(buckets_from_ready_order(self.params, order.tolist(), self.first_cap, self.cap))
+        self._install(checked(self.policy.rebuild(self._specs, order.tolist()), len(self.params), self.policy))
         self.rebuild_pending = False
         self._ready_order = []
         return True

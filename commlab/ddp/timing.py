@@ -72,7 +72,7 @@ class IterationTiming:
 
 
 # The per-iteration columns, in order: what the sweep stores (commlab/sweep/store.py) and what
-# the predictor writes in its place (commlab/predict/lower.py), from this one definition.
+# the predictor writes in its place (commlab/costmodel/lower.py), from this one definition.
 COLUMNS = [f.name for f in fields(IterationTiming) if f.name != "buckets"]
 
 

@@ -47,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "timeout": 300.0,
     "nnodes": 1,
     "rdzv_endpoint": None,
+    # A bucket policy's name (commlab/ddp/policy.py) or package.module:Class; a spec-file key.
+    "bucket_policy": "size_cap",
 }
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
@@ -71,16 +73,22 @@ class Config:
     batch_per_rank: int
     iters: int
     warmup: int
+    bucket_policy: str = DEFAULTS["bucket_policy"]
 
     @property
     def id(self) -> str:
-        """Readable and stable: the same settings give the same id in every run (used by --resume)."""
-        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:6]
+        """Readable and stable: the same settings give the same id in every run (used by --resume).
+        The default bucket policy is left out, so ids are those of runs made before it was an option."""
+        settings = asdict(self)
+        if self.bucket_policy == DEFAULTS["bucket_policy"]:
+            del settings["bucket_policy"]
+        digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
         model = re.sub(r"[^A-Za-z0-9]+", "_", self.model)[:24]
         overlap = "ov" if self.overlap else "noov"
+        policy = "" if "bucket_policy" not in settings else "-" + re.sub(r"[^A-Za-z0-9]+", "_", self.bucket_policy)[:24]
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:
@@ -92,7 +100,8 @@ class Config:
 
     @classmethod
     def from_columns(cls, row: dict[str, Any]) -> Config:
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
+        # Results written before bucket_policy was a column hold the default policy's runs.
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row or f.name != "bucket_policy"})
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,13 @@ def build_plan(options: dict[str, Any]) -> Plan:
     repeat = positive_int(str(o["repeat"]), "repeat")
     nnodes = positive_int(str(o["nnodes"]), "nnodes")
     model_args = canonical_model_args(o["model_args"])
+    policies = parse_list(o["bucket_policy"], lambda t, _: t, "bucket_policy")
+    if policies != [DEFAULTS["bucket_policy"]]:
+        # Lazy: the registry lives beside DDP, which imports torch; a plan with the default stays torch-free.
+        from commlab.ddp.policy import make_policy
+
+        for name in policies:
+            make_policy(name)  # ValueError naming the registered policies
     if nnodes > 1 and launcher != "torchrun":
         raise ValueError("--nnodes > 1 needs --launcher torchrun")
     if nnodes > 1 and not o.get("rdzv_endpoint"):
@@ -231,8 +247,8 @@ def build_plan(options: dict[str, Any]) -> Plan:
     configs = []
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small.
-    for model, backend, world, thread, algo, group, acc, bucket, overlap in itertools.product(
-        models, backends, world_sizes, threads, algorithms, groups, accumulates, buckets, overlaps
+    for model, backend, world, thread, algo, group, acc, policy, bucket, overlap in itertools.product(
+        models, backends, world_sizes, threads, algorithms, groups, accumulates, policies, buckets, overlaps
     ):
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
@@ -249,7 +265,7 @@ def build_plan(options: dict[str, Any]) -> Plan:
             global_batch = per_rank * world
         configs.append(
             Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
-                   scaling, global_batch, per_rank, iters, warmup)
+                   scaling, global_batch, per_rank, iters, warmup, policy)
         )
     return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)

@@ -50,7 +50,7 @@ RECORDS = "configs"
 # One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab.ddp.timing.COLUMNS,
 # written out here so that reading results and drawing figures never imports torch;
 # tests/test_sweep_columns.py holds the two equal), then what the sweep worker times around it.
-# The predictor writes exactly these (commlab/predict/lower.py imports them).
+# The predictor writes exactly these (commlab/costmodel/lower.py imports them).
 TIMING_COLUMNS = ["forward", "backward_compute", "comm", "exposed_comm", "total", "write_back", "unused_allreduce"]
 STEP_COLUMNS = [*TIMING_COLUMNS, "accumulate_time", "optimizer", "step"]
 ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]

@@ -87,6 +87,7 @@ def prepare(cfg: Config) -> Trainer:
         algorithm=cfg.algorithm,
         overlap=cfg.overlap,
         round_robin_groups=cfg.groups,
+        bucket_policy=cfg.bucket_policy,
     )
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + rt.rank)

@@ -4,7 +4,7 @@ Calibration spawns ranks (commlab.launch), and a rank builds its workload from a
 (commlab/models.py), never from the caller's objects. :func:`as_name` saves the module once,
 whole (``torch.save``: the classes are pickled by reference, so they must be importable, as
 for any ``package.module:factory``), under a digest of its class and parameter shapes, and
-returns the factory name ``commlab.predict.instance:load`` with ``digest=...`` as its size. The
+returns the factory name ``commlab.costmodel.instance:load`` with ``digest=...`` as its size. The
 digest makes the name stable across calls, so a cached calibration profile is found again;
 timings do not depend on the weights' values, only on their shapes.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-FACTORY = "commlab.predict.instance:load"
+FACTORY = "commlab.costmodel.instance:load"
 
 
 def store_dir() -> Path:

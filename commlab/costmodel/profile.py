@@ -10,7 +10,7 @@ checks an entry before anything runs: a missing field is an error; an entry made
 machine or torch version is an error (its numbers describe other hardware or other kernels);
 an entry older than ``max_age_s``, or whose workload's parameter shapes changed, is *stale* and
 is recalibrated rather than silently used (this machine's speed drifts 20-30% over minutes,
-issue 13, so calibration belongs just before the prediction).
+so calibration belongs just before the prediction).
 """
 
 from __future__ import annotations

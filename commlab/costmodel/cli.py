@@ -21,13 +21,32 @@ import click
 
 from commlab.cli import sweep as sweep_cli
 
-_RUN_ONLY = {"resume", "launcher", "timeout", "nnodes", "rdzv_endpoint"}
+# The sweep's options about running and measuring: nothing here runs a configuration.
+_RUN_ONLY = {"resume", "force", "launcher", "timeout", "nnodes", "rdzv_endpoint", "repeat"}
 _GRID_ONLY = {"bucket_mb", "overlap", "accumulate", "groups", "iters", "warmup", "out", "name", "draw"}
+_MEASURED = {"iters", "warmup"}  # steps a measurement takes; a prediction simulates one
 
 
 def _sweep_params(drop: set[str]) -> list[click.Parameter]:
     """The sweep's own options (whatever it grows), minus those that mean nothing here."""
     return [p for p in sweep_cli.sweep.params if p.name not in drop]
+
+
+def _refuse(ctx: click.Context, param: click.Parameter, value):
+    if value not in (None, False, ()):
+        raise click.UsageError(f"{param.opts[0]} is an option of `commlab sweep`: a prediction runs nothing, "
+                               "so it does not use it", ctx)
+
+
+def _refused(names: set[str]) -> list[click.Parameter]:
+    """The sweep's options named, accepted by the parser but refused with a usage error when given
+    (a silently ignored option would let a user believe it changed the prediction)."""
+    out = []
+    for p in sweep_cli.sweep.params:
+        if p.name in names:
+            flag = dict(is_flag=True, default=False) if getattr(p, "is_flag", False) else {}
+            out.append(click.Option(p.opts, hidden=True, expose_value=False, callback=_refuse, **flag))
+    return out
 
 
 _PROFILE = click.Option(["--profile", "profile_path"], type=click.Path(dir_okay=False, path_type=Path),
@@ -57,7 +76,7 @@ def _plan(spec_file, options, *, hardware: str | None = None):
 
 def _entries(plan, profile_path, recalibrate, *, world_size=None):
     """One profile entry per (workload, backend, world size, threads) of the plan."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     try:
         return session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
@@ -70,7 +89,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
     """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
-    from commlab.predict.profile import key_id
+    from commlab.costmodel.profile import key_id
 
     for entry in entries.values():
         c = entry["compute"]
@@ -84,20 +103,25 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                        f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
 
 
-def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resume, **options):
+def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
     and figures as `commlab sweep`, with a `source` column saying `predicted`."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     begin = time.monotonic()
     preset = None
     if hardware is not None:
-        from commlab.predict.hardware import load_preset
+        from commlab.costmodel.hardware import load_preset
 
         try:
             preset = load_preset(hardware)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
+    if against is not None and against.exists() and not against.is_dir():
+        raise click.UsageError(f"--against {against} is a file: give a measured sweep's results directory (OUT/NAME)")
+    if against is not None and not against.is_dir():
+        raise click.UsageError(f"--against {against}: no such directory. It is a measured sweep's results: run "
+                               f"`commlab sweep` with the same spec first (it writes OUT/NAME), then predict against it")
     plan = _plan(spec_file, options, hardware=hardware)
     measured = None
     if against is not None:
@@ -107,7 +131,12 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
             measured = read_tables(against)[2]
         except FileNotFoundError as err:
             raise click.UsageError(f"--against: {err}") from None
-    run_dir = Path(plan.out) / (plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S")))
+    name = plan.name or (spec_file.stem if spec_file else time.strftime("predict-%Y%m%d-%H%M%S"))
+    run_dir = Path(plan.out) / name
+    if plan.name is None and (against is not None or session.holds_measured(run_dir)):
+        # Without --name, a prediction never lands on measured results (the sweep of the same
+        # spec writes OUT/<spec name>): it takes a name of its own beside them.
+        run_dir = Path(plan.out) / f"{name}-predicted"
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
@@ -115,7 +144,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
         records, meta = session.predict(plan, entries, preset)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.predict.predict import write_prediction
+    from commlab.costmodel.predict import write_prediction
 
     write_prediction(run_dir, records, meta)
     _ECHO(f"commlab predict: {len(records)} configuration(s) -> {run_dir} ({time.monotonic() - begin:.1f} s)")
@@ -125,7 +154,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
         written = draw_all(run_dir)
         _ECHO(f"figures in {run_dir / 'figures'}: {', '.join(p.name for p in written if p.suffix == '.png')}")
     if measured is not None:
-        from commlab.predict import compare
+        from commlab.costmodel import compare
         from commlab.sweep.store import read_tables
 
         both = compare.join(read_tables(run_dir)[2], measured)
@@ -143,11 +172,12 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, resu
 
 def _tune(spec_file, profile_path, recalibrate, as_json, **options):
     """Recommend bucket_cap_mb (and first bucket, algorithm, overlap) by simulation: no sweep."""
-    from commlab.predict import session
+    from commlab.costmodel import session
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
-    results = [session.tune_entry(entry) for entry in entries.values()]
+    policies = tuple(dict.fromkeys(c.bucket_policy for c in plan.configs))  # a spec's bucket_policy key
+    results = [session.tune_entry(entry, policies=policies) for entry in entries.values()]
     if as_json:
         click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
         return
@@ -166,11 +196,12 @@ _CTX = {"help_option_names": ["-h", "--help"]}
 calibrate = click.Command("calibrate", callback=_calibrate, context_settings=_CTX, help=_calibrate.__doc__,
                           params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL])
 predict = click.Command("predict", callback=_predict, context_settings=_CTX, help=_predict.__doc__, params=[
-    *_sweep_params(set()),
-    click.Option(["--against"], type=click.Path(exists=True, file_okay=False, path_type=Path),
-                 help="a measured sweep's results directory: print measured, predicted, error, rank order"),
+    *_sweep_params(_RUN_ONLY | _MEASURED), *_refused(_RUN_ONLY | _MEASURED),
+    click.Option(["--against"], type=click.Path(file_okay=False, path_type=Path),
+                 help="a measured sweep's results directory: print measured, predicted, error, rank order "
+                      "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
     _PROFILE, _RECAL,
-    click.Option(["--hardware"], help="a hardware preset (commlab/predict/hardware.yaml) instead of this machine's collectives"),
+    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
     *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL,

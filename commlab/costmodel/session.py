@@ -1,17 +1,18 @@
 """Glue between a sweep plan and the predictor: which profiles it needs, and its records.
 
-Used by commlab/predict/cli.py and by :func:`commlab.tune`; the pieces it joins (calibration,
+Used by commlab/costmodel/cli.py and by :func:`commlab.tune`; the pieces it joins (calibration,
 lowering, prediction, hardware presets, the search) know nothing of each other.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from commlab.predict.calibrate import DEFAULT_PROFILE, Workload, default_threads, profile_for
-from commlab.predict.profile import key_id
+from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, default_threads, profile_for
+from commlab.costmodel.profile import key_id
 from commlab.sweep.spec import Config
 
 Key = tuple[str, str, int, str, int, int]
@@ -49,11 +50,11 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
 
 def predict(plan, entries: dict[Key, dict], preset: dict | None = None) -> tuple[list[dict], dict[str, Any]]:
     """Records for every configuration of ``plan`` and the run's metadata."""
-    from commlab.predict.predict import costs_from_entry, predict_plan
+    from commlab.costmodel.predict import costs_from_entry, predict_plan
 
     def costs_for(cfg: Config):
         if preset is not None:
-            from commlab.predict.hardware import costs_on
+            from commlab.costmodel.hardware import costs_on
 
             return costs_on(preset, entries[group_key(cfg, 1)], cfg.world_size)
         return costs_from_entry(entries[group_key(cfg)], cfg.algorithm, cfg.world_size)
@@ -69,22 +70,27 @@ def predict(plan, entries: dict[Key, dict], preset: dict | None = None) -> tuple
     return records, meta
 
 
+def holds_measured(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a sweep's records that are not a prediction's."""
+    meta = Path(run_dir) / "metadata.json"
+    if not any((Path(run_dir) / "configs").glob("*.json")):
+        return False
+    return not meta.exists() or json.loads(meta.read_text()).get("source") != "predicted"
+
+
 def check_run_dir(run_dir: Path) -> None:
     """A prediction may replace an earlier prediction, never a measured sweep's results."""
-    import json
-
-    meta = Path(run_dir) / "metadata.json"
     if any((Path(run_dir) / "configs").glob("*.json")):
-        if not meta.exists() or json.loads(meta.read_text()).get("source") != "predicted":
+        if holds_measured(run_dir):
             raise ValueError(f"{run_dir} holds measured results: pick another --name or --out")
         for old in (Path(run_dir) / "configs").glob("*.json"):
             old.unlink()
 
 
 def tune_entry(entry: dict, world_size: int | None = None, **search_options) -> dict[str, Any]:
-    """The recommendation (commlab/predict/tuning.py) for one profile entry, as JSON-ready data."""
-    from commlab.predict.predict import costs_from_entry
-    from commlab.predict.tuning import search
+    """The recommendation (commlab/costmodel/tuning.py) for one profile entry, as JSON-ready data."""
+    from commlab.costmodel.predict import costs_from_entry
+    from commlab.costmodel.tuning import search
 
     world = world_size or entry["key"]["world_size"]
     costs = {a: costs_from_entry(entry, a, world) for a in entry["collectives"]}

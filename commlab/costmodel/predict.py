@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from commlab.predict.costs import cost_from_entry
-from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.costs import Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
+from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
 from commlab.sweep.spec import Config
 
 SOURCE = "predicted"
@@ -25,29 +25,40 @@ class UnpriceableConfig(ValueError):
     """A configuration the model has no cost for (say, an algorithm or backend never calibrated)."""
 
 
+def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
+    """What one calibration profile entry (commlab/costmodel/profile.py) measured about the machine,
+    its all-reduce tables priced at ``world_size`` (the entry's own)."""
+    c = entry["compute"]
+    contention = {}
+    for algorithm in entry["collectives"]:
+        k = entry["contention"].get(algorithm, {"kc": 0.0, "km": 0.0})
+        # optional (profiles made before it was measured price one collective at a time)
+        lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
+        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]))
+    return SystemCosts(
+        collectives={("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()},
+        contention=contention, corun=c["corun"],
+        overheads=Overheads(bucket_fixed_s=c["bucket_fixed_s"], writeback_s_per_byte=c["writeback_s_per_byte"]))
+
+
+def profile_from_entry(entry: dict) -> DDPProfile:
+    """The workload's compute from one calibration profile entry."""
+    c, p = entry["compute"], entry["params"]
+    return DDPProfile(forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
+                      param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"])
+
+
 def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
-    """The lowering's costs from one calibration profile entry (commlab/predict/profile.py)."""
+    """The lowering's costs from one calibration profile entry (commlab/costmodel/profile.py)."""
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    if algorithm in entry["contention"]:
-        kc, km = entry["contention"][algorithm]["kc"], entry["contention"][algorithm]["km"]
-    else:
-        kc = km = 0.0
-    c, p = entry["compute"], entry["params"]
-    # optional (profiles made before it was measured price one collective at a time)
-    lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
-    return StepCosts(
-        forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
-        param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"],
-        writeback_s_per_byte=c["writeback_s_per_byte"], bucket_fixed_s=c["bucket_fixed_s"],
-        corun=c["corun"] if world_size > 1 else 1.0, kc=kc, km=km,
-        allreduce=cost_from_entry(entry["collectives"][algorithm]),
-        lanes=int(lanes["lanes"]), lane_gain=float(lanes["gain"]))
+    return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size)
 
 
 def setting_of(cfg: Config) -> DDPSetting:
-    return DDPSetting(bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, accumulate=cfg.accumulate, groups=cfg.groups)
+    return DDPSetting(bucket_cap_mb=cfg.bucket_mb, overlap=cfg.overlap, accumulate=cfg.accumulate, groups=cfg.groups,
+                      policy=cfg.bucket_policy)
 
 
 def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = None) -> dict[str, Any]:

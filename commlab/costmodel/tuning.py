@@ -8,11 +8,13 @@ every calibrated algorithm, overlap on and off. The baseline is torch's default:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from commlab.predict.lower import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.lower import DEFAULT_POLICY, DDPSetting, StepCosts, breakdown, simulate_step
 
 DEFAULT_GRID_MB = tuple(round(0.5 * 2 ** (i / 4), 3) for i in range(0, 35))  # 0.5 .. ~181 MB, 19% steps
 
@@ -28,7 +30,8 @@ class Recommendation:
         """``ddp_kwargs`` holds only torch DDP keywords (paste into torch code); the rest is commlab's."""
         return {"ddp_kwargs": {"bucket_cap_mb": self.setting.bucket_cap_mb},
                 "commlab_kwargs": {"algorithm": self.algorithm, "overlap": self.setting.overlap,
-                                   "first_bucket_mb": self.setting.first_bucket_mb},
+                                   "first_bucket_mb": self.setting.first_bucket_mb,
+                                   "bucket_policy": _policy_name(self.setting.policy)},
                 "predicted_step_s": self.predicted_step_s, "default_step_s": self.default_step_s,
                 "gain": self.default_step_s / self.predicted_step_s - 1.0}
 
@@ -40,11 +43,14 @@ def step_time(costs: StepCosts, setting: DDPSetting) -> float:
 
 def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GRID_MB,
            overlaps: Sequence[bool] = (True, False), default_algorithm: str = "native",
-           first_buckets: Sequence[float | None] = (None, 1.0)) -> Recommendation:
+           first_buckets: Sequence[float | None] = (None, 1.0),
+           policies: Sequence[Any] = (DEFAULT_POLICY,)) -> Recommendation:
     """The fastest (algorithm, setting) over the grid; ties go to the larger bucket (fewer launches).
 
     ``first_buckets``: None is a first bucket as large as the others (what an explicit
     bucket_cap_mb gives in torch, and what `commlab sweep` measures), 1.0 is torch's 1 MiB.
+    ``policies``: the bucket policies searched (names or instances, commlab/ddp/policy.py); the
+    baseline is torch's default, whatever they are.
     """
     if not costs:
         raise ValueError("tune needs the costs of at least one algorithm")
@@ -53,12 +59,12 @@ def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GR
     default = step_time(costs[default_algorithm], DDPSetting())
     best: tuple[float, float, str, DDPSetting] | None = None
     for algorithm, c in sorted(costs.items()):
-        for overlap in overlaps:
+        for policy, overlap in itertools.product(policies, overlaps):
             for mb in grid_mb:
                 for first in first_buckets:
                     if first is not None and first >= mb:
                         continue
-                    setting = DDPSetting(bucket_cap_mb=mb, first_bucket_mb=first, overlap=overlap)
+                    setting = DDPSetting(bucket_cap_mb=mb, first_bucket_mb=first, overlap=overlap, policy=policy)
                     t = step_time(c, setting)
                     key = (t, -mb, algorithm, setting)
                     if best is None or t < best[0] * (1 - 1e-9) or (math.isclose(t, best[0], rel_tol=1e-9) and mb > -best[1]):
@@ -66,3 +72,7 @@ def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GR
     assert best is not None
     t, _, algorithm, setting = best
     return Recommendation(algorithm, setting, t, default)
+
+
+def _policy_name(policy: Any) -> str:
+    return policy if isinstance(policy, str) else type(policy).name

@@ -1,6 +1,6 @@
 """Held-out validation of the predictor: calibrate, measure a grid forward and in reverse, compare.
 
-    python -m commlab.predict.validate --out results/predict-validation      # 9.9 min measured, 2 cores
+    python -m commlab.costmodel.validate --out results/predict-validation      # 9.9 min measured, 2 cores
 
 The default grid is work the predictor was never developed on (it was built on the default
 MLP): a wider, shallower MLP and a conv net given as ``package.module:factory``
@@ -10,7 +10,7 @@ cores), reported apart. For each workload, in this order: calibrate (never one o
 configurations), ask the tuner for a bucket (the check: is its measured step within 5% of the
 grid's best?), measure the grid plus the recommendation forward, then in reverse. The mean of the
 two median step times is what the prediction is judged against; configurations whose two
-measurements differ by more than 10% are left out of the worst cases (issue 13's table).
+measurements differ by more than 10% are left out of the worst cases.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import click
 import pandas as pd
 
 from commlab._atomic import write_text
-from commlab.predict import compare, session
-from commlab.predict.predict import write_prediction
+from commlab.costmodel import compare, session
+from commlab.costmodel.predict import write_prediction
 from commlab.sweep import runner, store
 from commlab.sweep.spec import Plan, build_plan, merge
 
@@ -75,7 +75,7 @@ def tune_check(entry: dict, grid: list, echo) -> tuple[Any, dict]:
 
     Only first buckets as large as the others (what an explicit bucket_cap_mb gives in torch and
     what the sweep measures) and caps within the measured grid's 0.5-100 MB."""
-    from commlab.predict.tuning import DEFAULT_GRID_MB
+    from commlab.costmodel.tuning import DEFAULT_GRID_MB
 
     rec = session.tune_entry(entry, first_buckets=(None,), grid_mb=[m for m in DEFAULT_GRID_MB if m <= 100])
     base = grid[0]

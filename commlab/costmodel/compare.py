@@ -5,7 +5,7 @@ Pure pandas over two ``runs`` tables (commlab/sweep/store.py) plus the drawing:
 - error = predicted / measured - 1 of the median step time;
 - shape error: the same after dividing out one common factor per workload (model, sizes,
   backend, world size, batch), the median of measured / predicted over its configurations. It is
-  what is left when the machine's drift (20-30% over minutes here, issue 13) is taken out, and it
+  what is left when the machine's drift (20-30% over minutes here) is taken out, and it
   is what picking a bucket needs;
 - Kendall's tau between the predicted and the measured order of bucket sizes in each series (the
   configurations that differ only in bucket size); a series counts as *resolved* when its
@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from commlab.sweep.spec import CONFIG_COLUMNS
+from commlab.sweep.spec import CONFIG_COLUMNS, DEFAULTS
 
 # Columns that identify a configuration across runs with different step counts.
 MATCH = [c for c in CONFIG_COLUMNS if c not in ("config", "iters", "warmup")]
+DEFAULT_POLICY = DEFAULTS["bucket_policy"]
 WORKLOAD = ["model", "model_args", "backend", "world_size", "batch_per_rank"]
 
 
@@ -41,6 +42,9 @@ def kendall_tau(a, b) -> float:
 
 def join(predicted: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration present (and successful) in both runs tables."""
+    # Runs recorded before the bucket policy was a configuration column used the default one.
+    predicted, measured = (f.assign(bucket_policy=f["bucket_policy"].fillna(DEFAULT_POLICY)) if "bucket_policy" in f else f
+                           for f in (predicted, measured))
     keys = [c for c in MATCH if c in predicted and c in measured]
     m = measured[measured["status"] == "ok"][keys + ["config", "step_median", "step_p10", "step_p90"]]
     p = predicted[predicted["status"] == "ok"][keys + ["config", "step_median"]]
@@ -95,6 +99,25 @@ def report(both: pd.DataFrame, taus: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+SERIES = ("model", "model_args", "world_size", "algorithm", "bucket_policy", "overlap", "groups", "accumulate")
+_WORDS = {"world_size": "world {}", "overlap": "overlap {}", "groups": "{} groups", "accumulate": "accumulate {}",
+          "bucket_policy": "{} buckets"}
+
+
+def series_label(values: dict, varying) -> str:
+    """A legend entry for one bucket-size series: the settings that differ between series, in
+    words ("mlp, world 4, overlap off"); "all configurations" when only the bucket size varies."""
+    parts = []
+    for key in varying:
+        value = values[key]
+        if key == "overlap":
+            value = "on" if value in (True, "True", "true") else "off"
+        if key == "model_args" and not value:
+            value = "default sizes"
+        parts.append(_WORDS.get(key, "{}").format(value))
+    return ", ".join(parts) or "all configurations"
+
+
 def draw(both: pd.DataFrame, path: Path) -> list[Path]:
     """Scatter of predicted vs measured against y = x, and measured bucket-size curves with the
     predicted ones over them (dashed)."""
@@ -110,10 +133,11 @@ def draw(both: pd.DataFrame, path: Path) -> list[Path]:
     a.plot([0, hi], [0, hi], color="grey", lw=1, label="y = x")
     a.set(xlabel="measured step (ms)", ylabel="predicted step (ms)", xlim=(0, hi), ylim=(0, hi))
     a.legend(fontsize=7)
-    keys = [c for c in ("model", "model_args", "world_size", "algorithm", "overlap", "groups", "accumulate") if c in both]
+    keys = [c for c in SERIES if c in both]
+    varying = [c for c in keys if both[c].nunique(dropna=False) > 1]
     for i, (values, s) in enumerate(both.sort_values("bucket_mb").groupby(keys, dropna=False)):
         color = f"C{i % 10}"
-        name = ", ".join(str(v) for v in values)
+        name = series_label(dict(zip(keys, values)), varying)
         b.plot(s["bucket_mb"], s["measured_s"] * 1e3, "o-", color=color, lw=1, ms=3, label=name)
         b.plot(s["bucket_mb"], s["predicted_s"] * 1e3, "x--", color=color, lw=1, ms=3)
     b.set(xscale="log", xlabel="bucket size (MB)", ylabel="step (ms)", title="measured (solid), predicted (dashed)")
@@ -131,7 +155,7 @@ def draw(both: pd.DataFrame, path: Path) -> list[Path]:
 
 
 def workload_table(both: pd.DataFrame, taus: pd.DataFrame, agree: float = 0.10) -> pd.DataFrame:
-    """Issue 13's validation table, one row per workload and one for all of them together.
+    """The validation table, one row per workload and one for all of them together.
 
     Medians over every configuration; worst cases over those whose two measurements (forward and
     reverse) agree within ``agree`` (``agreement`` column; all when absent); Kendall's tau over

@@ -1,40 +1,33 @@
-"""Predicting DDP from a calibration: profiles, cost terms, the lowering onto commlab.sim, tuning.
-
-    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/predict/cli.py)
-    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (this module)
-"""
+"""The cost model's Python entry point: ``commlab.tune`` (the CLI's is commlab/costmodel/cli.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
+from commlab.costmodel.instance import as_name
+from commlab.costmodel.session import tune_entry
+from commlab.models import check_workload
+from commlab.sweep.spec import canonical_model_args, parse_model_args
 
 
 def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
          backend: str = "gloo", world_size: int = 2, threads: int | None = None,
          algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
-         recalibrate: bool = False) -> dict[str, Any]:
+         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",)) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
-    instance (saved once, whole, so that the spawned ranks can load it: commlab/predict/instance.py;
+    instance (saved once, whole, so that the spawned ranks can load it: commlab/costmodel/instance.py;
     its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
     Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
-    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords.
+    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords. ``bucket_policies``:
+    the bucket policies searched (names or instances, commlab/ddp/policy.py).
     """
-    from commlab.models import check_workload
-    from commlab.predict.calibrate import DEFAULT_PROFILE, Workload, profile_for
-    from commlab.predict.session import tune_entry
-    from commlab.sweep.spec import canonical_model_args, parse_model_args
-
-    import torch
-
     if isinstance(model_or_name, torch.nn.Module):
-        from commlab.predict.instance import as_name
-
         if model_args:
             raise ValueError("model_args are the sizes of a named model; an nn.Module instance takes none")
         model_or_name, model_args = as_name(model_or_name)
@@ -48,4 +41,4 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     entry = profile_for(workload, backend=backend, world_size=world_size, threads=threads,
                         path=Path(profile) if profile else DEFAULT_PROFILE, recalibrate=recalibrate,
                         algorithms=tuple(algorithms))
-    return tune_entry(entry)
+    return tune_entry(entry, policies=tuple(bucket_policies))

@@ -7,8 +7,8 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 
     [no_sync micro-batches] forward grad(p) ... [launch(k)] ... grad(p) ... writeback(k) ... optimizer
 
-- buckets come from :func:`commlab.ddp.assignment.buckets_from_ready_order`, the function the
-  real DDP rebuilds its buckets with after the first iteration, fed the calibrated ready order;
+- buckets come from the bucket policy's ``rebuild`` (commlab/ddp/policy.py), what the real DDP
+  rebuilds its buckets with after the first iteration, fed the calibrated ready order;
 - a gradient's time includes its copy into the bucket (it was profiled inside DDP);
 - bucket k is launched (a compute task of the reducer's fixed cost per bucket) as soon as its last
   gradient is ready and bucket k-1 was launched; with overlap off, all launches follow backward;
@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from commlab.costmodel.buckets import DEFAULT_POLICY, assign, bucket_tasks
+from commlab.costmodel.costs import DDPProfile, SystemCosts
 from commlab.sim import SimResult, Task, simulate
 from commlab.sweep.store import STEP_COLUMNS
 
@@ -35,7 +38,8 @@ COMM_KINDS = ("allreduce",)
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Every cost the lowering needs for one workload on one setting, in seconds."""
+    """Every cost the lowering needs for one workload on one algorithm and world size, in seconds:
+    a :class:`~commlab.costmodel.costs.SystemCosts` and a DDPProfile bound by :func:`step_costs`."""
 
     forward_s: float
     ready_s: tuple[float, ...]  # per parameter in ready order: ready time after forward's end
@@ -49,12 +53,21 @@ class StepCosts:
     kc: float
     km: float
     allreduce: Callable[[int], float]  # bytes -> seconds, for this algorithm and world size
-    # Collectives one channel runs at once: Gloo's process group has two worker threads
-    # (ProcessGroupGloo::Options, threads=2), so two queued native all-reduces run together;
-    # commlab's p2p algorithms run one at a time on the group's single worker. lane_gain is the
-    # aggregate speed of two at once over one (issue 13 measured 1.07-1.18x for 8-32 MB).
+    # Collectives one channel runs at once, and their aggregate speed (costs.Contention).
     lanes: int = 1
     lane_gain: float = 1.0
+
+
+def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int) -> StepCosts:
+    """The lowering's costs of one workload on one algorithm and world size (ValueError if the
+    system has no all-reduce cost for them). One rank has no co-run stretch."""
+    c, o = system.contention_of(algorithm), system.overheads
+    return StepCosts(
+        forward_s=profile.forward_s, ready_s=profile.ready_s, ready_order=profile.ready_order,
+        param_nbytes=profile.param_nbytes, optimizer_s=profile.optimizer_s, nosync_s=profile.nosync_s,
+        writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
+        corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
+        allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain)
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class DDPSetting:
     overlap: bool = True
     accumulate: int = 1
     groups: int = 1
+    policy: Any = DEFAULT_POLICY  # a bucket policy's name or instance (commlab/ddp/policy.py)
 
     def __post_init__(self) -> None:
         if self.accumulate < 1 or self.groups < 1:
@@ -73,14 +87,9 @@ class DDPSetting:
 
 
 def assign_buckets(costs: StepCosts, setting: DDPSetting) -> list[list[int]]:
-    """The rebuilt buckets (reduction order), from the same function the real DDP uses."""
-    import torch
-
-    from commlab.ddp.assignment import TensorSpec, bucket_caps, buckets_from_ready_order
-
-    first, cap = bucket_caps(setting.bucket_cap_mb, setting.first_bucket_mb)
-    specs = [TensorSpec(n, torch.float32, torch.device("cpu")) for n in costs.param_nbytes]
-    return buckets_from_ready_order(specs, list(costs.ready_order), first, cap)
+    """The rebuilt buckets (reduction order), from the bucket policy the real DDP uses."""
+    return assign(costs.param_nbytes, costs.ready_order, policy=setting.policy,
+                  bucket_cap_mb=setting.bucket_cap_mb, first_bucket_mb=setting.first_bucket_mb)
 
 
 def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:
@@ -107,6 +116,11 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         launch_after.append(max(last, launch_after[-1]) if launch_after else last)
     if not setting.overlap:
         launch_after = [len(costs.ready_order) - 1] * len(buckets)
+    channels = [f"chan{k % setting.groups}" for k in range(len(buckets))]
+    if costs.lanes > 1:
+        channels = [c + f".{(k // setting.groups) % costs.lanes}" for k, c in enumerate(channels)]
+    reduce = bucket_tasks(nbytes, costs.allreduce, channel=channels, host=host,
+                          launched_by=[f"launch{k}" for k in range(len(buckets))])
     k = 0
     previous = 0.0
     for j, p in enumerate(costs.ready_order):
@@ -114,11 +128,7 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         previous = costs.ready_s[j]
         while k < len(buckets) and launch_after[k] == j:
             compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
-            channel = f"chan{k % setting.groups}"
-            if costs.lanes > 1:
-                channel += f".{(k // setting.groups) % costs.lanes}"
-            tasks.append(Task(f"allreduce{k}", channel, costs.allreduce(nbytes[k]),
-                              (f"launch{k}",), "allreduce", host, meta={"bucket": k, "nbytes": nbytes[k]}))
+            tasks.append(reduce[k])
             k += 1
     for k, size in enumerate(nbytes):
         compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",), stretched=False, bucket=k)

@@ -1,9 +1,9 @@
-"""Calibration: measure the model's terms once (commlab/predict/measure.py), cache them as a profile.
+"""Calibration: measure the model's terms once (commlab/costmodel/measure.py), cache them as a profile.
 
     entry = profile_for(workload, backend="gloo", world_size=2, path=PROFILE)   # cached or fresh
 
 One launch at the calibrated world size does everything (see measure.py for what and why); it
-never runs a multi-rank DDP iteration. The entry is keyed as commlab/predict/profile.py says.
+never runs a multi-rank DDP iteration. The entry is keyed as commlab/costmodel/profile.py says.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from commlab.predict import profile as prof
-from commlab.predict.costs import fit_table, solve_contention
+from commlab.costmodel import profile as prof
+from commlab.costmodel.costs import fit_table, solve_contention
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
 DEFAULT_ALGORITHMS = ("native", "ring")
@@ -81,10 +81,11 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
             "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
             "warmup": 2}
     begin = time.monotonic()
-    from commlab.predict.measure import calibrate_rank
+    from commlab.costmodel.measure import calibrate_rank
 
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
-         f"world size {world_size}, {threads} thread(s) per rank ...")
+         f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
+         "typically 15-50 s ...")
     results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
     entry = assemble(results, spec, nbytes, shapes,
                      prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
@@ -153,9 +154,11 @@ def profile_for(workload: Workload, *, backend: str, world_size: int, threads: i
                 return entry
             echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
         except KeyError:
-            pass
+            echo(f"no calibration of {prof.key_id(key)} in {path}: calibrating")
         except prof.StaleProfile as stale:
             echo(f"{stale}: recalibrating")
+    else:
+        echo(f"--recalibrate: calibrating {prof.key_id(key)} again")
     entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo)
     prof.store(path, entry)
     return entry

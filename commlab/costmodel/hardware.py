@@ -1,6 +1,6 @@
 """Hardware presets: a named machine's collective costs (and a compute scale) instead of this one's.
 
-Presets live in commlab/predict/hardware.yaml (each with its numbers' sources); a path to a YAML
+Presets live in commlab/costmodel/hardware.yaml (each with its numbers' sources); a path to a YAML
 file of the same form works too. See that file for the all-reduce model.
 """
 
@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
-from commlab.predict.costs import CollectiveCost
-from commlab.predict.lower import StepCosts
+from commlab.costmodel.costs import CollectiveCost, Overheads, SystemCosts
+from commlab.costmodel.lower import StepCosts, step_costs
+from commlab.costmodel.predict import profile_from_entry
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
 FIELDS = ("gpus_per_node", "intra_busbw_gbps", "inter_busbw_gbps", "intra_hop_s", "inter_hop_s", "compute_speedup", "source")
@@ -58,11 +59,11 @@ def allreduce_cost(preset: dict[str, Any], world_size: int) -> CollectiveCost:
     return CollectiveCost.line(2 * (n - 1) * hop, busbw * n / (2 * (n - 1)))
 
 
-def costs_on(preset: dict[str, Any], entry: dict, world_size: int) -> StepCosts:
-    """The lowering's costs: compute from a world-size-1 profile entry, scaled; the preset's all-reduce."""
-    c, p, s = entry["compute"], entry["params"], float(preset["compute_speedup"])
-    return StepCosts(
-        forward_s=c["forward_s"] / s, ready_s=tuple(t / s for t in c["ready_s"]), ready_order=tuple(p["ready_order"]),
-        param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"] / s, nosync_s=c["nosync_s"] / s,
-        writeback_s_per_byte=c["writeback_s_per_byte"] / s, bucket_fixed_s=c["bucket_fixed_s"] / s,
-        corun=1.0, kc=0.0, km=0.0, allreduce=allreduce_cost(preset, world_size))
+def costs_on(preset: dict[str, Any], entry: dict, world_size: int, algorithm: str = "native") -> StepCosts:
+    """The lowering's costs: compute from a world-size-1 profile entry, scaled; the preset's all-reduce
+    (the same line whatever the algorithm); no contention, no co-run stretch."""
+    c, s = entry["compute"], float(preset["compute_speedup"])
+    system = SystemCosts(collectives={("allreduce", algorithm, world_size): allreduce_cost(preset, world_size)},
+                         overheads=Overheads(bucket_fixed_s=c["bucket_fixed_s"] / s,
+                                             writeback_s_per_byte=c["writeback_s_per_byte"] / s))
+    return step_costs(system, profile_from_entry(entry).scaled(s), algorithm, world_size)

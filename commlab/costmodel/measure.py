@@ -8,7 +8,7 @@
    micro-batch, the optimizer, the write-back per byte (DDP's own write-back span), and, from
    two bucket caps with overlap off, the reducer's fixed cost per bucket. The DDP loop profiles better than the bare model:
    the gradients are copied from memory not in cache, and the allocator state is a DDP process's
-   (issue 13's prototype: the bare model came out ~40% fast on overlap-on configurations);
+   (an early prototype: the bare model came out ~40% fast on overlap-on configurations);
 2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
@@ -96,7 +96,7 @@ def _profile_ddp(spec: dict[str, Any], loss_fn, batch, group) -> dict[str, Any]:
 
 
 def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> dict[str, Any]:
-    # Calibration must never run the configurations it will predict (issue 13): a DDP
+    # Calibration must never run the configurations it will predict: a DDP
     # iteration here is always on a one-rank group.
     if dist.get_world_size(group) != 1:
         raise RuntimeError("calibration profiles DDP on a one-rank process group only")

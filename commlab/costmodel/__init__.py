@@ -1,0 +1,21 @@
+"""The cost model: calibration, one costs type, lowerings onto commlab.sim, prediction and tuning.
+
+    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/costmodel/cli.py)
+    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (commlab/costmodel/api.py)
+
+Modules (one job each):
+
+- costs.py: the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (collective tables by
+  collective, algorithm and world size; point-to-point alpha-beta; contention; overheads), the
+  workload profiles DDPProfile and StageProfile, and the fits that make them;
+- buckets.py: a sequence of DDP buckets as all-reduce tasks (:func:`bucket_tasks`), which every
+  lowering with data-parallel buckets composes;
+- lower.py: one DDP optimizer step lowered onto the simulator core, and its sweep columns;
+- calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py)
+  and caching them as a profile keyed by workload and machine;
+- predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
+- tuning.py: the exhaustive search behind ``commlab tune``; session.py: plan <-> profiles glue;
+- compare.py, validate.py: predicted against measured, and the held-out validation;
+- api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks;
+  cli.py: the commands.
+"""
