@@ -1,6 +1,6 @@
 """The cost model: calibration, one costs type, lowerings onto commlab.sim, prediction and tuning.
 
-    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/costmodel/cli.py)
+    commlab calibrate / commlab predict SPEC / commlab tune        (commlab/cli/predict.py)
     commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (commlab/costmodel/api.py)
 
 Modules (one job each):
@@ -16,6 +16,7 @@ Modules (one job each):
 - predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
 - tuning.py: the exhaustive search behind ``commlab tune``; session.py: plan <-> profiles glue;
 - compare.py, validate.py: predicted against measured, and the held-out validation;
-- api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks;
-  cli.py: the commands.
+- api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks.
+
+The commands live in commlab/cli/predict.py.
 """

@@ -1,4 +1,4 @@
-"""The cost model's Python entry point: ``commlab.tune`` (the CLI's is commlab/costmodel/cli.py)."""
+"""The cost model's Python entry point: ``commlab.tune`` (the CLI's is commlab/cli/predict.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Glue between a sweep plan and the predictor: which profiles it needs, and its records.
 
-Used by commlab/costmodel/cli.py and by :func:`commlab.tune`; the pieces it joins (calibration,
+Used by commlab/cli/predict.py and by :func:`commlab.tune`; the pieces it joins (calibration,
 lowering, prediction, hardware presets, the search) know nothing of each other.
 """
 
