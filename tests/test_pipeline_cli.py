@@ -65,8 +65,11 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     assert first.loc[("1f1b", 4), "saved_bytes"] / first.loc[("gpipe", 4), "saved_bytes"] == pytest.approx(0.5)
     timeline = pd.read_csv(run / "timeline.csv")
     assert set(timeline["source"]) == {"measured", "simulated"}
-    assert all((run / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "peak_memory.png",
-                                                       "timeline.png", "metadata.json"))  # fmt: skip
+    assert (run / "metadata.json").stat().st_size > 0
+    # The figures go under the run's figures/ directory, none beside the CSVs.
+    assert all((run / "figures" / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "peak_memory.png",
+                                                                  "timeline.png"))  # fmt: skip
+    assert not list(run.glob("*.png")) and not (run / ".partial").exists()
     # The figure of peak memory per schedule is drawn from each rank's ledger peak: GPipe's above 1F1B's.
     peaks = stages[stages["checkpoint"] == "never"].groupby(["schedule", "microbatches"])["rank_peak_bytes"].max()
     assert peaks[("1f1b", 4)] < peaks[("gpipe", 4)]

@@ -7,8 +7,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from commlab.pipeline import simulate  # noqa: E402
-from commlab.pipeline.render import SIMULATED_UNIT, gantt, gantt_figure  # noqa: E402
-from commlab.pipeline.schedules import one_f_one_b  # noqa: E402
+from commlab.pipeline.schedule.render import SIMULATED_UNIT, gantt, gantt_figure  # noqa: E402
+from commlab.pipeline.schedule.registry import one_f_one_b  # noqa: E402
 
 
 def test_gantt_axes_have_units_and_a_legend(tmp_path, monkeypatch):

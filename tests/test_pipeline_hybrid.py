@@ -14,7 +14,7 @@ from torch import nn
 
 import commlab
 from commlab.pipeline import PipelineSchedule
-from commlab.pipeline.hybrid import DataParallelStage
+from commlab.pipeline.runtime.hybrid import DataParallelStage
 
 CASES = [("gpipe", [4, 4], "never"), ("1f1b", [3, 5], "except_last"), ("interleaved", [2, 2, 2, 2], "never"),
          ("interleaved", [3, 1, 2, 2], "always")]  # stage 1 is a Tanh alone: no parameters, no DDP

@@ -207,7 +207,7 @@ def test_bad_batches_raise_value_errors(two_ranks):
 
 def test_ledger_counts_a_shared_storage_once_but_in_full_for_each_holder():
     # No processes: the accounting the executor's _keep reads per stashed micro-batch.
-    from commlab.pipeline.memory import Ledger
+    from commlab.pipeline.runtime.memory import Ledger
 
     a, b = torch.zeros(4), torch.zeros(8)  # 16 and 32 bytes
     ledger = Ledger()

@@ -80,7 +80,7 @@ def _ranks():
         out["refused"] = str(err)
     # The chained shape handshake runs only for a first-stage boundary not seen before; otherwise
     # one all-gather agrees on the step (3 ranks on 2 cores: the chain cost ~10% of a 1F1B step).
-    from commlab.pipeline import comm
+    from commlab.pipeline.runtime import handshake as comm
 
     chained, real = [], comm.handshake
     comm.handshake = lambda *a, **k: chained.append(1) or real(*a, **k)

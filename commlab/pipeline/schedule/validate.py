@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from commlab.pipeline.actions import (
+from commlab.pipeline.schedule.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -22,9 +22,10 @@ from commlab.pipeline.actions import (
     num_stages,
     placement_of,
 )
-from commlab.pipeline.messages import message_order
-from commlab.pipeline.schedules import spec
-from commlab.pipeline.simulate import DeadlockError, dependencies, split_stages, walk
+from commlab.pipeline.schedule.clock import DeadlockError, walk
+from commlab.pipeline.schedule.comm import message_order
+from commlab.pipeline.schedule.kinds import dependencies, split_stages
+from commlab.pipeline.schedule.registry import spec
 
 __all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "recomputes", "resolve", "validate"]
 
@@ -83,7 +84,9 @@ def problems(
             for d in dependencies(a, stages, split):
                 # A dependency on this rank must already have run, or the rank waits on itself.
                 if d in position and position[d] > k:
-                    why = "stage order" if d.stage != a.stage else "forward before its backward" if d.kind == FORWARD else "I before its W"
+                    why = ("stage order" if d.stage != a.stage
+                           else "forward before its backward" if d.kind == FORWARD and a.kind in (BACKWARD, INPUT_GRAD)
+                           else "I before its W" if d.kind == INPUT_GRAD else f"{d.kind} before {a.kind}")  # fmt: skip
                     found.append(f"rank {r} runs {a} before {d} ({why}): it would wait on itself")
     for s in range(stages):
         for i in range(microbatches):
@@ -95,6 +98,8 @@ def problems(
             elif not full and not (inp and wgt):
                 missing = Action(s, BACKWARD, i) if not (inp or wgt) else Action(s, WEIGHT_GRAD if inp else INPUT_GRAD, i)
                 found.append(f"{missing} is missing")
+    if not found:  # any kind: what an action needs must run somewhere, or its rank waits forever
+        found += sorted({f"{a} needs {d}, which no rank runs" for a in seen for d in dependencies(a, stages, split) if d not in seen})
     if not found:
         try:
             walk(actions)

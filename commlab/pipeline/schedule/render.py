@@ -1,7 +1,7 @@
 """Pictures of a schedule: the step x rank text grid and a Gantt figure of a (simulated or measured) timeline.
 
-The grid is the schedule's simulation with unit forward and backward times, so row t shows what
-each rank does at clock tick t (torchgpipe's clock-cycle view); "." is a bubble.
+The grid is the schedule's own clock (:func:`commlab.pipeline.schedule.clock.clock`) with a tick per
+forward, so row t shows what each rank does at tick t (torchgpipe's clock-cycle view); "." is a bubble.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlab.pipeline.schedules import FORWARD, Actions
-from commlab.pipeline.simulate import Timed, simulate
+from commlab.pipeline.schedule.actions import FORWARD, Actions
+from commlab.pipeline.schedule.clock import clock
+from commlab.pipeline.schedule.simulate import Timed
 
 # What a simulated time is measured in: the --forward/--backward/--comm costs it was given.
 SIMULATED_UNIT = "units of the --forward/--backward costs"
@@ -27,14 +28,14 @@ def grid(actions: Actions, backward: int | None = None) -> str:
         backward = 2 if any(a.kind in "IW" for rank in actions for a in rank) else 1
     if any(a.kind in "IW" for rank in actions for a in rank) and backward % 2:
         raise ValueError(f"a split backward needs an even number of ticks, got {backward}")
-    sim = simulate(actions, 1.0, float(backward))
+    span = clock(actions, {"F": 1, "B": backward, "I": backward // 2, "W": backward // 2})
     ranks = len(actions)
-    steps = int(round(sim.step_time))
-    cells = [["."] * ranks for _ in range(steps)]
-    for t in sim.timeline:
-        for tick in range(int(round(t.start)), int(round(t.end))):
-            cells[tick][t.rank] = str(t.action)
-    width = max(5, *(len(str(t.action)) for t in sim.timeline))
+    cells = [["."] * ranks for _ in range(max((end for _, end in span.values()), default=0))]
+    for r, rank in enumerate(actions):
+        for a in rank:
+            for tick in range(*span[a]):
+                cells[tick][r] = str(a)
+    width = max(5, *(len(str(a)) for a in span))
     header = "step " + " ".join(f"{f'rank{r}':>{width}}" for r in range(ranks))
     rows = [f"{k:>4} " + " ".join(f"{c:>{width}}" for c in row) for k, row in enumerate(cells)]
     return "\n".join([header, *rows])
