@@ -74,3 +74,24 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     peaks = stages[stages["checkpoint"] == "never"].groupby(["schedule", "microbatches"])["rank_peak_bytes"].max()
     assert peaks[("1f1b", 4)] < peaks[("gpipe", 4)]
     assert not list(run.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_interrupted_bench_keeps_the_rows_measured_and_exits_130(tmp_path, monkeypatch):
+    import commlab
+
+    real = commlab.launch
+
+    def first_then_interrupt(fn, configs, common, **kwargs):
+        real(fn, configs[:1], common, **kwargs)  # the first configuration finishes on every rank ...
+        raise KeyboardInterrupt  # ... then Ctrl-C
+
+    monkeypatch.setattr(commlab, "launch", first_then_interrupt)
+    args = ["bench", "--schedules", "gpipe,1f1b", "-m", "2", "--depth", "2", "--width", "16", "--batch", "8",
+            "--iters", "1", "--warmup", "0", "--calibrate", "1", "--out", str(tmp_path), "--name", "r"]  # fmt: skip
+    out = CliRunner().invoke(main, ["pipeline", *args])
+    assert out.exit_code == 130, out.output
+    assert "Aborted" not in out.output and "interrupted: 1 of 2 configurations measured" in out.output
+    assert str(tmp_path / "r") in out.output
+    summary = pd.read_csv(tmp_path / "r" / "summary.csv")
+    assert summary["config"].tolist() == ["gpipe-m2-time-never"] and (summary["commlab_s"] > 0).all()
+    assert not (tmp_path / "r" / ".partial").exists() and not list((tmp_path / "r").glob(".*.tmp"))

@@ -1,6 +1,6 @@
 """Checking the planner against measurement: run a grid of plans, compare the pick with the best.
 
-The acceptance of the planner (issue 9): its pick, measured, is within 5% of the fastest plan of
+The planner's acceptance: its pick, measured, is within 5% of the fastest plan of
 a measured grid, and its predicted peak memory bounds the measured one. :func:`measure_rank`
 runs on every rank of one launch. All plans are built first, then stepped in rounds, each round
 in the opposite order of the one before (plan k never always runs first or after the same

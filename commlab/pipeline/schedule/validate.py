@@ -23,11 +23,11 @@ from commlab.pipeline.schedule.actions import (
     placement_of,
 )
 from commlab.pipeline.schedule.clock import DeadlockError, walk
-from commlab.pipeline.schedule.comm import message_order
+from commlab.pipeline.schedule.comm import BACKENDS, RECV, SEND, WAIT, Comm, Lowered, Message, lower_comm, message_order
 from commlab.pipeline.schedule.kinds import dependencies, split_stages
 from commlab.pipeline.schedule.registry import spec
 
-__all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "recomputes", "resolve", "validate"]
+__all__ = ["CHECKPOINT_MODES", "check_plan", "comm_problems", "message_order", "problems", "recomputes", "resolve", "validate"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -105,7 +105,38 @@ def problems(
             walk(actions)
         except DeadlockError as err:
             found.append(str(err))
+    if not found:  # the lists the executor runs: every wait finds what it waits for, on either backend
+        for backend in BACKENDS:
+            found += [f"{backend}: {p}" for p in comm_problems(lower_comm(actions, placement, backend))]
     return found
+
+
+def comm_problems(lowered: Lowered) -> list[str]:
+    """Why lowered lists would hang (empty if they run): a ``WAIT RECV`` needs its SEND issued and
+    its own RECV posted, a ``WAIT SEND`` its RECV posted (a Gloo send completes only then), every
+    SEND one RECV."""
+    sends = [op.message for rank in lowered for op in rank if isinstance(op, Comm) and op.kind == SEND]
+    recvs = [op.message for rank in lowered for op in rank if isinstance(op, Comm) and op.kind == RECV]
+    if sorted(map(str, sends)) != sorted(map(str, recvs)):
+        return [f"sends {sorted(map(str, sends))} do not match receives {sorted(map(str, recvs))}"]
+    issued: set[tuple[str, Message]] = set()
+    nxt = [0] * len(lowered)
+    while any(k < len(rank) for k, rank in zip(nxt, lowered)):
+        moved = False
+        for r, rank in enumerate(lowered):
+            while nxt[r] < len(rank):
+                op = rank[nxt[r]]
+                # A wait needs the peer's side issued (and a receive its own post before it).
+                if isinstance(op, Comm) and op.kind == WAIT and not {(RECV, op.message), (op.of, op.message)} | (
+                        {(SEND, op.message)} if op.of == RECV else set()) <= issued:  # fmt: skip
+                    break
+                if isinstance(op, Comm) and op.kind != WAIT:
+                    issued.add((op.kind, op.message))
+                nxt[r], moved = nxt[r] + 1, True
+        if not moved:
+            waiting = {r: str(rank[k]) for r, (k, rank) in enumerate(zip(nxt, lowered)) if k < len(rank)}
+            return [f"the communication deadlocks: ranks wait forever at {waiting}"]
+    return []
 
 
 def validate(
