@@ -1,5 +1,6 @@
-"""Calibration from measured timelines: per-stage compute, message delay, executor overhead, and
-the step time the shared core predicts from them.
+"""Calibration from measured timelines: per-stage compute, message delay, executor overhead.
+
+The step time the shared core predicts from them is :func:`predicted_step`.
 
 A timeline is one step's actions per rank as (stage, kind, micro-batch, start, end) in
 ``perf_counter`` seconds (one clock for all local ranks). The benchmark calibrates the predictor

@@ -145,9 +145,10 @@ def no_fit(plans: Sequence[Plan], budget_mb: float) -> str:
     """Why no plan fits ``budget_mb`` MiB per rank: the smallest peak any plan needs, and a budget that fits it."""
     smallest = min(plans, key=lambda p: max(p.peak_bytes))
     need = max(smallest.peak_bytes) / 2**20
-    return (f"no plan fits {budget_mb:g} MiB per rank: the smallest peak any plan needs is {need:.2f} MiB per rank "
+    suggest = math.ceil(need) if need >= 1 else math.ceil(need * 1000) / 1000  # whole MiB unless tiny
+    return (f"no plan fits {budget_mb:g} MiB per rank: the smallest peak any plan needs is {need:.3f} MiB per rank "
             f"({smallest.schedule}, m={smallest.microbatches}, checkpoint {smallest.checkpoint}); "
-            f"try --budget-mb {math.ceil(need)} or more")  # fmt: skip
+            f"try --budget-mb {suggest:g} or more")  # fmt: skip
 
 
 def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int], ranks: int) -> dict[int, LayerProfile]:

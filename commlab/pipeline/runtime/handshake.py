@@ -1,4 +1,4 @@
-"""Messages between stages: micro-batch splitting, the per-step shape handshake, tags.
+"""The per-step shape handshake between stages, with micro-batch splitting and message tags.
 
 Activations and gradients travel as plain tensors over torch.distributed point-to-point ops
 (Gloo on CPU, NCCL on GPU), so a receiver must allocate the right buffer before the data arrives.
