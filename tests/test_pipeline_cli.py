@@ -18,6 +18,10 @@ def test_show_prints_the_grid_and_actions():
     assert out.exit_code == 0 and out.output.strip() == grid(build("1f1b", 4, 8))
     out = _run("show", "--schedule", "interleaved", "-p", "2", "-m", "4", "-v", "2", "--actions")
     assert out.output.splitlines()[0] == "rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    # --comm: the lists after the comm pass, the executor's own.
+    out = _run("show", "--schedule", "gpipe", "-p", "2", "-m", "1", "--comm", "nccl")
+    assert out.output.splitlines() == ["rank 0: 0F0 SEND(0F0>1F0) RECV(1B0>0B0) WAIT(SEND 0F0>1F0) WAIT(RECV 1B0>0B0) 0B0",
+                                       "rank 1: RECV(0F0>1F0) WAIT(RECV 0F0>1F0) 1F0 1B0 SEND(1B0>0B0) WAIT(SEND 1B0>0B0)"]
     bad = CliRunner().invoke(main, ["pipeline", "show", "--schedule", "interleaved", "-p", "4", "-m", "6"])
     assert bad.exit_code == 2 and "multiple of the ranks" in bad.output
 

@@ -1,6 +1,7 @@
 """`commlab pipeline`: print a schedule, simulate it, benchmark the executor against torch, plan a run.
 
     commlab pipeline show --schedule 1f1b --ranks 4 --microbatches 8       the step x rank grid
+    commlab pipeline show --schedule 1f1b --ranks 2 --comm gloo            ... its lists with SEND, RECV, WAIT
     commlab pipeline simulate --ranks 4 --microbatches 8 --backward 2      bubble of every schedule
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
@@ -18,6 +19,7 @@ from pathlib import Path
 import click
 
 from commlab.pipeline.schedule.actions import format_actions, from_csv
+from commlab.pipeline.schedule.comm import BACKENDS, lower_comm
 from commlab.pipeline.schedule.registry import REGISTRY, build
 from commlab.pipeline.schedule.render import grid
 from commlab.pipeline.schedule.simulate import bubble_formula
@@ -48,8 +50,7 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
 
 def _virtual(schedule: str, virtual: int) -> int:
     """Stages per rank for ``schedule``: its own if the registry fixes one, else ``--virtual``."""
-    allowed = REGISTRY[schedule].virtual
-    return virtual if allowed is None else allowed[0]
+    return virtual if REGISTRY[schedule].virtual is None else REGISTRY[schedule].virtual[0]
 
 
 def _actions(schedule: str, ranks: int, microbatches: int, virtual: int):
@@ -74,8 +75,9 @@ def pipeline() -> None:
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
+@click.option("--comm", type=click.Choice(BACKENDS), help="print each rank's list after the comm pass for this backend")
 @click.option("--backward", type=click.IntRange(min=1), help="ticks per backward (I and W: half each) [1, or 2 for I/W schedules]")
-def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int | None) -> None:
+def show(schedule, csv_path, ranks, microbatches, virtual, as_actions, comm, backward) -> None:
     """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
     if csv_path is not None:
         try:
@@ -85,8 +87,8 @@ def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, vi
             raise click.UsageError(str(err)) from None
     else:
         actions = _actions(schedule, ranks, microbatches, virtual)
-    if as_actions:
-        for r, line in enumerate(format_actions(actions)):
+    if as_actions or comm:
+        for r, line in enumerate(format_actions(lower_comm(actions, backend=comm) if comm else actions)):
             click.echo(f"rank {r}: {line}")
     else:
         try:

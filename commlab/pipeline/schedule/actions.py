@@ -114,9 +114,13 @@ def check_placement(placement: Sequence[int], ranks: int, stages: int) -> tuple[
     return placement
 
 
-def format_actions(actions: Actions) -> list[str]:
-    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]``."""
-    return [" ".join(str(a) for a in rank) for rank in actions]
+def format_actions(actions: Sequence[Sequence[object]]) -> list[str]:
+    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]`` (a comm op
+    as ``SEND(0F0>1F0)``, ``WAIT(RECV 1B0>0B0)``)."""
+    def text(op) -> str:
+        return str(op) if isinstance(op, Action) else f"{op.kind}({str(op).split(' ', 1)[1]})"
+
+    return [" ".join(text(a) for a in rank) for rank in actions]
 
 
 def to_csv(actions: Actions) -> str:
