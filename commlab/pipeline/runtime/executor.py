@@ -108,7 +108,7 @@ class PipelineExecutor:
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
         self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
-        self._known: dict = {}  # first stage's input boundary -> every stage's (comm.agree)
+        self._known: dict = {}  # first stage's input boundary -> every stage's (handshake.agree)
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
@@ -119,7 +119,7 @@ class PipelineExecutor:
         st, m = self.stage, self.microbatches
         chunks = targets = None
         error = None
-        try:  # a refusal here reaches every rank through comm.agree, so every rank raises it
+        try:  # a refusal here reaches every rank through handshake.agree, so every rank raises it
             if st.is_first:
                 if inputs is None:
                     raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
