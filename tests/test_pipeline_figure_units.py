@@ -46,3 +46,14 @@ def test_bench_figures_label_microbatches_as_integers_and_peaks_in_words(tmp_pat
     ticks = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
     assert ticks == ["2", "4", "8"]
     assert drawn[1].axes[0].get_ylabel() == "measured peak MiB held" and "ledger" not in drawn[1].axes[0].get_ylabel()
+
+
+def test_simulated_messages_come_from_the_comm_pass_and_are_drawn():
+    sim = simulate(one_f_one_b(2, 2), 1.0, 2.0, 0.5)
+    # Every SEND of the lowered lists, each taking the 0.5 of --comm, sender to receiver.
+    assert [(str(m), m.src, m.dst, end - start) for m, start, end in sim.messages] == [
+        ("0F0>1F0", 0, 1, 0.5), ("0F1>1F1", 0, 1, 0.5), ("1B0>0B0", 1, 0, 0.5), ("1B1>0B1", 1, 0, 0.5)]
+    fig, ax = plt.subplots()
+    gantt(ax, sim.timeline, 2, "sim", messages=sim.messages)
+    assert len(ax.get_lines()) == 4  # one line per message
+    plt.close(fig)

@@ -120,7 +120,7 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
             # The closed form is GPipe's / 1F1B's / interleaved's; a split backward has none here.
             formula = f"{bubble_formula(ranks, m, v):8.3f}" if "I" not in REGISTRY[name].kinds else f"{'-':>8}"
             click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
-            panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline))
+            panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline, sim.messages))
     if figure:
         from commlab.pipeline.schedule.render import gantt_figure  # matplotlib: only when drawing
 

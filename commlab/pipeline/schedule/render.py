@@ -11,6 +11,7 @@ from pathlib import Path
 
 from commlab.pipeline.schedule.actions import FORWARD, Actions
 from commlab.pipeline.schedule.clock import clock
+from commlab.pipeline.schedule.comm import Message
 from commlab.pipeline.schedule.simulate import Timed
 
 # What a simulated time is measured in: the --forward/--backward/--comm costs it was given.
@@ -41,12 +42,16 @@ def grid(actions: Actions, backward: int | None = None) -> str:
     return "\n".join([header, *rows])
 
 
-def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str = SIMULATED_UNIT) -> None:
+def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str = SIMULATED_UNIT,
+          messages: Sequence[tuple[Message, float, float]] = ()) -> None:  # fmt: skip
     """Draw one bar per action on a matplotlib axis: rank on y, time on x, forward light, backward dark.
 
     Micro-batch numbers are written in the bars; the same function draws simulated and measured
-    timelines so the two can be compared panel by panel.
+    timelines so the two can be compared panel by panel. ``messages`` (a simulation's SEND ops:
+    message, start, end) are drawn as thin lines from the sender's row to the receiver's.
     """
+    for m, start, end in messages:
+        ax.plot([start, end], [m.src, m.dst], color="0.4", linewidth=0.6, zorder=3)
     import seaborn as sns
 
     palette = sns.color_palette("Paired")
@@ -62,11 +67,12 @@ def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str 
         ax.set_title(title, fontsize=9)
 
 
-def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path: str, unit: str = SIMULATED_UNIT) -> None:
+def gantt_figure(panels: Sequence[tuple], ranks: int, path: str, unit: str = SIMULATED_UNIT) -> None:
     """Save stacked Gantt panels (e.g. simulated over measured) to ``path`` with the Agg backend.
 
-    All panels share the time axis (they are compared); one legend says which shade is forward
-    and which backward. ``unit`` names the time axis's unit.
+    A panel is (title, timeline) or (title, timeline, messages). All panels share the time axis
+    (they are compared); one legend says which shade is forward and which backward. ``unit`` names
+    the time axis's unit.
     """
     import matplotlib
 
@@ -78,8 +84,8 @@ def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path
     from commlab._atomic import write_via
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.0 + 0.5 * ranks * len(panels)), squeeze=False, sharex=True)
-    for ax, (title, timeline) in zip(axes[:, 0], panels):
-        gantt(ax, timeline, ranks, title, unit)
+    for ax, (title, timeline, *messages) in zip(axes[:, 0], panels):
+        gantt(ax, timeline, ranks, title, unit, *messages)
         ax.xaxis.set_tick_params(labelbottom=True)
     palette = sns.color_palette("Paired")
     legend = [Patch(color=palette[0], label="forward (light)"), Patch(color=palette[1], label="backward (dark)")]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from commlab.pipeline.schedule.actions import Action, Actions, num_stages
 from commlab.pipeline.schedule.clock import DeadlockError, walk
-from commlab.pipeline.schedule.comm import lower_comm
+from commlab.pipeline.schedule.comm import Message, lower_comm
 from commlab.pipeline.schedule.kinds import KINDS
 from commlab.pipeline.schedule.liveness import peak_in_flight
 from commlab.pipeline.schedule.tasks import tasks
@@ -42,6 +42,7 @@ class Simulation:
     busy: tuple[float, ...]  # per rank
     idle: tuple[float, ...]  # per rank: step_time - busy
     peak_in_flight: tuple[int, ...]  # per stage: most micro-batches forwarded but not yet backwarded
+    messages: tuple[tuple[Message, float, float], ...] = ()  # each SEND of the comm pass: (message, start, end)
 
     @property
     def bubble(self) -> float:
@@ -107,6 +108,8 @@ def simulate(
         busy=tuple(busy),
         idle=tuple(step - x for x in busy),
         peak_in_flight=peak_in_flight(actions),
+        messages=tuple(sorted(((sp.meta["message"], sp.start, sp.end) for sp in result.spans.values() if "message" in sp.meta),
+                              key=lambda m: (m[1], str(m[0])))),  # fmt: skip
     )
 
 

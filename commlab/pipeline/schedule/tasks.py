@@ -58,7 +58,8 @@ def tasks(
                 m = op.message
                 posted = (posted_after[m],) if posting and m in posted_after else ()
                 channel = f"p2p{m.src}>{m.dst}" if contention else f"msg {m}"
-                transfers.append(Task(f"msg {m}", channel, message_seconds(m), (str(m.sent_by), *posted), kind="p2p"))
+                transfers.append(Task(f"msg {m}", channel, message_seconds(m), (str(m.sent_by), *posted), kind="p2p",
+                                      meta={"message": m}))  # fmt: skip
             elif op.kind == WAIT and (op.of == RECV or waits):
                 pending.append(f"msg {op.message}")
     for a, extra in (after or {}).items():
