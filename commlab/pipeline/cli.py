@@ -7,8 +7,7 @@
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
 
-Only the pure schedule modules load with this one; torch, pandas and the runtime load inside the
-commands that need them, so ``--help`` answers at once.
+Only the pure schedule modules load with this one; torch, pandas and the runtime load in the commands.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     return names
 
 
-def _virtual(schedule: str, virtual: int) -> int:
-    """Stages per rank for ``schedule``: its own if the registry fixes one, else ``--virtual``."""
+def _virtual(schedule: str, virtual: int) -> int:  # the schedule's own stages per rank, else --virtual
     return virtual if REGISTRY[schedule].virtual is None else REGISTRY[schedule].virtual[0]
 
 
@@ -191,7 +189,7 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
     """Launch the benchmark; on Ctrl-C (or SIGTERM) keep every configuration already measured."""
     import shutil
 
-    import commlab
+    import commlab  # commlab.launch and the runtime load torch: only when a run starts
     from commlab.pipeline import bench_results
     from commlab.pipeline.bench import finished, measure_rank
     from commlab.runtime.launch import sigterm_as_interrupt
@@ -205,19 +203,21 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
         with sigterm_as_interrupt():  # a batch system's SIGTERM keeps the rows like Ctrl-C
             per_rank = commlab.launch(measure_rank, configs, {**common, "partial": str(partial)}, world_size=world_size,
                                       backend=backend, timeout=common["timeout"])  # fmt: skip
-    except KeyboardInterrupt as stop:
+    except BaseException as stop:  # interrupted, or a rank failed: keep the configurations every rank finished
         done = finished(partial, configs, world_size)
-        bench_results.write(run_dir, *bench_results.rows(configs, done, world_size, common["batch"], backend),
-                            {**meta, "interrupted": True, "configurations_measured": len(done)})  # fmt: skip
+        if done or isinstance(stop, KeyboardInterrupt):
+            bench_results.write(run_dir, *bench_results.rows(configs, done, world_size, common["batch"], backend),
+                                {**meta, "interrupted": True, "configurations_measured": len(done)})  # fmt: skip
         shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(stop, KeyboardInterrupt):
+            raise
         click.echo(f"interrupted: {len(done)} of {len(configs)} configurations measured, their rows kept in {run_dir}", err=True)
         click.get_current_context().exit(getattr(stop, "exit_code", 130))
     shutil.rmtree(partial, ignore_errors=True)
     per_config = [[r[k] for r in per_rank] for k in range(len(configs))]
     summary, stages, timeline = bench_results.rows(configs, per_config, world_size, common["batch"], backend)
     bench_results.write(run_dir, summary, stages, timeline, meta)
-    for line in bench_results.table(summary, stages):
-        click.echo(line)
+    click.echo("\n".join(bench_results.table(summary, stages)))
     if not no_figures:
         from commlab.pipeline.figures import draw_all
 
@@ -252,8 +252,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     import os
 
     from commlab.pipeline.plan import best, candidates, no_fit, profile_mlp
-    from commlab.pipeline.plan_calibrate import Calibration
-    from commlab.pipeline.plan_calibrate import calibrate as measure_costs
+    from commlab.pipeline.plan_calibrate import Calibration, calibrate as measure_costs
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -295,5 +294,4 @@ def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
     specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
     per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
-    for line in report(summarise(fitting, chosen, per_rank)):
-        click.echo(line)
+    click.echo("\n".join(report(summarise(fitting, chosen, per_rank))))
