@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule
-from commlab.pipeline.hybrid import DataParallelStage
+from commlab.pipeline import DataParallelStage, PipelineExecutor
 
 
 def make_model() -> nn.Sequential:
@@ -24,7 +23,7 @@ def hybrid_step():
     topo = commlab.Topology.build(pp=2, dp=2)  # collective: every rank builds every group
     model = make_model()
     stage = DataParallelStage(model, [2, 3], topo, bucket_cap_mb=1)
-    pipe = PipelineSchedule(stage, "1f1b", microbatches=4, loss_fn=F.cross_entropy)
+    pipe = PipelineExecutor(stage, "1f1b", microbatches=4, loss_fn=F.cross_entropy)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
     mine = slice(32 * topo.replica, 32 * (topo.replica + 1))  # this replica's half

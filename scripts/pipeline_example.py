@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule, Stage, balance_by_size
+from commlab.pipeline import PipelineExecutor, RankStages, balance_by_size
 
 
 def make_model() -> nn.Sequential:
@@ -23,8 +23,8 @@ def batch():
 
 def train_step(balance):
     model = make_model()
-    stage = Stage(model, balance)  # this rank's part; the other layers stay unused here
-    pipe = PipelineSchedule(stage, "1f1b", microbatches=8, loss_fn=F.cross_entropy, checkpoint="except_last")
+    stage = RankStages(model, balance)  # this rank's part; the other layers stay unused here
+    pipe = PipelineExecutor(stage, "1f1b", microbatches=8, loss_fn=F.cross_entropy, checkpoint="except_last")
     x, y = batch()
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -23,8 +23,8 @@ from commlab.pipeline import (
     v_shape,
     validate,
 )
-from commlab.pipeline.messages import messages
-from commlab.pipeline.validate import problems
+from commlab.pipeline.schedule.comm import messages
+from commlab.pipeline.schedule.validate import problems
 from pipeline_torch_orders import torch_csv
 
 

@@ -18,6 +18,10 @@ def test_show_prints_the_grid_and_actions():
     assert out.exit_code == 0 and out.output.strip() == grid(build("1f1b", 4, 8))
     out = _run("show", "--schedule", "interleaved", "-p", "2", "-m", "4", "-v", "2", "--actions")
     assert out.output.splitlines()[0] == "rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    # --comm: the lists after the comm pass, the executor's own.
+    out = _run("show", "--schedule", "gpipe", "-p", "2", "-m", "1", "--comm", "nccl")
+    assert out.output.splitlines() == ["rank 0: 0F0 SEND(0F0>1F0) RECV(1B0>0B0) WAIT(SEND 0F0>1F0) WAIT(RECV 1B0>0B0) 0B0",
+                                       "rank 1: RECV(0F0>1F0) WAIT(RECV 0F0>1F0) 1F0 1B0 SEND(1B0>0B0) WAIT(SEND 1B0>0B0)"]
     bad = CliRunner().invoke(main, ["pipeline", "show", "--schedule", "interleaved", "-p", "4", "-m", "6"])
     assert bad.exit_code == 2 and "multiple of the ranks" in bad.output
 
@@ -65,9 +69,33 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     assert first.loc[("1f1b", 4), "saved_bytes"] / first.loc[("gpipe", 4), "saved_bytes"] == pytest.approx(0.5)
     timeline = pd.read_csv(run / "timeline.csv")
     assert set(timeline["source"]) == {"measured", "simulated"}
-    assert all((run / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "peak_memory.png",
-                                                       "timeline.png", "metadata.json"))  # fmt: skip
+    assert (run / "metadata.json").stat().st_size > 0
+    # The figures go under the run's figures/ directory, none beside the CSVs.
+    assert all((run / "figures" / f).stat().st_size > 0 for f in ("throughput.png", "activation_memory.png", "peak_memory.png",
+                                                                  "timeline.png"))  # fmt: skip
+    assert not list(run.glob("*.png")) and not (run / ".partial").exists()
     # The figure of peak memory per schedule is drawn from each rank's ledger peak: GPipe's above 1F1B's.
     peaks = stages[stages["checkpoint"] == "never"].groupby(["schedule", "microbatches"])["rank_peak_bytes"].max()
     assert peaks[("1f1b", 4)] < peaks[("gpipe", 4)]
     assert not list(run.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_interrupted_bench_keeps_the_rows_measured_and_exits_130(tmp_path, monkeypatch):
+    import commlab
+
+    real = commlab.launch
+
+    def first_then_interrupt(fn, configs, common, **kwargs):
+        real(fn, configs[:1], common, **kwargs)  # the first configuration finishes on every rank ...
+        raise KeyboardInterrupt  # ... then Ctrl-C
+
+    monkeypatch.setattr(commlab, "launch", first_then_interrupt)
+    args = ["bench", "--schedules", "gpipe,1f1b", "-m", "2", "--depth", "2", "--width", "16", "--batch", "8",
+            "--iters", "1", "--warmup", "0", "--calibrate", "1", "--out", str(tmp_path), "--name", "r"]  # fmt: skip
+    out = CliRunner().invoke(main, ["pipeline", *args])
+    assert out.exit_code == 130, out.output
+    assert "Aborted" not in out.output and "interrupted: 1 of 2 configurations measured" in out.output
+    assert str(tmp_path / "r") in out.output
+    summary = pd.read_csv(tmp_path / "r" / "summary.csv")
+    assert summary["config"].tolist() == ["gpipe-m2-time-never"] and (summary["commlab_s"] > 0).all()
+    assert not (tmp_path / "r" / ".partial").exists() and not list((tmp_path / "r").glob(".*.tmp"))

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule
-from commlab.pipeline.hybrid import DataParallelStage
+from commlab.pipeline import PipelineExecutor
+from commlab.pipeline.runtime.hybrid import DataParallelStage
 
 CASES = [("gpipe", [4, 4], "never"), ("1f1b", [3, 5], "except_last"), ("interleaved", [2, 2, 2, 2], "never"),
          ("interleaved", [3, 1, 2, 2], "always")]  # stage 1 is a Tanh alone: no parameters, no DDP
@@ -51,7 +51,7 @@ def _hybrid():
     for schedule, balance, checkpoint in CASES:
         model = _model()
         stage = DataParallelStage(model, balance, topo, bucket_cap_mb=0.001)
-        pipe = PipelineSchedule(stage, schedule, microbatches=4, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=100)
+        pipe = PipelineExecutor(stage, schedule, microbatches=4, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=100)
         loss = pipe.step(x[half] if stage.is_first else None, target=y[half] if stage.is_last else None)
         syncs = {s: len(m.iteration_timings) for s, m in stage.modules.items() if hasattr(m, "iteration_timings")}
         out[_key(schedule, balance)] = (None if loss is None else loss.item(), _grads(model), syncs)

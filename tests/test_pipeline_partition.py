@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from commlab.pipeline import balance_by_size, balance_by_time, partition, split
-from commlab.pipeline.memory import SavedBytes
+from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.partition import profile_sizes
 
 

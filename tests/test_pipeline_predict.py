@@ -84,6 +84,12 @@ def test_plan_command_prints_the_plan():
     result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "--budget-mb", "0.0001",
                                        "--no-calibrate"])  # fmt: skip
     assert result.exit_code != 0 and "no plan fits" in result.output and "calibrated" not in result.output
+    # It says what the smallest plan needs, and a budget that fits it.
+    need = float(result.output.split("the smallest peak any plan needs is ")[1].split()[0])
+    suggested = float(result.output.split("try --budget-mb ")[1].split()[0])
+    assert need <= suggested <= need + 1
+    peaks = [float(line.split()[5]) for line in result.output.splitlines()[1:] if "over budget" in line]
+    assert min(peaks) == pytest.approx(need, abs=0.01)
 
 
 def test_plan_validate_measures_the_grid_and_predicted_peaks_bound_measured():
@@ -203,7 +209,7 @@ def test_waiting_for_a_core_is_not_executor_overhead():
 
 def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predictor():
     from commlab.pipeline.predict import checkpointed_microbatches
-    from commlab.pipeline.validate import recomputes
+    from commlab.pipeline.schedule.validate import recomputes
 
     assert checkpointed_microbatches("never", 4) == ()
     assert checkpointed_microbatches("always", 4) == (0, 1, 2, 3)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule, Stage
+from commlab.pipeline import PipelineExecutor, RankStages
 
 SCHEDULES = [("gpipe", [3, 5]), ("1f1b", [4, 4]), ("interleaved", [2, 2, 2, 2])]
 CHECKPOINTS = ["never", "except_last", "always"]
@@ -45,8 +45,8 @@ def _run(schedule, balance, checkpoint, dropout=0.0, steps=1, x=None, y=None):
     model = _model(dropout)
     if x is None:
         x, y = _data(BATCH)
-    stage = Stage(model, balance)
-    pipe = PipelineSchedule(stage, schedule, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=100)
+    stage = RankStages(model, balance)
+    pipe = PipelineExecutor(stage, schedule, microbatches=MICROBATCHES, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=100)
     losses = []
     for k in range(steps):
         torch.manual_seed(100 + k)  # same dropout masks in every run that consumes RNG alike
@@ -91,8 +91,8 @@ def _two_ranks():
         out[("ours8", schedule)] = _run(schedule, [4, 4], "never", x=x8, y=y8)
         out[("torch", schedule)] = _torch_reference(schedule, x8, y8)
     # Per-rank errors raise before any message is sent, so the other rank is not left waiting.
-    stage = Stage(_model(), [4, 4])
-    pipe = PipelineSchedule(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
+    stage = RankStages(_model(), [4, 4])
+    pipe = PipelineExecutor(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
     x, y = _data(3)
     try:
         pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
@@ -108,7 +108,7 @@ def _two_ranks():
         out["rank"] = dist.get_rank()
         return out
     # A peer that stops taking part: the waiting rank raises after the schedule's timeout.
-    pipe = PipelineSchedule(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy, timeout=2)
+    pipe = PipelineExecutor(stage, "gpipe", microbatches=MICROBATCHES, loss_fn=F.cross_entropy, timeout=2)
     x, y = _data(8)
     pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)  # shapes agreed
     if stage.is_last:
@@ -207,7 +207,7 @@ def test_bad_batches_raise_value_errors(two_ranks):
 
 def test_ledger_counts_a_shared_storage_once_but_in_full_for_each_holder():
     # No processes: the accounting the executor's _keep reads per stashed micro-batch.
-    from commlab.pipeline.memory import Ledger
+    from commlab.pipeline.runtime.memory import Ledger
 
     a, b = torch.zeros(4), torch.zeros(8)  # 16 and 32 bytes
     ledger = Ledger()

@@ -20,7 +20,7 @@ from commlab.pipeline import (
     simulate,
     validate,
 )
-from commlab.pipeline.validate import problems
+from commlab.pipeline.schedule.validate import problems
 
 
 def _parse(lines):
@@ -77,8 +77,8 @@ def test_every_generated_schedule_is_valid_and_nccl_ordered():
 
 def test_producer_is_the_inverse_of_consumer():
     # The executor's transport sends to consumer() and receives from producer(): one rule both ways.
-    from commlab.pipeline.messages import consumer, producer
-    from commlab.pipeline.simulate import split_stages
+    from commlab.pipeline.schedule.kinds import consumer, producer
+    from commlab.pipeline.schedule.kinds import split_stages
 
     F, B, I, W = "F", "B", "I", "W"
     assert producer(Action(1, F, 2), 3, frozenset()) == Action(0, F, 2)

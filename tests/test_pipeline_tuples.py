@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule, Stage, v_shape
+from commlab.pipeline import PipelineExecutor, RankStages, v_shape
 
 BATCH = 10  # micro-batches of 3, 3, 2, 2
 CASES = [  # name, schedule, balance, placement, checkpoint
@@ -67,12 +67,12 @@ def _ranks():
     out = {}
     for name, schedule, balance, placement, checkpoint in CASES:
         model = _model()
-        stage = Stage(model, balance, v_shape(2) if placement == "v" else None)
-        pipe = PipelineSchedule(stage, schedule, microbatches=4, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=60)
+        stage = RankStages(model, balance, v_shape(2) if placement == "v" else None)
+        pipe = PipelineExecutor(stage, schedule, microbatches=4, loss_fn=F.cross_entropy, checkpoint=checkpoint, timeout=60)
         loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
         out[name] = (None if loss is None else loss.item(), _grads(model))
     # A value that is neither a tensor nor a tuple of tensors is refused on every rank.
-    pipe = PipelineSchedule(Stage(nn.Sequential(nn.Linear(12, 12), Dict(), nn.Linear(12, 5)), [2, 1]), "gpipe",
+    pipe = PipelineExecutor(RankStages(nn.Sequential(nn.Linear(12, 12), Dict(), nn.Linear(12, 5)), [2, 1]), "gpipe",
                             microbatches=2, loss_fn=F.cross_entropy, timeout=60)  # fmt: skip
     try:
         pipe.step(x if dist.get_rank() == 0 else None, target=y)
@@ -80,14 +80,14 @@ def _ranks():
         out["refused"] = str(err)
     # The chained shape handshake runs only for a first-stage boundary not seen before; otherwise
     # one all-gather agrees on the step (3 ranks on 2 cores: the chain cost ~10% of a 1F1B step).
-    from commlab.pipeline import comm
+    from commlab.pipeline.runtime import handshake as comm
 
     chained, real = [], comm.handshake
     comm.handshake = lambda *a, **k: chained.append(1) or real(*a, **k)
     try:
         model = _model()
-        stage = Stage(model, [2, 5])
-        pipe = PipelineSchedule(stage, "1f1b", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
+        stage = RankStages(model, [2, 5])
+        pipe = PipelineExecutor(stage, "1f1b", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
         for n in (BATCH, BATCH, 8, BATCH, 8):
             pipe.step(x[:n] if stage.is_first else None, target=y[:n] if stage.is_last else None)
     finally:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
-from commlab.pipeline import PipelineSchedule, Stage, from_csv, v_shape
+from commlab.pipeline import PipelineExecutor, RankStages, from_csv, v_shape
 from pipeline_torch_orders import torch_csv
 
 BATCH = 10  # uneven micro-batches: 3, 3, 2, 2 for m = 4
@@ -62,8 +62,8 @@ def _schedule(schedule, ranks, m, stages):
 
 def _step(model, balance, schedule, placement, checkpoint, m, x, y, **options):
     ranks = dist.get_world_size()
-    stage = Stage(model, balance, v_shape(ranks) if placement == "v" else None)
-    pipe = PipelineSchedule(stage, _schedule(schedule, ranks, m, len(balance)), microbatches=m,
+    stage = RankStages(model, balance, v_shape(ranks) if placement == "v" else None)
+    pipe = PipelineExecutor(stage, _schedule(schedule, ranks, m, len(balance)), microbatches=m,
                             loss_fn=options.pop("loss_fn", F.cross_entropy), checkpoint=checkpoint, timeout=60, **options)  # fmt: skip
     loss = pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
     return None if loss is None else loss.item(), pipe
@@ -165,14 +165,14 @@ def _shapes_and_refusals():
     out = {}
     # Any dimension may change between steps: sequence length 3 then 5, batch 10 then 7.
     model = _seq_model()
-    stage = Stage(model, [2, 3])
-    pipe = PipelineSchedule(stage, "zb-h1", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
+    stage = RankStages(model, [2, 3])
+    pipe = PipelineExecutor(stage, "zb-h1", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
     losses = [pipe.step(x if stage.is_first else None, target=y if stage.is_last else None) for x, y in _seq_data()]
     out["seq"] = (None if losses[0] is None else [v.item() for v in losses], _grads(model))
     # Refusals reach every rank through the handshake, before any activation is sent.
     errors = {}
     x, y = _data(BATCH)
-    pipe = PipelineSchedule(Stage(_model(), [4, 4]), "1f1b", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
+    pipe = PipelineExecutor(RankStages(_model(), [4, 4]), "1f1b", microbatches=4, loss_fn=F.cross_entropy, timeout=60)
     for case, (xi, yi) in {"no target": (x, None), "small batch": (x[:3], y[:3])}.items():
         try:
             pipe.step(xi if dist.get_rank() == 0 else None, target=yi)

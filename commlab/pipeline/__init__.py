@@ -1,65 +1,57 @@
-"""Pipeline parallelism: schedules as data, their simulator, stages, the executor, balancing.
+"""Pipeline parallelism: schedules as data, their comm pass and simulator, the executor, balancing.
 
-    from commlab.pipeline import Stage, PipelineSchedule
-    stage = Stage(model, balance=[3, 2])                      # this rank's part of an nn.Sequential
-    pipe = PipelineSchedule(stage, "1f1b", microbatches=8, loss_fn=F.cross_entropy)
+    from commlab.pipeline import PipelineExecutor, RankStages
+    stages = RankStages(model, balance=[3, 2])                # this rank's part of an nn.Sequential
+    pipe = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy)
     loss = pipe.step(x, target=y)                            # x on the first rank, y on the last
 
 Schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``; :data:`REGISTRY`), or any
-per-rank action lists (``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), :func:`validate`,
-:func:`simulate` and :func:`grid` are pure functions of the pipeline's shape; see docs/design.md,
-section "pipeline".
+per-rank action lists (``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), the comm pass
+:func:`lower_comm`, :func:`validate`, :func:`simulate` and :func:`grid` are pure functions of the
+pipeline's shape (:mod:`commlab.pipeline.schedule`); the executor and what it runs on are in
+:mod:`commlab.pipeline.runtime`. ``PipelineSchedule`` and ``Stage`` are the deprecated old names of
+``PipelineExecutor`` and ``RankStages``.
 """
 
-from commlab.pipeline.actions import Action, as_actions, format_actions, from_csv, looping, placement_of, to_csv, v_shape
-from commlab.pipeline.executor import CHECKPOINT_MODES, LOSS_REDUCTIONS, PipelineSchedule, check_plan, resolve
-from commlab.pipeline.hybrid import DataParallelStage
-from commlab.pipeline.messages import message_order, send_waits
-from commlab.pipeline.partition import balance_by_size, balance_by_time, partition, split
-from commlab.pipeline.render import grid
-from commlab.pipeline.schedules import REGISTRY, SCHEDULES, ScheduleSpec, build, gpipe, interleaved, one_f_one_b, register
-from commlab.pipeline.simulate import DeadlockError, Simulation, bubble_formula, peak_in_flight, simulate
-from commlab.pipeline.stage import Stage
-from commlab.pipeline.validate import validate
-from commlab.pipeline.zero_bubble import zb_h1, zb_v
+from __future__ import annotations
 
-__all__ = [
-    "CHECKPOINT_MODES",
-    "LOSS_REDUCTIONS",
-    "REGISTRY",
-    "SCHEDULES",
-    "Action",
-    "DataParallelStage",
-    "DeadlockError",
-    "PipelineSchedule",
-    "ScheduleSpec",
-    "Simulation",
-    "Stage",
-    "as_actions",
-    "balance_by_size",
-    "balance_by_time",
-    "bubble_formula",
-    "build",
-    "check_plan",
-    "format_actions",
-    "from_csv",
-    "gpipe",
-    "grid",
-    "interleaved",
-    "looping",
-    "message_order",
-    "one_f_one_b",
-    "partition",
-    "peak_in_flight",
-    "placement_of",
-    "register",
-    "resolve",
-    "send_waits",
-    "simulate",
-    "split",
-    "to_csv",
-    "v_shape",
-    "validate",
-    "zb_h1",
-    "zb_v",
-]
+import importlib
+from typing import Any
+
+from commlab.pipeline.partition import balance_by_size, balance_by_time, partition, split
+from commlab.pipeline.schedule.actions import Action, as_actions, format_actions, from_csv, looping, placement_of, to_csv, v_shape
+from commlab.pipeline.schedule.clock import DeadlockError
+from commlab.pipeline.schedule.comm import lower_comm, message_order, send_waits
+from commlab.pipeline.schedule.kinds import KINDS, Kind, dependencies, register_kind
+from commlab.pipeline.schedule.liveness import liveness, peak_in_flight
+from commlab.pipeline.schedule.registry import REGISTRY, SCHEDULES, ScheduleSpec, build, gpipe, interleaved, one_f_one_b, register
+from commlab.pipeline.schedule.render import grid
+from commlab.pipeline.schedule.simulate import Simulation, bubble_formula, simulate
+from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, resolve, validate
+from commlab.pipeline.schedule.zero_bubble import zb_h1, zb_v
+
+# The runtime needs torch, which costs seconds to import: these names load on first use, so that
+# `commlab pipeline --help` and the pure schedule functions stay fast.
+_LAZY = {
+    "LOSS_REDUCTIONS": "commlab.pipeline.runtime.executor",
+    "PipelineExecutor": "commlab.pipeline.runtime.executor",
+    "PipelineSchedule": "commlab.pipeline.runtime.executor",
+    "RankStages": "commlab.pipeline.runtime.stages",
+    "Stage": "commlab.pipeline.runtime.stages",
+    "DataParallelStage": "commlab.pipeline.runtime.hybrid",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'commlab.pipeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+__all__ = sorted([
+    "CHECKPOINT_MODES", "KINDS", "REGISTRY", "SCHEDULES", "Action", "DeadlockError", "Kind", "ScheduleSpec",
+    "Simulation", "as_actions", "balance_by_size", "balance_by_time", "bubble_formula", "build", "check_plan", "dependencies", "format_actions", "from_csv",
+    "gpipe", "grid", "interleaved", "liveness", "looping", "lower_comm", "message_order", "one_f_one_b",
+    "partition", "peak_in_flight", "placement_of", "register", "register_kind", "resolve", "send_waits", "simulate", "split", "to_csv",
+    "v_shape", "validate", "zb_h1", "zb_v", *_LAZY,
+])  # fmt: skip

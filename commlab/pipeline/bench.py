@@ -17,11 +17,13 @@ reference runs only for ``checkpoint=never``. The predicted step time is calibra
 from __future__ import annotations
 
 import os
-import statistics
+import pickle
 import time
+from pathlib import Path
 from typing import Any
 
-from commlab.pipeline.calibrate import aligned, comm_latency, idle_breakdown, predicted_step, stage_times
+from commlab._atomic import write_via
+from commlab.pipeline.schedule.registry import REGISTRY
 
 COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtual=2)
 
@@ -31,7 +33,51 @@ def measure_rank(configs: list[dict[str, Any]], common: dict[str, Any]) -> list[
     import commlab
 
     rt = commlab.Runtime.current()
-    return [_measure(rt, cfg, common) for cfg in configs]
+    out = []
+    for k, cfg in enumerate(configs):
+        out.append(_measure(rt, cfg, common))
+        if common.get("partial"):  # each finished configuration on disk at once: an interrupt keeps it
+            data = pickle.dumps(out[-1])
+            write_via(Path(common["partial"]) / f"{k}-rank{rt.rank}.pkl", lambda tmp: Path(tmp).write_bytes(data))
+    return out
+
+
+def finished(partial: Path, configs: list, world: int) -> list[list[dict[str, Any]]]:
+    """The per-rank results of the configurations every rank finished (in order, stopping at the
+    first unfinished one), read from what :func:`measure_rank` wrote to ``partial``."""
+    done = []
+    for k in range(len(configs)):
+        paths = [Path(partial) / f"{k}-rank{r}.pkl" for r in range(world)]
+        if not all(p.exists() for p in paths):
+            break
+        done.append([pickle.loads(p.read_bytes()) for p in paths])
+    return done
+
+
+def balance(mode: str, depth: int, width: int, batch: int, stages: int, world_size: int) -> list[int]:
+    """The benchmark MLP's balance, decided once in the parent so every rank splits the model the same way."""
+    import torch  # loaded here: the CLI imports this module for its help text
+
+    from commlab.models import mlp
+    from commlab.pipeline.partition import balance_by_size, balance_by_time, partition
+
+    torch.manual_seed(0)
+    model = mlp(depth, width)
+    if stages > len(model):
+        raise ValueError(f"{stages} stages but the MLP has only {len(model)} layers")
+    if mode == "uniform":
+        return partition([1.0] * len(model), stages)
+    sample = torch.randn(batch, width)
+    if mode != "time":
+        return balance_by_size(model, sample, stages)
+    # Profile with a rank's threads (commlab.launch gives each cores // world), not the parent's.
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        return balance_by_time(model, sample, stages, repeat=5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
@@ -40,9 +86,8 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from commlab.models import mlp
-    from commlab.pipeline.executor import PipelineSchedule
-    from commlab.pipeline.schedules import REGISTRY
-    from commlab.pipeline.stage import Stage
+    from commlab.pipeline.runtime.executor import PipelineExecutor
+    from commlab.pipeline.runtime.stages import RankStages
 
     def model():
         torch.manual_seed(0)
@@ -54,11 +99,11 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     ours_model = model()
     found = REGISTRY[cfg["schedule"]]
     placement = found.placement(rt.world_size, len(cfg["balance"]))
-    stage = Stage(ours_model, cfg["balance"], placement, device=rt.device)
+    stage = RankStages(ours_model, cfg["balance"], placement, device=rt.device)
     options = dict(microbatches=cfg["microbatches"], loss_fn=F.cross_entropy, checkpoint=cfg["checkpoint"],
                    timeout=common.get("timeout", 300.0))  # fmt: skip
     # Timing runs as a user would: no memory hooks, no per-action device synchronisation.
-    ours = PipelineSchedule(stage, cfg["schedule"], track_memory=False, measure=False, **options)
+    ours = PipelineExecutor(stage, cfg["schedule"], track_memory=False, measure=False, **options)
     runs = {"commlab": (ours_model, lambda: ours.step(x if stage.is_first else None, target=y if stage.is_last else None))}
     if cfg["checkpoint"] == "never" and found.torch is not None:
         ref_model = model()
@@ -104,7 +149,7 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
                 if cuda:
                     cuda_peak = torch.cuda.max_memory_allocated(rt.device) - base
     # Memory from one more, untimed step with the accounting on.
-    counted = PipelineSchedule(stage, cfg["schedule"], **options)
+    counted = PipelineExecutor(stage, cfg["schedule"], **options)
     counted.step(x if stage.is_first else None, target=y if stage.is_last else None)
     ours_model.zero_grad(set_to_none=True)
     return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "cuda_peak": cuda_peak, "calibration": calibration,
@@ -115,7 +160,6 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
     """The same split under torch.distributed.pipelining; returns a closure running one step."""
     import torch.nn.functional as F
 
-    from commlab.pipeline.schedules import REGISTRY
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from commlab.pipeline.partition import split
@@ -141,74 +185,3 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
             schedule.step(*args, return_outputs=False)
 
     return step
-
-
-def summarise(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int, batch: int, backend: str = "gloo") -> dict[str, Any]:
-    """One row: medians of the slowest rank's step, ratio to torch, measured vs simulated bubble."""
-    from commlab.pipeline.schedules import Action, build
-    from commlab.pipeline.simulate import bubble_formula, simulate
-
-    slowest = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in per_rank[0]["times"]}
-    row: dict[str, Any] = {**_columns(cfg)}
-    ours = statistics.median(slowest["commlab"])
-    row.update(commlab_s=ours, commlab_samples_per_s=batch / ours)
-    if "torch" in slowest:
-        theirs = statistics.median(slowest["torch"])
-        row.update(torch_s=theirs, torch_samples_per_s=batch / theirs, ratio=ours / theirs,
-                   paired_ratio=statistics.median(a / b for a, b in zip(slowest["commlab"], slowest["torch"])))  # fmt: skip
-    measured, waiting, ready = [], [], []
-    fwd, bwd = stage_times(per_rank)
-    for k, step_time in enumerate(slowest["commlab"]):
-        busy = sum(end - start for r in per_rank for (*_, start, end) in r["timelines"][k])
-        measured.append(1.0 - busy / (world * step_time))
-        w, ready_k = idle_breakdown(aligned(per_rank, k), len(fwd), step_time)
-        waiting.append(w / (world * step_time))
-        ready.append(ready_k / (world * step_time))
-    actions = build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"])
-    comm = comm_latency(per_rank, len(fwd))
-    replayed = []
-    for k in range(len(measured)):
-        own = {Action(s, kind, i): end - start for r in per_rank for s, kind, i, start, end in r["timelines"][k]}
-        replayed.append(simulate(actions, fwd, bwd, 0.0, own).bubble)
-    calibration = [{"rank": r["rank"], **r["calibration"]} for r in per_rank]  # steps run before the timed ones
-    # Ranks beyond the machine's cores share them (summarise runs on the machine that measured).
-    row.update(predicted_s=predicted_step(cfg, calibration, actions, world, len(fwd), os.cpu_count(), lookahead=backend != "nccl"))
-    row["prediction_error"] = row["predicted_s"] / ours - 1.0
-    row.update(bubble_replayed=statistics.median(replayed), idle_waiting=statistics.median(waiting),
-               idle_data_ready=statistics.median(ready), bubble_measured=statistics.median(measured), bubble_simulated=simulate(actions, fwd, bwd, comm).bubble,
-               bubble_simulated_no_comm=simulate(actions, fwd, bwd).bubble, comm_latency_s=comm,
-               bubble_formula=bubble_formula(world, cfg["microbatches"], cfg["virtual"]))  # fmt: skip
-    return row
-
-
-def stage_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    fwd, bwd = stage_times(per_rank)
-    rows = []
-    for r in per_rank:
-        for stage, nbytes in r["saved_bytes"].items():
-            rows.append({**_columns(cfg), "rank": r["rank"], "stage": stage, "saved_bytes": nbytes,
-                         "rank_peak_bytes": r.get("rank_peak_bytes"),
-                         "cuda_peak_bytes": r["cuda_peak"], "forward_s": fwd[stage], "backward_s": bwd[stage]})  # fmt: skip
-    return rows
-
-
-def timeline_rows(cfg: dict[str, Any], per_rank: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
-    """The median iteration's measured timeline and the simulator's, both in seconds."""
-    from commlab.pipeline.schedules import build
-    from commlab.pipeline.simulate import simulate
-
-    steps = [max(r["times"]["commlab"][k] for r in per_rank) for k in range(len(per_rank[0]["timelines"]))]
-    k = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
-    rows = [{**_columns(cfg), "source": "measured", "rank": r, "stage": s, "kind": kind, "microbatch": i,
-             "start": start, "end": end} for r, acts in aligned(per_rank, k).items() for s, kind, i, start, end in acts]  # fmt: skip
-    fwd, bwd = stage_times(per_rank)
-    sim = simulate(build(cfg["schedule"], world, cfg["microbatches"], cfg["virtual"]), fwd, bwd, comm_latency(per_rank, len(fwd)))
-    rows += [{**_columns(cfg), "source": "simulated", "rank": t.rank, "stage": t.action.stage, "kind": t.action.kind,
-              "microbatch": t.action.microbatch, "start": t.start, "end": t.end} for t in sim.timeline]  # fmt: skip
-    return rows
-
-
-def _columns(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {"config": cfg["config"], "schedule": cfg["schedule"], "microbatches": cfg["microbatches"],
-            "balance_mode": cfg["balance_mode"], "balance": "-".join(map(str, cfg["balance"])),
-            "checkpoint": cfg["checkpoint"], "virtual": cfg["virtual"]}  # fmt: skip

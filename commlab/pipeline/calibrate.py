@@ -1,5 +1,6 @@
-"""Calibration from measured timelines: per-stage compute, message delay, executor overhead, and
-the step time the shared core predicts from them.
+"""Calibration from measured timelines: per-stage compute, message delay, executor overhead.
+
+The step time the shared core predicts from them is :func:`predicted_step`.
 
 A timeline is one step's actions per rank as (stage, kind, micro-batch, start, end) in
 ``perf_counter`` seconds (one clock for all local ranks). The benchmark calibrates the predictor
@@ -12,6 +13,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from commlab.pipeline.predict import Costs, predict, shared
+from commlab.pipeline.schedule.actions import Action
+from commlab.pipeline.schedule.kinds import dependencies
+from commlab.pipeline.schedule.registry import REGISTRY
+
 
 def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:
     """Iteration k's timeline per rank, in seconds from the earliest rank's start of the step."""
@@ -22,9 +28,6 @@ def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:
 def comm_latency(per_rank: list[dict[str, Any]], stages: int) -> float:
     """Median delay from a message's producer finishing to its consumer starting, counted only
     where the consumer sat idle waiting for it: the simulator's per-message ``comm``."""
-    from commlab.pipeline.schedules import Action
-    from commlab.pipeline.simulate import dependencies
-
     delays = []
     for k in range(len(per_rank[0]["timelines"])):
         timeline = aligned(per_rank, k)
@@ -49,9 +52,6 @@ def idle_breakdown(timeline: dict[int, list[tuple]], stages: int, step_time: flo
     ``cores`` (fewer than ranks), a ready gap counts as the work the rank could do in it at the
     predictor's shared rate (:func:`_work`): the OS giving the cores to others is not overhead.
     """
-    from commlab.pipeline.schedules import Action
-    from commlab.pipeline.simulate import dependencies
-
     spans = [(a, b) for acts in timeline.values() for *_, a, b in acts]
     ends = {(s, kind, i): (r, b) for r, acts in timeline.items() for s, kind, i, _, b in acts}
     split = frozenset(s for s, kind, _ in ends if kind == "I")
@@ -116,8 +116,6 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | N
     plan-time micro-benchmark (:mod:`commlab.pipeline.plan_calibrate`). With more ranks than
     ``cores``, compute is the work at full speed (:func:`nominal`): the predictor slows it again.
     """
-    from commlab.pipeline.predict import Costs, shared
-
     compute = nominal(per_rank, cores) if shared(len(per_rank), cores) else per_rank
     fwd, bwd = stage_times(compute)
     shares = []
@@ -136,9 +134,6 @@ def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions,
     """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
     (:func:`calibrated_costs`); the executor's receive posting (``lookahead``: Gloo's, False on
     NCCL) and send waits are modelled by :func:`commlab.pipeline.predict.lower`, as for the planner."""
-    from commlab.pipeline.predict import predict
-    from commlab.pipeline.schedules import REGISTRY
-
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
     return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores, lookahead=lookahead).step_time
 

@@ -1,22 +1,29 @@
-"""`commlab pipeline`: print a schedule, simulate it, benchmark the executor against torch.
+"""`commlab pipeline`: print a schedule, simulate it, benchmark the executor against torch, plan a run.
 
     commlab pipeline show --schedule 1f1b --ranks 4 --microbatches 8       the step x rank grid
+    commlab pipeline show --schedule 1f1b --ranks 2 --comm gloo            ... its lists with SEND, RECV, WAIT
     commlab pipeline simulate --ranks 4 --microbatches 8 --backward 2      bubble of every schedule
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
-    commlab pipeline plan --ranks 2 --budget-mb 16                         fastest plan under a memory budget
-    commlab pipeline plan --validate ...                                   ... and its pick measured against the grid
+    commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
+    commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
+
+Only the pure schedule modules load with this one; torch, pandas and the runtime load in the commands.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 import click
 
-from commlab.pipeline.schedules import REGISTRY
+from commlab.pipeline.schedule.actions import format_actions, from_csv
+from commlab.pipeline.schedule.comm import BACKENDS, lower_comm
+from commlab.pipeline.schedule.registry import REGISTRY, build
+from commlab.pipeline.schedule.render import grid
+from commlab.pipeline.schedule.simulate import bubble_formula
+from commlab.pipeline.schedule.simulate import simulate as run_simulation
+from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, validate
 
 SCHEDULE_NAMES = tuple(REGISTRY)  # the registry is the one list of schedules
 BALANCE_MODES = ("uniform", "time", "size")
@@ -40,19 +47,11 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     return names
 
 
-def _schedule_names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
-
-
-def _virtual(schedule: str, virtual: int) -> int:
-    """Stages per rank for ``schedule``: its own if the registry fixes one, else ``--virtual``."""
-    allowed = REGISTRY[schedule].virtual
-    return virtual if allowed is None else allowed[0]
+def _virtual(schedule: str, virtual: int) -> int:  # the schedule's own stages per rank, else --virtual
+    return virtual if REGISTRY[schedule].virtual is None else REGISTRY[schedule].virtual[0]
 
 
 def _actions(schedule: str, ranks: int, microbatches: int, virtual: int):
-    from commlab.pipeline import build, validate
-
     try:
         actions = build(schedule, ranks, microbatches, _virtual(schedule, virtual))
         validate(actions)
@@ -63,7 +62,7 @@ def _actions(schedule: str, ranks: int, microbatches: int, virtual: int):
 
 @click.group("pipeline")
 def pipeline() -> None:
-    """Pipeline schedules: show, simulate, benchmark."""
+    """Pipeline schedules: show, simulate, benchmark, plan."""
 
 
 @pipeline.command()
@@ -74,11 +73,10 @@ def pipeline() -> None:
 @click.option("--microbatches", "-m", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--virtual", "-v", default=2, show_default=True, type=click.IntRange(min=1), help="stages per rank (interleaved; zb-v: always 2)")
 @click.option("--actions", "as_actions", is_flag=True, help="print each rank's action list instead of the grid")
+@click.option("--comm", type=click.Choice(BACKENDS), help="print each rank's list after the comm pass for this backend")
 @click.option("--backward", type=click.IntRange(min=1), help="ticks per backward (I and W: half each) [1, or 2 for I/W schedules]")
-def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, virtual: int, as_actions: bool, backward: int | None) -> None:
+def show(schedule, csv_path, ranks, microbatches, virtual, as_actions, comm, backward) -> None:
     """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
-    from commlab.pipeline import format_actions, from_csv, grid, validate
-
     if csv_path is not None:
         try:
             actions = from_csv(csv_path.read_text())
@@ -87,8 +85,8 @@ def show(schedule: str, csv_path: Path | None, ranks: int, microbatches: int, vi
             raise click.UsageError(str(err)) from None
     else:
         actions = _actions(schedule, ranks, microbatches, virtual)
-    if as_actions:
-        for r, line in enumerate(format_actions(actions)):
+    if as_actions or comm:
+        for r, line in enumerate(format_actions(lower_comm(actions, backend=comm) if comm else actions)):
             click.echo(f"rank {r}: {line}")
     else:
         try:
@@ -111,20 +109,18 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 
     Interleaved stages each do 1/v of a rank's work, so all schedules compare on the same model.
     """
-    from commlab.pipeline import bubble_formula, simulate as run
-
     panels = []
     click.echo(f"{'schedule':<12} {'m':>4} {'step':>9} {'bubble':>8} {'formula':>8}  peak in flight per stage")
     for m in _ints(microbatches, "--microbatches"):
-        for name in _names(schedules, _schedule_names(), "--schedules"):
+        for name in _names(schedules, tuple(REGISTRY), "--schedules"):
             v = _virtual(name, virtual)
-            sim = run(_actions(name, ranks, m, v), forward / v, backward / v, comm)
+            sim = run_simulation(_actions(name, ranks, m, v), forward / v, backward / v, comm)
             # The closed form is GPipe's / 1F1B's / interleaved's; a split backward has none here.
             formula = f"{bubble_formula(ranks, m, v):8.3f}" if "I" not in REGISTRY[name].kinds else f"{'-':>8}"
             click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
-            panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline))
+            panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline, sim.messages))
     if figure:
-        from commlab.pipeline.render import gantt_figure
+        from commlab.pipeline.schedule.render import gantt_figure  # matplotlib: only when drawing
 
         gantt_figure(panels, ranks, str(figure))
         click.echo(f"wrote {figure}")
@@ -150,10 +146,11 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 @click.option("--no-figures", is_flag=True)
 def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backend, virtual, depth, width, batch,
           iters, warmup, calibrate, out, name, timeout, no_figures) -> None:  # fmt: skip
-    """commlab's pipeline vs torch.distributed.pipelining, alternating; bubble, memory, figures."""
-    import commlab
-    from commlab.pipeline.bench import measure_rank, stage_rows, summarise, timeline_rows
-    from commlab.pipeline.executor import CHECKPOINT_MODES, check_plan
+    """commlab's pipeline vs torch.distributed.pipelining, alternating; bubble, memory, figures.
+
+    Ctrl-C keeps the rows of every configuration already measured (exit status 130).
+    """
+    from commlab.pipeline.bench import balance
     from commlab.runtime import resolve_backend
 
     try:
@@ -163,38 +160,64 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
     common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, calibrate=calibrate, timeout=timeout)
     configs = []
     balances: dict[tuple[str, int], list[int]] = {}  # one balance per mode and stage count, shared by all schedules
-    for schedule in _names(schedules, _schedule_names(), "--schedules"):
+    ms = _ints(microbatches, "--microbatches")
+    for schedule in _names(schedules, tuple(REGISTRY), "--schedules"):
         v = _virtual(schedule, virtual)
         for mode in _names(balance_modes, BALANCE_MODES, "--balance"):
             if (mode, world_size * v) not in balances:
-                # Profiled at the micro-batch size the pipeline runs (the smallest asked for).
-                mb = max(1, batch // max(_ints(microbatches, "--microbatches")))
-                balances[(mode, world_size * v)] = _balance(mode, depth, width, mb, world_size * v, world_size)
-            balance = balances[(mode, world_size * v)]
-            for m in _ints(microbatches, "--microbatches"):
+                try:  # profiled at the micro-batch size the pipeline runs (the smallest asked for)
+                    balances[(mode, world_size * v)] = balance(mode, depth, width, max(1, batch // max(ms)), world_size * v, world_size)
+                except ValueError as err:
+                    raise click.BadParameter(str(err), param_hint="--depth") from None
+            for m in ms:
                 if m > batch:
                     raise click.BadParameter(f"{m} micro-batches need a batch of at least {m}, got {batch}", param_hint="--microbatches")
                 for ck in _names(checkpoints, CHECKPOINT_MODES, "--checkpoint"):
                     try:
-                        check_plan(schedule, world_size * v, world_size, m, ck,
-                                   REGISTRY[schedule].placement(world_size, world_size * v))
+                        check_plan(schedule, world_size * v, world_size, m, ck, REGISTRY[schedule].placement(world_size, world_size * v))
                     except ValueError as err:
                         raise click.UsageError(f"{schedule}, m={m}: {err}") from None
-                    cid = f"{schedule}-m{m}-{mode}-{ck}"
-                    configs.append(dict(config=cid, schedule=schedule, microbatches=m, balance_mode=mode,
-                                        balance=balance, checkpoint=ck, virtual=v))  # fmt: skip
+                    configs.append(dict(config=f"{schedule}-m{m}-{mode}-{ck}", schedule=schedule, microbatches=m, balance_mode=mode,
+                                        balance=balances[(mode, world_size * v)], checkpoint=ck, virtual=v))  # fmt: skip
     run_dir = out / (name or time.strftime("pipeline-%Y%m%d-%H%M%S"))
     click.echo(f"{len(configs)} configurations, world {world_size}, {backend}, MLP {depth} x {width}, batch {batch}; "
                f"{iters} timed steps each after {warmup}, commlab and torch alternating -> {run_dir}")  # fmt: skip
-    per_rank = commlab.launch(measure_rank, configs, common, world_size=world_size, backend=backend, timeout=timeout)
-    summary, stages, timeline = [], [], []
-    for k, cfg in enumerate(configs):
-        results = [r[k] for r in per_rank]
-        summary.append(summarise(cfg, results, world_size, batch, backend))
-        stages += stage_rows(cfg, results)
-        timeline += timeline_rows(cfg, results, world_size)
-    _write(run_dir, summary, stages, timeline, common, backend, world_size)
-    _print(summary, stages)
+    _bench_run(run_dir, configs, common, world_size, backend, no_figures)
+
+
+def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, backend: str, no_figures: bool) -> None:
+    """Launch the benchmark; on Ctrl-C (or SIGTERM) keep every configuration already measured."""
+    import shutil
+
+    import commlab  # commlab.launch and the runtime load torch: only when a run starts
+    from commlab.pipeline import bench_results
+    from commlab.pipeline.bench import finished, measure_rank
+    from commlab.runtime.launch import sigterm_as_interrupt
+    from commlab.runtime.metadata import command_line, environment
+
+    partial = run_dir / ".partial"  # each rank writes each finished configuration here
+    partial.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command_line(click.get_current_context()), **common, "backend": backend, "world_size": world_size,
+            "environment": environment()}  # fmt: skip
+    try:
+        with sigterm_as_interrupt():  # a batch system's SIGTERM keeps the rows like Ctrl-C
+            per_rank = commlab.launch(measure_rank, configs, {**common, "partial": str(partial)}, world_size=world_size,
+                                      backend=backend, timeout=common["timeout"])  # fmt: skip
+    except BaseException as stop:  # interrupted, or a rank failed: keep the configurations every rank finished
+        done = finished(partial, configs, world_size)
+        if done or isinstance(stop, KeyboardInterrupt):
+            bench_results.write(run_dir, *bench_results.rows(configs, done, world_size, common["batch"], backend),
+                                {**meta, "interrupted": True, "configurations_measured": len(done)})  # fmt: skip
+        shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(stop, KeyboardInterrupt):
+            raise
+        click.echo(f"interrupted: {len(done)} of {len(configs)} configurations measured, their rows kept in {run_dir}", err=True)
+        click.get_current_context().exit(getattr(stop, "exit_code", 130))
+    shutil.rmtree(partial, ignore_errors=True)
+    per_config = [[r[k] for r in per_rank] for k in range(len(configs))]
+    summary, stages, timeline = bench_results.rows(configs, per_config, world_size, common["batch"], backend)
+    bench_results.write(run_dir, summary, stages, timeline, meta)
+    click.echo("\n".join(bench_results.table(summary, stages)))
     if not no_figures:
         from commlab.pipeline.figures import draw_all
 
@@ -202,60 +225,73 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
             click.echo(f"wrote {path}")
 
 
-def _balance(mode: str, depth: int, width: int, batch: int, stages: int, world_size: int) -> list[int]:
-    """The balance decided once, in the parent, so every rank splits the model the same way."""
-    import torch
+@pipeline.command()
+@click.option("--ranks", "-p", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--budget-mb", default=64.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="per-rank memory budget, MiB")
+@click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True)
+@click.option("--microbatches", "-m", default="2,4,8,16", show_default=True, help="comma-separated")
+@click.option("--virtual", "-v", default="1,2", show_default=True, help="stages per rank to try (interleaved)")
+@click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True)
+@click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
+@click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
+@click.option("--validate", "check", is_flag=True, help="then measure every plan that fits on --ranks Gloo ranks, alternating")
+@click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top, calibrate, check, iters, warmup,
+         timeout) -> None:  # fmt: skip
+    """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
-    from commlab.models import mlp
-    from commlab.pipeline import balance_by_size, balance_by_time, partition
+    Layers are profiled at each micro-batch size, and every plan is predicted on the shared
+    simulator core with its peak memory per rank. ``--validate`` then measures the grid.
+    """
+    import os
 
-    torch.manual_seed(0)
-    model = mlp(depth, width)
-    if stages > len(model):
-        raise click.BadParameter(f"{stages} stages but the MLP has only {len(model)} layers", param_hint="--depth")
-    if mode == "uniform":
-        return partition([1.0] * len(model), stages)
-    sample = torch.randn(batch, width)
-    if mode != "time":
-        return balance_by_size(model, sample, stages)
-    # Profile with a rank's threads (commlab.launch gives each cores // world), not the parent's.
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        return balance_by_time(model, sample, stages, repeat=5)
-    finally:
-        torch.set_num_threads(threads)
+    from commlab.pipeline.plan import best, candidates, no_fit, profile_mlp
+    from commlab.pipeline.plan_calibrate import Calibration, calibrate as measure_costs
 
-
-def _write(run_dir: Path, summary, stages, timeline, common, backend, world_size) -> None:
-    import pandas as pd
-
-    from commlab._atomic import write_text
-    from commlab.runtime.metadata import command_line, environment
-
-    for file, rows in (("summary.csv", summary), ("stages.csv", stages), ("timeline.csv", timeline)):
-        write_text(run_dir / file, pd.DataFrame(rows).to_csv(index=False))
-    meta = {"command": command_line(click.get_current_context()), **common, "backend": backend, "world_size": world_size, "environment": environment()}
-    write_text(run_dir / "metadata.json", json.dumps(meta, indent=2, default=str))
-
-
-def _print(summary, stages) -> None:
-    click.echo(f"{'config':<30} {'commlab ms':>10} {'pred ms':>8} {'torch ms':>9} {'ratio':>6} {'paired':>6} {'samples/s':>9} "
-               f"{'bubble':>6} {'wait':>6} {'ready':>6} {'sim':>6} {'replay':>6} {'formula':>7} {'msg ms':>6} {'stage0 MiB':>10}")  # fmt: skip
-    for row in summary:
-        first = [s["saved_bytes"] for s in stages if s["config"] == row["config"] and s["stage"] == 0][0]
-        torch_ms = f"{row['torch_s'] * 1e3:9.2f}" if "torch_s" in row else f"{'-':>9}"
-        ratio = f"{row['ratio']:6.3f} {row['paired_ratio']:6.3f}" if "ratio" in row else f"{'-':>6} {'-':>6}"
-        click.echo(f"{row['config']:<30} {row['commlab_s'] * 1e3:10.2f} {row['predicted_s'] * 1e3:8.2f} {torch_ms} {ratio} {row['commlab_samples_per_s']:9.1f} "
-                   f"{row['bubble_measured']:6.3f} {row['idle_waiting']:6.3f} {row['idle_data_ready']:6.3f} {row['bubble_simulated']:6.3f} {row['bubble_replayed']:6.3f} "
-                   f"{row['bubble_formula']:7.3f} {row['comm_latency_s'] * 1e3:6.2f} {first / 2**20:10.2f}")  # fmt: skip
+    names = _names(schedules, tuple(REGISTRY), "--schedules")
+    modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
+    ms = [m for m in _ints(microbatches, "--microbatches") if m <= batch]
+    if not ms:
+        raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
+    if check and ranks < 2:
+        raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
+    profiles = profile_mlp(depth, width, batch, ms, ranks)
+    costs = Calibration()
+    if calibrate and ranks > 1:
+        # Every boundary a plan can have is some layer's output at some micro-batch size.
+        costs = measure_costs(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout)
+        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overhead * 1e6:.0f} us/action, message "
+                   f"{costs.alpha * 1e6:.0f} us + {costs.beta * 1e9:.3f} ns/byte")  # fmt: skip
+    # Ranks beyond the cores share them: each rank's compute slows while others compute.
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count())
+    budget = budget_mb * 2**20
+    chosen = best(plans, budget)
+    click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")
+    for p in plans[:top]:
+        mark = "" if max(p.peak_bytes) <= budget else "  over budget"
+        click.echo(f"{p.schedule:<12} {p.microbatches:>3} {p.virtual:>2} {p.checkpoint:<12} {p.step_time * 1e3:8.2f} "
+                   f"{max(p.peak_bytes) / 2**20:14.2f}  {list(p.balance)}{mark}")  # fmt: skip
+    if chosen is None:
+        raise click.ClickException(no_fit(plans, budget_mb))
+    click.echo(f"plan: {chosen.schedule}, m={chosen.microbatches}, v={chosen.virtual}, checkpoint {chosen.checkpoint}, "
+               f"balance {list(chosen.balance)}: predicted {chosen.step_time * 1e3:.2f} ms, peak {max(chosen.peak_bytes) / 2**20:.2f} MiB per rank")  # fmt: skip
+    if check:
+        _plan_check([p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
+                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip
 
 
-def _register_plan() -> None:
-    from commlab.pipeline.cli_plan import plan
+def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
+    import commlab
+    from commlab.pipeline.plan_check import measure_rank, report, summarise
 
-    pipeline.add_command(plan)
-
-
-_register_plan()
+    click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
+               f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
+    specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
+    per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
+    click.echo("\n".join(report(summarise(fitting, chosen, per_rank))))

@@ -1,8 +1,8 @@
-"""Figures of a pipeline benchmark, drawn from its tidy CSVs (matplotlib Agg, seaborn).
+"""Figures of a pipeline benchmark, drawn from its tidy CSVs into its ``figures/`` directory (matplotlib Agg, seaborn).
 
 - ``throughput.png``: samples/s vs micro-batches, one line per schedule, commlab solid, torch dashed;
 - ``activation_memory.png``: bytes saved for backward per stage, one bar per schedule;
-- ``peak_memory.png``: each rank's peak held bytes (the executor's ledger: stashes, receive
+- ``peak_memory.png``: each rank's measured peak of held bytes (the executor's ledger: stashes, receive
   buffers, sends in flight, hand-overs), one bar per schedule, at the most micro-batches;
 - ``timeline.png``: for each schedule, the measured timeline of a median step over the simulator's
   Gantt chart from the measured per-stage times.
@@ -15,9 +15,9 @@ from pathlib import Path
 import pandas as pd
 
 from commlab._atomic import write_via
-from commlab.pipeline.render import gantt_figure
-from commlab.pipeline.schedules import Action
-from commlab.pipeline.simulate import Timed
+from commlab.pipeline.schedule.render import gantt_figure
+from commlab.pipeline.schedule.actions import Action
+from commlab.pipeline.schedule.simulate import Timed
 
 
 def draw_all(run_dir: Path) -> list[Path]:
@@ -28,9 +28,11 @@ def draw_all(run_dir: Path) -> list[Path]:
     summary = pd.read_csv(run_dir / "summary.csv")
     stages = pd.read_csv(run_dir / "stages.csv")
     timeline = pd.read_csv(run_dir / "timeline.csv")
-    written = [_throughput(summary, run_dir / "throughput.png"), _memory(stages, run_dir / "activation_memory.png"),
-               _peaks(stages, run_dir / "peak_memory.png")]  # fmt: skip
-    written.append(_timelines(summary, timeline, run_dir / "timeline.png"))
+    figures = run_dir / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    written = [_throughput(summary, figures / "throughput.png"), _memory(stages, figures / "activation_memory.png"),
+               _peaks(stages, figures / "peak_memory.png")]  # fmt: skip
+    written.append(_timelines(summary, timeline, figures / "timeline.png"))
     return written
 
 
@@ -52,6 +54,9 @@ def _throughput(summary: pd.DataFrame, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     sns.lineplot(data=data, x="microbatches", y="samples_per_s", hue="schedule", style="implementation", marker="o", ax=ax)
     ax.set_xscale("log", base=2)
+    counts = sorted(int(m) for m in data["microbatches"].unique())
+    ax.set_xticks(counts, [str(m) for m in counts])  # plain integers, not 2^1, 2^2
+    ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.set_xlabel("micro-batches per mini-batch")
     ax.set_ylabel("samples / s")
     ax.set_ylim(bottom=0)
@@ -70,7 +75,7 @@ def _memory(stages: pd.DataFrame, path: Path) -> Path:
 
 def _peaks(stages: pd.DataFrame, path: Path) -> Path:
     df = _last_m(stages).drop_duplicates(["config", "rank"])  # one row per rank
-    return _bars(df.assign(MiB=df["rank_peak_bytes"] / 2**20), "rank", "pipeline rank", "MiB held at the peak (ledger)",
+    return _bars(df.assign(MiB=df["rank_peak_bytes"] / 2**20), "rank", "pipeline rank", "measured peak MiB held",
                  f"Peak memory per rank and schedule, {int(df['microbatches'].max())} micro-batches", path)
 
 

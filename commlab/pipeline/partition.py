@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from commlab.pipeline.memory import SavedBytes
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch loads inside the functions that use it: ``partition`` itself is pure, and importing
+# commlab.pipeline (the CLI's help included) should not cost torch's import time.
 
 
 def check_balance(balance: Sequence[int], layers: int) -> list[int]:
@@ -31,6 +35,8 @@ def split(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     The stages share the model's layers (no copy), so parameters and their ``.grad`` are the
     model's own.
     """
+    from torch import nn  # lazy: see the module's imports
+
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"a pipeline partitions an nn.Sequential, got {type(model).__name__}")
     balance = check_balance(balance, len(model))
@@ -94,6 +100,8 @@ def best_per_layer(model: nn.Sequential, sample: torch.Tensor, measure: Callable
 def profile_times(model: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -> list[float]:
     """Per layer, the best-of-``repeat`` forward + backward wall time on ``sample`` (seconds)."""
 
+    import torch  # lazy: see the module's imports
+
     def forward_backward(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
         sync()
@@ -109,6 +117,8 @@ def profile_times(model: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -
 
 def profile_sizes(model: nn.Sequential, sample: torch.Tensor) -> list[float]:
     """Per layer, parameter bytes plus activation bytes it saves for backward on ``sample``."""
+    from commlab.pipeline.runtime.memory import SavedBytes  # needs torch: lazy, see the module's imports
+
     sizes = []
     x = sample
     for layer in model:

@@ -6,7 +6,7 @@ bench predictor's lowering and cost terms: per-action compute from the profile, 
 per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
 sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
 are measured once at plan time (:mod:`commlab.pipeline.plan_calibrate`, a few seconds). Its peak
-memory per rank is predicted from the action order (:func:`peak_bytes`): parameters and their
+memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters and their
 gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
 input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
 send per boundary. Candidates over the budget are dropped; the fastest survivor is the plan.
@@ -14,14 +14,21 @@ send per boundary. Candidates over the budget are dropped; the fastest survivor 
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Actions, num_microbatches
-from commlab.pipeline.partition import partition
+import torch
+
+from commlab.pipeline.partition import best_per_layer, partition, profile_times
 from commlab.pipeline.plan_calibrate import Calibration
 from commlab.pipeline.predict import Costs, checkpointed_microbatches, predict
-from commlab.pipeline.schedules import REGISTRY
+from commlab.pipeline.runtime.memory import SavedBytes
+from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
+from commlab.pipeline.schedule.liveness import liveness
+from commlab.pipeline.schedule.registry import REGISTRY
 
 
 @dataclass(frozen=True)
@@ -81,21 +88,12 @@ def _stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
 def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float], inputs: Sequence[float],
                params: Sequence[float], checkpointed: Sequence[int]) -> tuple[float, ...]:  # fmt: skip
     """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per micro-batch."""
-    recomputed = set(checkpointed)
     out = []
-    for r, rank in enumerate(actions):
+    for r, lives in enumerate(liveness(actions, checkpointed)):
         local = [s for s, p in enumerate(placement) if p == r]
-        live = peak = 0.0
-        for a in rank:
-            s, ck = a.stage, a.microbatch in recomputed
-            keep = inputs[s] + (0.0 if ck else saved[s])
-            if a.kind == FORWARD:
-                live += keep
-            elif a.kind in (BACKWARD, INPUT_GRAD) and ck:
-                live += saved[s]  # the forward recomputed for this backward
-            peak = max(peak, live)
-            if a.kind in (BACKWARD, WEIGHT_GRAD):
-                live -= keep + (saved[s] if ck else 0.0)
+        # While an action runs: each live micro-batch's stage input, and what its forward saved
+        # unless checkpointed and not yet recomputed (:func:`liveness`).
+        peak = max((sum(inputs[s] + (saved[s] if full else 0.0) for (s, _), full in live.alive.items()) for live in lives), default=0.0)
         buffers = sum(2 * inputs[s] for s in local if s > 0) + sum(2 * inputs[s + 1] for s in local if s + 1 < len(placement))
         out.append(2 * sum(params[s] for s in local) + peak + buffers)
     return tuple(out)
@@ -143,19 +141,39 @@ def best(plans: Sequence[Plan], budget: float) -> Plan | None:
     return next((p for p in plans if max(p.peak_bytes) <= budget), None)
 
 
+def no_fit(plans: Sequence[Plan], budget_mb: float) -> str:
+    """Why no plan fits ``budget_mb`` MiB per rank: the smallest peak any plan needs, and a budget that fits it."""
+    smallest = min(plans, key=lambda p: max(p.peak_bytes))
+    need = max(smallest.peak_bytes) / 2**20
+    suggest = math.ceil(need) if need >= 1 else math.ceil(need * 1000) / 1000  # whole MiB unless tiny
+    return (f"no plan fits {budget_mb:g} MiB per rank: the smallest peak any plan needs is {need:.3f} MiB per rank "
+            f"({smallest.schedule}, m={smallest.microbatches}, checkpoint {smallest.checkpoint}); "
+            f"try --budget-mb {suggest:g} or more")  # fmt: skip
+
+
+def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int], ranks: int) -> dict[int, LayerProfile]:
+    """The planner's MLP (commlab.models.mlp) profiled at the micro-batch size of each count."""
+    from commlab.models import mlp
+
+    torch.manual_seed(0)
+    model = mlp(depth, width)
+    # Profile with the threads a rank gets (commlab.launch: cores // ranks unless OMP_NUM_THREADS
+    # is set), not the parent's: on a shared machine 2 threads per op can be 20x slower than 1.
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        return {m: profile(model, torch.randn(batch // m, width)) for m in microbatches}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def profile(model, sample, repeat: int = 3) -> LayerProfile:
     """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`.
 
     Times are the best of ``repeat``: forward + backward, forward alone, and the split backward's
     I (``autograd.grad`` for the input only) and W (``backward(inputs=params)``), as the executor
-    runs them (:mod:`commlab.pipeline.compute`)."""
-    import time
-
-    import torch
-
-    from commlab.pipeline.memory import SavedBytes
-    from commlab.pipeline.partition import best_per_layer, profile_times
-
+    runs them (:mod:`commlab.pipeline.runtime.compute`)."""
     # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
     seconds = profile_times(model, sample, repeat=repeat)
     saved, output, params = [], [], []

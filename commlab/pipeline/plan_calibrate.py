@@ -17,11 +17,16 @@ Both then enter :class:`commlab.pipeline.predict.Costs` exactly as the bench's d
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from commlab.bench.alpha_beta import least_squares_line
+from commlab.pipeline.calibrate import comm_latency, executor_overhead
+from commlab.pipeline.predict import shared
 
 from commlab.bench.alpha_beta import least_squares_line
 
@@ -54,8 +59,8 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import commlab
-    from commlab.pipeline.executor import PipelineSchedule
-    from commlab.pipeline.stage import Stage
+    from commlab.pipeline.runtime.executor import PipelineExecutor
+    from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
     pingpong: dict[int, list[float]] = {}
@@ -74,8 +79,8 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
                 pingpong.setdefault(size, []).append((time.perf_counter() - start) / 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
-    stage = Stage(model, [1] * rt.world_size)
-    pipe = PipelineSchedule(stage, "1f1b", microbatches=4, loss_fn=F.mse_loss, track_memory=False, timeout=common["timeout"])
+    stage = RankStages(model, [1] * rt.world_size)
+    pipe = PipelineExecutor(stage, "1f1b", microbatches=4, loss_fn=F.mse_loss, track_memory=False, timeout=common["timeout"])
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     calibration: dict[str, list] = {"timelines": [], "origins": []}
     for k in range(1 + common["steps"]):
@@ -91,11 +96,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> Calibration:
     """Measure :class:`Calibration` on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
-    import os
-
-    import commlab
-    from commlab.pipeline.calibrate import comm_latency, executor_overhead
-    from commlab.pipeline.predict import shared
+    import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
         return Calibration()

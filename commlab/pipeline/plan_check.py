@@ -1,6 +1,6 @@
 """Checking the planner against measurement: run a grid of plans, compare the pick with the best.
 
-The acceptance of the planner (issue 9): its pick, measured, is within 5% of the fastest plan of
+The planner's acceptance: its pick, measured, is within 5% of the fastest plan of
 a measured grid, and its predicted peak memory bounds the measured one. :func:`measure_rank`
 runs on every rank of one launch. All plans are built first, then stepped in rounds, each round
 in the opposite order of the one before (plan k never always runs first or after the same
@@ -19,6 +19,8 @@ from typing import Any
 
 from commlab.pipeline.plan import Plan
 
+from commlab.pipeline.schedule.registry import REGISTRY
+
 
 def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
     """Every plan's step times (one per round) and peak bytes on this rank (run by commlab.launch)."""
@@ -28,9 +30,8 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
 
     import commlab
     from commlab.models import mlp
-    from commlab.pipeline.executor import PipelineSchedule
-    from commlab.pipeline.schedules import REGISTRY
-    from commlab.pipeline.stage import Stage
+    from commlab.pipeline.runtime.executor import PipelineExecutor
+    from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
     gen = torch.Generator().manual_seed(1)
@@ -41,9 +42,9 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
         torch.manual_seed(0)
         model = mlp(common["depth"], common["width"])
         placement = REGISTRY[p["schedule"]].placement(rt.world_size, len(p["balance"]))
-        stage = Stage(model, p["balance"], placement)
+        stage = RankStages(model, p["balance"], placement)
         options = dict(microbatches=p["microbatches"], loss_fn=F.cross_entropy, checkpoint=p["checkpoint"], timeout=common["timeout"])
-        built.append((model, stage, options, PipelineSchedule(stage, p["schedule"], track_memory=False, **options)))
+        built.append((model, stage, options, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
 
     def step(stage, pipe):
         return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
@@ -62,7 +63,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     peaks = []
     for k, p in enumerate(plans):
         model, stage, options, _ = built[k]
-        counted = PipelineSchedule(stage, p["schedule"], **options)
+        counted = PipelineExecutor(stage, p["schedule"], **options)
         step(stage, counted)
         weights = sum(t.numel() * t.element_size() for t in stage.parameters())
         peaks.append(counted.memory.peak + 2 * weights)  # parameters and their gradients
@@ -90,3 +91,19 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     fastest = min(rows, key=lambda r: r["measured_s"])
     return {"pick_over_best": pick["measured_s"] / fastest["measured_s"], "best": fastest,
             "pick": pick, "peaks_bounded": all(r["peak_bounded"] for r in rows)}  # fmt: skip
+
+
+def report(rows: list[dict[str, Any]]) -> list[str]:
+    """The console table of a checked grid, fastest measured first, and the verdict line."""
+    lines = [f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'meas ms':>8} {'q1-q3 ms':>13} "
+             f"{'pred MiB':>9} {'meas MiB':>9} bound"]  # fmt: skip
+    for r in sorted(rows, key=lambda r: r["measured_s"]):
+        lines.append(f"{r['schedule']:<12} {r['microbatches']:>3} {r['virtual']:>2} {r['checkpoint']:<12} {r['predicted_s'] * 1e3:8.2f} "
+                     f"{r['measured_s'] * 1e3:8.2f} {r['q1_s'] * 1e3:6.2f}-{r['q3_s'] * 1e3:6.2f} {r['predicted_peak'] / 2**20:9.2f} "
+                     f"{r['measured_peak'] / 2**20:9.2f} {'yes' if r['peak_bounded'] else 'NO'}{'  <- pick' if r['chosen'] else ''}")  # fmt: skip
+    v = verdict(rows)
+    b = v["best"]
+    lines.append(f"pick measured / best measured = {v['pick_over_best']:.3f} (bar 1.05; best: {b['schedule']} m={b['microbatches']} "
+                 f"v={b['virtual']} {b['checkpoint']}); predicted peak bounds measured on every plan and rank: "
+                 f"{'yes' if v['peaks_bounded'] else 'NO'}")  # fmt: skip
+    return lines

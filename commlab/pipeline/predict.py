@@ -1,14 +1,12 @@
-"""A schedule lowered onto the shared discrete-event core (:mod:`commlab.sim`): predicted step time.
+"""The cost lowering: a schedule's comm-pass lists priced on the shared discrete-event core (:mod:`commlab.sim`).
 
-Every action becomes a task on its rank's compute resource (``rank{r}``), in the rank's order,
-lasting its compute time plus the executor's per-action overhead; a checkpointed micro-batch's B
-(or I) also pays its stage's forward again (recomputation). Every cross-rank message becomes a
-task on the channel between the two ranks (``p2p{src}>{dst}``, one message at a time, in the
-sender's order) lasting ``alpha + bytes * beta``. A message can start only once it was produced
-and once the receiver has posted its receive (:func:`commlab.pipeline.messages.receive_posts`:
-on Gloo right after the receiver's previous receiving action): a Gloo send completes only then. The executor also waits on its own
-sends before some actions (:func:`commlab.pipeline.messages.send_waits`): those waits are
-dependencies too. In a hybrid run each stage's data-parallel all-reduce follows its last backward
+The lists come from :func:`commlab.pipeline.schedule.comm.lower_comm` and go on the core by
+:func:`commlab.pipeline.schedule.tasks.tasks`; this module prices them. Every action lasts its
+kind's compute time (``Kind.seconds`` of its stage's forward and backward) plus the executor's
+per-action overhead; a checkpointed micro-batch's B (or I: ``Kind.recomputes``) also pays its
+stage's forward again. Every cross-rank message lasts ``alpha + bytes * beta`` on the channel
+between the two ranks; it starts once produced and once the receiver's RECV is posted (a Gloo
+send completes only then), and the executor's WAITs on its own sends are dependencies too. In a hybrid run each stage's data-parallel all-reduce follows its last backward
 on the rank's ``dp{r}`` channel, and the optimizer step follows everything on the rank.
 
 With more ranks than ``cores`` (world 3 on 2 cores), the ranks' compute tasks share one host:
@@ -23,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches, num_stages, placement_of
-from commlab.pipeline.messages import consumer, message_order, messages, receive_posts, send_waits
-from commlab.pipeline.validate import recomputes
+from commlab.pipeline.schedule.actions import Action, Actions, num_microbatches, placement_of
+from commlab.pipeline.schedule.comm import Message, lower_comm
+from commlab.pipeline.schedule.kinds import KINDS
+from commlab.pipeline.schedule.tasks import tasks
+from commlab.pipeline.schedule.validate import recomputes
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
 
@@ -53,10 +53,6 @@ class Costs:
     durations: Mapping[Action, float] = field(default_factory=dict)  # overrides, e.g. one measured step
 
 
-def _name(a: Action) -> str:
-    return str(a)
-
-
 def lower(
     actions: Actions,
     costs: Costs,
@@ -72,70 +68,36 @@ def lower(
 ) -> list[Task]:
     """The tasks of one step. ``checkpointed``: micro-batches whose forward is recomputed.
 
-    ``posting``/``waits``/``contention``: model the receive posting (``lookahead``: as on Gloo,
-    see :func:`~commlab.pipeline.messages.receive_posts`; False: NCCL's; the bench passes its backend's,
-    the planner plans for Gloo ranks), the executor's send waits and one message at a time per
-    channel (the pure schedule analysis of
-    :func:`commlab.pipeline.simulate.simulate` turns all three off). ``after``: extra dependencies
-    between actions. ``cores``: the host's cores, when the ranks share fewer than one each
-    (their compute tasks then get host ``"cpu"``; run with ``rate=sharing(cores)``).
+    The comm pass's lists (:func:`~commlab.pipeline.schedule.comm.lower_comm`; ``lookahead``:
+    Gloo's receive posting, False: NCCL's; the bench passes its backend's, the planner plans for
+    Gloo ranks) go on the core by :func:`~commlab.pipeline.schedule.tasks.tasks`, priced here.
+    ``posting``/``waits``/``contention``: model the receive posting, the executor's send waits and
+    one message at a time per channel. ``after``: extra dependencies between actions. ``cores``:
+    the host's cores, when the ranks share fewer than one each (their compute tasks then get host
+    ``"cpu"``; run with ``rate=sharing(cores)``).
     """
-    from commlab.pipeline.simulate import split_stages
-
     placement = placement_of(actions) if placement is None else tuple(placement)
-    stages, split = num_stages(actions), split_stages(actions)
     recomputed = set(checkpointed)
-    # A channel carries one message at a time in the sender's order only where the receiver
-    # takes them in that order too (NCCL-style); otherwise (Gloo tags) messages do not queue.
-    contention = contention and not message_order(actions, placement)
-    position = {a: (r, k) for r, rank in enumerate(actions) for k, a in enumerate(rank)}
-    # The action after which each cross-rank receive is posted (None: the step's start).
-    incoming = {c for *_, c in messages(actions, placement)}
-    posted_after: dict[Action, Action | None] = {}
-    for rank in actions:
-        for j, k in receive_posts([a in incoming for a in rank], lookahead).items():
-            posted_after[rank[k]] = rank[j] if j >= 0 else None
-    tasks: list[Task] = []
-    deps: dict[Action, list[str]] = {a: [] for a in position}
-    transfers: list[Task] = []
-    for r, rank in enumerate(actions):
-        for a in rank:
-            c = consumer(a, stages, split)
-            if c is None or c not in position:
-                continue
-            dst = position[c][0]
-            if dst == r:
-                deps[c].append(_name(a))
-                continue
-            before = posted_after.get(c)
-            posted = (_name(before),) if posting and before is not None else ()
-            size = costs.message_bytes[min(a.stage, c.stage)] if costs.message_bytes else 0.0
-            channel = f"p2p{r}>{dst}" if contention else f"msg {a}>{c}"
-            msg = Task(f"msg {a}>{c}", channel, costs.alpha + size * costs.beta, (_name(a), *posted), kind="p2p")
-            transfers.append(msg)
-            deps[c].append(msg.name)
-    if waits:
-        by_producer = {m.deps[0]: m.name for m in transfers}
-        for before, sent in send_waits(actions, placement).items():
-            deps[before] += [by_producer[_name(s)] for s in sent if _name(s) in by_producer]
-    for a, extra in (after or {}).items():
-        deps[a] += [_name(e) for e in extra]
-    share = {FORWARD: 0.0, BACKWARD: 1.0, INPUT_GRAD: 1.0 - costs.weight_share, WEIGHT_GRAD: costs.weight_share}
-    for r, rank in enumerate(actions):
-        for a in rank:
-            if a in costs.durations:
-                seconds = costs.durations[a]
-            else:
-                seconds = costs.forward[a.stage] if a.kind == FORWARD else costs.backward[a.stage] * share[a.kind]
-                if a.kind in (BACKWARD, INPUT_GRAD) and a.microbatch in recomputed:
-                    seconds += costs.forward[a.stage]
-            tasks.append(Task(_name(a), f"rank{r}", seconds + costs.overhead, tuple(deps[a]), kind=a.kind,
-                              meta={"rank": r, "action": a}))  # fmt: skip
-    tasks += transfers
-    tasks += _tail(actions, costs, placement)
+
+    def seconds(a: Action) -> float:
+        kind = KINDS[a.kind]
+        if a in costs.durations:
+            return costs.durations[a] + costs.overhead
+        own = kind.seconds(costs.forward[a.stage], costs.backward[a.stage], costs.weight_share)
+        if kind.recomputes and a.microbatch in recomputed:
+            own += costs.forward[a.stage]
+        return own + costs.overhead
+
+    def message_seconds(m: Message) -> float:
+        size = costs.message_bytes[min(m.sent_by.stage, m.taken_by.stage)] if costs.message_bytes else 0.0
+        return costs.alpha + size * costs.beta
+
+    lowered = lower_comm(actions, placement, "gloo" if lookahead else "nccl")
+    out = tasks(lowered, seconds, message_seconds, posting=posting, waits=waits, contention=contention, after=after)
+    out += _tail(actions, costs, placement)
     if shared(len(actions), cores):
-        tasks = [replace(t, host="cpu") if t.resource.startswith("rank") else t for t in tasks]
-    return tasks
+        out = [replace(t, host="cpu") if t.resource.startswith("rank") else t for t in out]
+    return out
 
 
 def shared(ranks: int, cores: int | None) -> bool:
@@ -157,12 +119,12 @@ def _tail(actions: Actions, costs: Costs, placement: Sequence[int]) -> list[Task
         return []
     out: list[Task] = []
     for r, rank in enumerate(actions):
-        last = {a.stage: _name(a) for a in rank if a.kind in (BACKWARD, WEIGHT_GRAD)}
+        last = {a.stage: str(a) for a in rank if KINDS[a.kind].stash < 0}  # the stage's last backward
         reduce = [Task(f"allreduce {s}", f"dp{r}", costs.allreduce[s], (last[s],), kind="allreduce")
                   for s in sorted(last, reverse=True) if costs.allreduce]  # fmt: skip
         out += reduce
         if costs.optimizer:
-            out.append(Task(f"optimizer {r}", f"rank{r}", costs.optimizer, tuple(t.name for t in reduce) + (_name(rank[-1]),), kind="optimizer"))
+            out.append(Task(f"optimizer {r}", f"rank{r}", costs.optimizer, tuple(t.name for t in reduce) + (str(rank[-1]),), kind="optimizer"))
     return out
 
 
@@ -182,7 +144,7 @@ def predict(actions: Actions, costs: Costs, placement: Sequence[int] | None = No
 
 
 def checkpointed_microbatches(mode: str, microbatches: int) -> tuple[int, ...]:
-    """The micro-batches a checkpoint mode recomputes (:func:`commlab.pipeline.validate.recomputes`)."""
+    """The micro-batches a checkpoint mode recomputes (:func:`commlab.pipeline.schedule.validate.recomputes`)."""
     return tuple(i for i in range(microbatches) if recomputes(mode, i, microbatches))
 
 

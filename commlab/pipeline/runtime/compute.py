@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from commlab.pipeline.values import Value, detached, floats, pairs
+from commlab.pipeline.runtime.values import Value, detached, floats, pairs
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Pictures of a schedule: the step x rank text grid and a Gantt figure of a (simulated or measured) timeline.
 
-The grid is the schedule's simulation with unit forward and backward times, so row t shows what
-each rank does at clock tick t (torchgpipe's clock-cycle view); "." is a bubble.
+The grid is the schedule's own clock (:func:`commlab.pipeline.schedule.clock.clock`) with a tick per
+forward, so row t shows what each rank does at tick t (torchgpipe's clock-cycle view); "." is a bubble.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlab.pipeline.schedules import FORWARD, Actions
-from commlab.pipeline.simulate import Timed, simulate
+from commlab.pipeline.schedule.actions import FORWARD, Actions
+from commlab.pipeline.schedule.clock import clock
+from commlab.pipeline.schedule.comm import Message
+from commlab.pipeline.schedule.simulate import Timed
 
 # What a simulated time is measured in: the --forward/--backward/--comm costs it was given.
 SIMULATED_UNIT = "units of the --forward/--backward costs"
@@ -27,25 +29,29 @@ def grid(actions: Actions, backward: int | None = None) -> str:
         backward = 2 if any(a.kind in "IW" for rank in actions for a in rank) else 1
     if any(a.kind in "IW" for rank in actions for a in rank) and backward % 2:
         raise ValueError(f"a split backward needs an even number of ticks, got {backward}")
-    sim = simulate(actions, 1.0, float(backward))
+    span = clock(actions, {"F": 1, "B": backward, "I": backward // 2, "W": backward // 2})
     ranks = len(actions)
-    steps = int(round(sim.step_time))
-    cells = [["."] * ranks for _ in range(steps)]
-    for t in sim.timeline:
-        for tick in range(int(round(t.start)), int(round(t.end))):
-            cells[tick][t.rank] = str(t.action)
-    width = max(5, *(len(str(t.action)) for t in sim.timeline))
+    cells = [["."] * ranks for _ in range(max((end for _, end in span.values()), default=0))]
+    for r, rank in enumerate(actions):
+        for a in rank:
+            for tick in range(*span[a]):
+                cells[tick][r] = str(a)
+    width = max(5, *(len(str(a)) for a in span))
     header = "step " + " ".join(f"{f'rank{r}':>{width}}" for r in range(ranks))
     rows = [f"{k:>4} " + " ".join(f"{c:>{width}}" for c in row) for k, row in enumerate(cells)]
     return "\n".join([header, *rows])
 
 
-def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str = SIMULATED_UNIT) -> None:
+def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str = SIMULATED_UNIT,
+          messages: Sequence[tuple[Message, float, float]] = ()) -> None:  # fmt: skip
     """Draw one bar per action on a matplotlib axis: rank on y, time on x, forward light, backward dark.
 
     Micro-batch numbers are written in the bars; the same function draws simulated and measured
-    timelines so the two can be compared panel by panel.
+    timelines so the two can be compared panel by panel. ``messages`` (a simulation's SEND ops:
+    message, start, end) are drawn as thin lines from the sender's row to the receiver's.
     """
+    for m, start, end in messages:
+        ax.plot([start, end], [m.src, m.dst], color="0.4", linewidth=0.6, zorder=3)
     import seaborn as sns
 
     palette = sns.color_palette("Paired")
@@ -61,11 +67,12 @@ def gantt(ax, timeline: Sequence[Timed], ranks: int, title: str = "", unit: str 
         ax.set_title(title, fontsize=9)
 
 
-def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path: str, unit: str = SIMULATED_UNIT) -> None:
+def gantt_figure(panels: Sequence[tuple], ranks: int, path: str, unit: str = SIMULATED_UNIT) -> None:
     """Save stacked Gantt panels (e.g. simulated over measured) to ``path`` with the Agg backend.
 
-    All panels share the time axis (they are compared); one legend says which shade is forward
-    and which backward. ``unit`` names the time axis's unit.
+    A panel is (title, timeline) or (title, timeline, messages). All panels share the time axis
+    (they are compared); one legend says which shade is forward and which backward. ``unit`` names
+    the time axis's unit.
     """
     import matplotlib
 
@@ -77,8 +84,8 @@ def gantt_figure(panels: Sequence[tuple[str, Sequence[Timed]]], ranks: int, path
     from commlab._atomic import write_via
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.0 + 0.5 * ranks * len(panels)), squeeze=False, sharex=True)
-    for ax, (title, timeline) in zip(axes[:, 0], panels):
-        gantt(ax, timeline, ranks, title, unit)
+    for ax, (title, timeline, *messages) in zip(axes[:, 0], panels):
+        gantt(ax, timeline, ranks, title, unit, *messages)
         ax.xaxis.set_tick_params(labelbottom=True)
     palette = sns.color_palette("Paired")
     legend = [Patch(color=palette[0], label="forward (light)"), Patch(color=palette[1], label="backward (dark)")]

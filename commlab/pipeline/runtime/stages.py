@@ -1,8 +1,8 @@
-"""A pipeline stage: the part of a partitioned nn.Sequential that this rank holds, and its neighbours.
+"""This rank's pipeline stages: the parts of a partitioned nn.Sequential it holds, and who holds the others.
 
 ``placement`` lists the rank of each stage. The default is the looping placement (stage s on rank
 s % p), under which a rank holds ``v = stages / p`` stages (v = 1 for GPipe and 1F1B); ZB-V uses
-the V placement [0, 1, ..., p-1, p-1, ..., 0] (:func:`commlab.pipeline.actions.v_shape`). The stage object owns no schedule: the executor asks it for the module of
+the V placement [0, 1, ..., p-1, p-1, ..., 0] (:func:`commlab.pipeline.schedule.actions.v_shape`). The object owns no schedule: the executor asks it for the module of
 a stage and for the global rank of the rank holding another stage. Subclasses hook the forward
 and backward of each stage module (hybrid pipeline x data parallel uses this to control DDP's
 gradient synchronisation).
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab.pipeline.partition import split
-from commlab.pipeline.actions import check_placement, looping
+from commlab.pipeline.schedule.actions import check_placement, looping
 
 
 def check_stages(stages: int, ranks: int) -> int:
@@ -31,7 +31,7 @@ def check_stages(stages: int, ranks: int) -> int:
     return stages // ranks
 
 
-class Stage:
+class RankStages:
     """This rank's stage modules of ``model`` split by ``balance`` and placed by ``placement``
     (default: looping) over the ranks of ``group``.
 
@@ -98,3 +98,7 @@ class Stage:
     def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor]) -> ContextManager:
         """Entered around every backward of ``stage`` from ``outputs``; ``last``: its final one in the step."""
         return contextlib.nullcontext()
+
+
+# The old name, kept for a release: the object holds all of a rank's stages, not one.
+Stage = RankStages

@@ -22,18 +22,18 @@ import torch
 from torch import nn
 
 from commlab.ddp import DistributedDataParallel
-from commlab.pipeline.stage import Stage
+from commlab.pipeline.runtime.stages import RankStages
 from commlab.runtime.topology import Topology
 
 
-class DataParallelStage(Stage):
+class DataParallelStage(RankStages):
     """This rank's stages in a pp x dp grid, each wrapped in DDP over ``topology.dp_group``.
 
     ``ddp_options`` go to :class:`commlab.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
     # DDP's reducer is armed for one backward call; a split I/W backward is two calls per
-    # micro-batch, so zero-bubble schedules are refused here (PipelineSchedule raises).
+    # micro-batch, so zero-bubble schedules are refused here (PipelineExecutor raises).
     supports_split_backward = False
 
     def __init__(

@@ -7,7 +7,7 @@ schedule is declared (:class:`ScheduleSpec`: builder, placement, action kinds, w
 the executor, the CLI, the validator and the benchmark all read it.
 
 gpipe, 1f1b and interleaved use the looping placement (stage s on rank s % p); the zero-bubble
-schedules are in :mod:`commlab.pipeline.zero_bubble`.
+schedules are in :mod:`commlab.pipeline.schedule.zero_bubble`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from commlab.pipeline.actions import (
+from commlab.pipeline.schedule.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -27,7 +27,7 @@ from commlab.pipeline.actions import (
     num_stages,
     v_shape,
 )
-from commlab.pipeline.zero_bubble import zb_h1, zb_v
+from commlab.pipeline.schedule.zero_bubble import zb_h1, zb_v
 
 __all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 

@@ -21,7 +21,8 @@ the list fill it with other work instead of counting on free messages (see ``LAT
 
 from __future__ import annotations
 
-from commlab.pipeline.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+from commlab.pipeline.schedule.kinds import dependencies
 
 
 def zb_h1(ranks: int, microbatches: int) -> Actions:
@@ -92,16 +93,13 @@ def zb_v(ranks: int, microbatches: int) -> Actions:
 
 def _pick(stages_here, nxt, ready, stages, m, room):
     candidates = {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []}
+    split = frozenset(range(stages))  # every stage of the V runs I and W
     for s in stages_here:
-        i = nxt[(s, FORWARD)]
-        if i < m and (s == 0 or ready((s - 1, FORWARD, i))) and (room or s >= stages // 2):
-            candidates[FORWARD].append((s, FORWARD, i))
-        i = nxt[(s, INPUT_GRAD)]
-        if i < m and ready((s, FORWARD, i)) and (s == stages - 1 or ready((s + 1, INPUT_GRAD, i))):
-            candidates[INPUT_GRAD].append((s, INPUT_GRAD, i))
-        i = nxt[(s, WEIGHT_GRAD)]
-        if i < m and ready((s, INPUT_GRAD, i)):
-            candidates[WEIGHT_GRAD].append((s, WEIGHT_GRAD, i))
+        for kind, found in candidates.items():
+            i = nxt[(s, kind)]
+            if i < m and all(ready((d.stage, d.kind, d.microbatch)) for d in dependencies(Action(s, kind, i), stages, split)):
+                if kind != FORWARD or room or s >= stages // 2:
+                    found.append((s, kind, i))
     if candidates[INPUT_GRAD]:
         return min(candidates[INPUT_GRAD], key=lambda c: (c[2], -c[0]))
     if candidates[FORWARD]:

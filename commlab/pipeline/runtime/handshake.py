@@ -1,4 +1,4 @@
-"""Messages between stages: micro-batch splitting, the per-step shape handshake, tags.
+"""The per-step shape handshake between stages, with micro-batch splitting and message tags.
 
 Activations and gradients travel as plain tensors over torch.distributed point-to-point ops
 (Gloo on CPU, NCCL on GPU), so a receiver must allocate the right buffer before the data arrives.
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commlab.pipeline.schedules import FORWARD, Action
-from commlab.pipeline.stage import Stage
-from commlab.pipeline.values import MAX_PARTS, Value, check_output, flat, rebuild
+from commlab.pipeline.schedule.actions import FORWARD, Action
+from commlab.pipeline.runtime.stages import RankStages
+from commlab.pipeline.runtime.values import MAX_PARTS, Value, check_output, flat, rebuild
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class HandshakeError(ValueError):
     """Raised on every rank when a stage upstream refused the step."""
 
 
-def handshake(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
+def handshake(stage: RankStages, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
               cache: dict | None = None) -> dict[int, Boundary]:  # fmt: skip
     """The input boundary of every stage this rank holds or feeds (key: stage index).
 
@@ -120,7 +120,7 @@ KNOWN_INPUTS = 16  # first-stage boundaries whose full handshake result a schedu
 _GATHER_BYTES = 8192  # room for each rank's (refusal, first-stage boundary) in the gather
 
 
-def agree(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
+def agree(stage: RankStages, first: tuple[torch.Tensor, ...] | None, timeout: datetime.timedelta,
           error: str | None, known: dict, cache: dict) -> dict[int, Boundary]:  # fmt: skip
     """Every stage's input boundary for this step, in one collective when nothing changed.
 
@@ -146,7 +146,7 @@ def agree(stage: Stage, first: tuple[torch.Tensor, ...] | None, timeout: datetim
     return known[b0]
 
 
-def _all_gather_object(stage: Stage, obj, timeout: datetime.timedelta) -> list:
+def _all_gather_object(stage: RankStages, obj, timeout: datetime.timedelta) -> list:
     data = pickle.dumps(obj)
     if len(data) > _GATHER_BYTES - 8:  # refused on every rank rather than hanging one
         data = pickle.dumps((f"a stage boundary description of {len(data)} bytes exceeds {_GATHER_BYTES - 8}", None))
@@ -168,7 +168,7 @@ def _all_gather_object(stage: Stage, obj, timeout: datetime.timedelta) -> list:
     return found
 
 
-def _send_object(stage: Stage, obj, dst: int, s: int, timeout: datetime.timedelta) -> None:
+def _send_object(stage: RankStages, obj, dst: int, s: int, timeout: datetime.timedelta) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(stage.device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=stage.device)
     tag = _HANDSHAKE_TAG + 4 * abs(s) + (2 if s < 0 else 0)  # s < 0: the reply up the chain
@@ -177,7 +177,7 @@ def _send_object(stage: Stage, obj, dst: int, s: int, timeout: datetime.timedelt
         w.wait(timeout)
 
 
-def _recv_object(stage: Stage, src: int, s: int, timeout: datetime.timedelta):
+def _recv_object(stage: RankStages, src: int, s: int, timeout: datetime.timedelta):
     tag = _HANDSHAKE_TAG + 4 * abs(s) + (2 if s < 0 else 0)
     size = torch.empty(1, dtype=torch.int64, device=stage.device)
     dist.irecv(size, src, stage.group, tag).wait(timeout)
@@ -186,7 +186,7 @@ def _recv_object(stage: Stage, src: int, s: int, timeout: datetime.timedelta):
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def _output_boundary(stage: Stage, s: int, inp: Boundary) -> Boundary:
+def _output_boundary(stage: RankStages, s: int, inp: Boundary) -> Boundary:
     module = stage.modules[s]
     module = getattr(module, "module", module)  # a DDP wrapper's own forward would talk to its group
     was_training = [m.training for m in module.modules()]

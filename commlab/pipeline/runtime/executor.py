@@ -1,19 +1,18 @@
-"""The pipeline executor: runs one rank's action list for a training step, with checkpointing.
+"""The pipeline executor: runs one rank's lowered action list for a training step, with checkpointing.
 
-``loss = PipelineSchedule(stage, "1f1b", microbatches=8, loss_fn=F.cross_entropy).step(x, target=y)``
+``loss = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy).step(x, target=y)``
 
-The schedule is a registered name (:data:`commlab.pipeline.schedules.REGISTRY`) or the per-rank
+The schedule is a registered name (:data:`commlab.pipeline.schedule.registry.REGISTRY`) or the per-rank
 action lists themselves (:class:`Action` or strings such as "0F1", "0I1", "0W1"), e.g. read from
 torch.distributed.pipelining's CSV; any list that :func:`validate` accepts runs.
 
-The executor walks this rank's actions in order. Before an action it waits for the one message
-it needs (an activation for a forward, a gradient for B or I; W needs none); after it, in one
-batch, it sends what the action produced and posts the next receive: on NCCL the next action's,
-on Gloo the next *receiving* action's (:func:`~commlab.pipeline.messages.receive_posts`;
-:mod:`commlab.pipeline.transport`; NCCL also needs :func:`message_order`). What crosses a
-boundary may be a tuple of tensors (:mod:`commlab.pipeline.values`). Each send is awaited as early
-as it safely can be (:func:`commlab.pipeline.messages.send_waits`), which frees the sent tensor:
-a Gloo send holds it until ``wait()``.
+The executor runs this rank's list from the comm pass
+(:func:`~commlab.pipeline.schedule.comm.lower_comm`, for the group's backend): each run of
+SEND and RECV ops is one batch of point-to-point calls (:mod:`commlab.pipeline.runtime.transport`),
+a WAIT waits on an earlier send or receive, and a compute action runs its kind's handler
+(:data:`HANDLERS`). What crosses a boundary may be a tuple of tensors
+(:mod:`commlab.pipeline.runtime.values`). Which micro-batches' activations stay alive, and when
+they are freed, follows :func:`commlab.pipeline.schedule.liveness.liveness`.
 
 Loss scaling (``loss_reduction``): with ``"mean"`` (loss_fn averages over its micro-batch, as
 F.cross_entropy does by default) micro-batch i's loss is scaled by its share n_i / N of the
@@ -33,23 +32,25 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.pipeline.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from commlab.pipeline.comm import agree, split_batch
-from commlab.pipeline.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
-from commlab.pipeline.memory import Ledger, SavedBytes
-from commlab.pipeline.messages import message_order, receive_posts, send_waits
-from commlab.pipeline.simulate import Timed, split_stages
-from commlab.pipeline.stage import Stage
-from commlab.pipeline.transport import Transport
-from commlab.pipeline.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
-from commlab.pipeline.values import Value, detached, flat, floats, leaf_grads, pairs
+from commlab.pipeline.runtime.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
+from commlab.pipeline.runtime.handshake import agree, split_batch
+from commlab.pipeline.runtime.memory import Ledger, NoCount, SavedBytes
+from commlab.pipeline.runtime.stages import RankStages
+from commlab.pipeline.runtime.transport import Transport
+from commlab.pipeline.runtime.values import Value, detached, flat, floats, leaf_grads, pairs
+from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from commlab.pipeline.schedule.comm import RECV, SEND, Comm, lower_comm, message_order
+from commlab.pipeline.schedule.kinds import split_stages
+from commlab.pipeline.schedule.liveness import liveness
+from commlab.pipeline.schedule.simulate import Timed
+from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
 
-__all__ = ["CHECKPOINT_MODES", "LOSS_REDUCTIONS", "PipelineSchedule", "check_plan", "resolve"]
+__all__ = ["CHECKPOINT_MODES", "HANDLERS", "LOSS_REDUCTIONS", "PipelineExecutor", "PipelineSchedule", "check_plan", "resolve"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
-class PipelineSchedule:
+class PipelineExecutor:
     """One training step of a pipeline: split the batch, run the actions, return the loss.
 
     ``checkpoint``: ``never`` keeps every activation; ``always`` recomputes every micro-batch's
@@ -59,7 +60,7 @@ class PipelineSchedule:
     After :meth:`step`: ``timeline`` (this rank's compute intervals, seconds from the step start;
     on CUDA exact only with ``measure=True``, which synchronises after every action),
     ``peak_saved_bytes`` (per local stage: activation bytes held for backward at the peak) and
-    ``memory`` (the rank's :class:`~commlab.pipeline.memory.Ledger`: stashed micro-batches,
+    ``memory`` (the rank's :class:`~commlab.pipeline.runtime.memory.Ledger`: stashed micro-batches,
     receive buffers, sends in flight). ``track_memory=False`` turns the accounting and its
     saved-tensor hooks off, for timing. ``timeout`` bounds every wait for a message, so a lost
     peer raises instead of hanging.
@@ -67,7 +68,7 @@ class PipelineSchedule:
 
     def __init__(
         self,
-        stage: Stage,
+        stage: RankStages,
         schedule: str | Sequence[Sequence[Action | str]] = "1f1b",
         *,
         microbatches: int,
@@ -101,11 +102,13 @@ class PipelineSchedule:
         self.measure = measure
         self.track_memory = track_memory
         self.actions: tuple[Action, ...] = all_actions[stage.rank]
-        self._waits = send_waits(all_actions, stage.placement)
+        self.ops = lower_comm(all_actions, stage.placement, "nccl" if self._nccl else "gloo")[stage.rank]
+        self._freed = {live.action: live.freed for live in liveness(all_actions)[stage.rank]}
+        self._sending = {op.message.sent_by for op in self.ops if isinstance(op, Comm) and op.kind == SEND}
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
         self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
-        self._known: dict = {}  # first stage's input boundary -> every stage's (comm.agree)
+        self._known: dict = {}  # first stage's input boundary -> every stage's (handshake.agree)
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
@@ -116,7 +119,7 @@ class PipelineSchedule:
         st, m = self.stage, self.microbatches
         chunks = targets = None
         error = None
-        try:  # a refusal here reaches every rank through comm.agree, so every rank raises it
+        try:  # a refusal here reaches every rank through handshake.agree, so every rank raises it
             if st.is_first:
                 if inputs is None:
                     raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
@@ -138,33 +141,46 @@ class PipelineSchedule:
         self._transport.start(boundaries, self._hold if self.track_memory else None)
         self.timeline = []
         self._losses: list[torch.Tensor] = []
-        in_flight: dict[Action, list] = {}  # action -> its send's works; the work holds the tensor
-        # After action j (-1: now) post the receive of action post_for[j]; `pending` is its index.
-        post_for = receive_posts([self._transport.receives(a) for a in self.actions], lookahead=not self._nccl)
-        pending = post_for.get(-1)
-        posted = self._transport.post(None, None, None if pending is None else self.actions[pending])
+        self._produced: dict[Action, Value | None] = {}  # what an action sends, until its SEND
+        self._messages: dict[Action, Value | None] = {}  # received, until its consumer runs
+        in_flight: dict[Action, list] = {}  # sending action -> its works; a work holds the tensor
+        received: dict[Action, object] = {}  # consuming action -> its posted receive
+        batch: list[Comm] = []
         start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
-        for k, action in enumerate(self.actions):
-            for sent in self._waits.get(action, ()):
-                self._finish(sent, in_flight.pop(sent, []))
-            message = posted.wait(self.timeout) if pending == k else None
-            self._drop("recv", action)
-            began = time.perf_counter() - start
-            kind = action.kind
-            produced = self._forward(action, message) if kind == FORWARD else self._backward(action, message)
-            if self.measure and st.device.type == "cuda":
-                torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
-            self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
-            nxt = post_for.get(k)
-            out = self._transport.post(action, produced, None if nxt is None else self.actions[nxt])
-            if nxt is not None:
-                posted, pending = out, nxt
-            if out.sends:
-                in_flight[action] = out.sends
-        for sent, works in in_flight.items():
-            self._finish(sent, works)
+        for op in (*self.ops, None):
+            if isinstance(op, Comm) and op.kind in (SEND, RECV):
+                batch.append(op)  # a run of SEND and RECV ops is one batch of point-to-point calls
+                continue
+            if batch:
+                posted = self._transport.post_ops(batch, self._produced)
+                in_flight.update(posted.sending)
+                received.update(posted.receiving)
+                batch = []
+            if op is None:
+                break
+            if isinstance(op, Comm):  # WAIT on an earlier send or receive
+                if op.of == SEND:
+                    self._finish(op.message.sent_by, in_flight.pop(op.message.sent_by, []))
+                elif op.message.taken_by in received:
+                    self._messages[op.message.taken_by] = received.pop(op.message.taken_by).wait(self.timeout)
+                continue
+            self._run_action(op, st, start)
         self._stash.clear()
         return torch.stack(self._losses).sum() if st.is_last else None
+
+    def _run_action(self, action: Action, st: RankStages, start: float) -> None:
+        message = self._messages.pop(action, None)
+        self._drop("recv", action)
+        began = time.perf_counter() - start
+        produced = HANDLERS[action.kind](self, action, message)
+        if self.measure and st.device.type == "cuda":
+            torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
+        self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
+        for s, i in self._freed[action]:  # activations the schedule's liveness frees after this action
+            self._release(s, i, self._stash.pop((s, i)))
+        self._transport.hand_over(action, produced)
+        if action in self._sending:
+            self._produced[action] = produced
 
     # -- memory accounting ----------------------------------------------------------------------
     def _hold(self, kind: str, action: Action, tensors=(), storages=None) -> None:
@@ -198,7 +214,7 @@ class PipelineSchedule:
         # The first stage's input is the caller's mini-batch (its micro-batches are views of it):
         # alive anyway, so not counted, like the parameters.
         if not self.track_memory:
-            return _NoCount()
+            return NoCount()
         return SavedBytes([*self.stage.modules[s].parameters(), *(flat(x) if s == 0 else [])])
 
     def _forward(self, action: Action, message: Value | None) -> Value | None:
@@ -239,9 +255,7 @@ class PipelineSchedule:
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:
         s, i = action.stage, action.microbatch
         if action.kind == WEIGHT_GRAD:
-            stash = self._stash.pop((s, i))
-            weight_grad(stash.layers)
-            self._release(s, i, stash)
+            weight_grad(self._stash[(s, i)].layers)
             return None
         stash = self._stash[(s, i)]
         if stash.rng is not None:  # recompute the forward with the RNG state of the first run (dropout)
@@ -258,12 +272,10 @@ class PipelineSchedule:
         if action.kind == INPUT_GRAD:
             out = input_grad(stash.layers, grad, stash.loss)
             return (out or tuple(torch.zeros_like(t) for t in floats(stash.x))) if sends else None
-        self._stash.pop((s, i))
         roots, grads = ([stash.loss], None) if stash.loss is not None else pairs(stash.y, grad)
         with self.stage.backward_context(s, self._last_backward[s] == action, roots):
             if roots and all(r.requires_grad for r in roots):
                 torch.autograd.backward(roots, grad_tensors=grads)
-        self._release(s, i, stash)
         return leaf_grads(stash.x) if sends else None
 
     def _release(self, s: int, i: int, stash: Stashed) -> None:
@@ -271,11 +283,13 @@ class PipelineSchedule:
         self._drop("stash", Action(s, FORWARD, i))
 
 
-class _NoCount:
-    tensors: dict = {}
+# What each action kind runs: (executor, action, its incoming message) -> what it sends, or None.
+HANDLERS: dict[str, Callable[[PipelineExecutor, Action, Value | None], Value | None]] = {
+    FORWARD: PipelineExecutor._forward,
+    BACKWARD: PipelineExecutor._backward,
+    INPUT_GRAD: PipelineExecutor._backward,
+    WEIGHT_GRAD: PipelineExecutor._backward,
+}
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
+# The old name of the executor, kept for a release: it runs a schedule, it is not one.
+PipelineSchedule = PipelineExecutor

@@ -1,11 +1,8 @@
 """Actions and placements: the data a schedule is made of, and its CSV form.
 
-An :class:`Action` names a stage, a kind and a micro-batch. The kinds are torch.distributed.
-pipelining's compute kinds (``_ComputationType``): ``F`` forward, ``B`` full backward, and the
-zero-bubble split of ``B`` into ``I`` (gradient of the stage's input, which the previous stage is
-waiting for) and ``W`` (gradient of the stage's weights, which nobody waits for; Qi et al.,
-"Zero Bubble Pipeline Parallelism", ICLR 2024). A stage runs either ``B`` or ``I`` then ``W`` for
-each micro-batch.
+An :class:`Action` names a stage, a kind and a micro-batch. The kinds (``F`` forward, ``B`` full
+backward, and the zero-bubble ``I`` and ``W``) and what each needs are in
+:mod:`commlab.pipeline.schedule.kinds`.
 
 A placement lists the rank of each stage. The looping placement (stage s on rank s % p) is
 Megatron-LM's and torch's default; the V placement [0, 1, ..., p-1, p-1, ..., 0] puts the first
@@ -20,9 +17,11 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
-KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
-_PATTERN = re.compile(r"^(\d+)([FBIW])(\d+)$")
+from commlab.pipeline.schedule.kinds import BACKWARD, FORWARD, INPUT_GRAD, KINDS, WEIGHT_GRAD
+
+__all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "KINDS", "WEIGHT_GRAD", "Action", "Actions", "as_actions"]
+
+_PATTERN = re.compile(r"^(\d+)([A-Z])(\d+)$")
 # Non-compute entries torch writes into its compute-only orders; they carry no work here (commlab
 # reduces gradients in DataParallelStage and keeps parameters unsharded).
 _TORCH_NO_OPS = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
@@ -48,11 +47,15 @@ class Action:
         # The compact form torch.distributed.pipelining prints: stage, kind, micro-batch ("1F0").
         return f"{self.stage}{self.kind}{self.microbatch}"
 
+    def at(self, stage: int, kind: str) -> Action:
+        """The action of ``kind`` on ``stage`` for the same micro-batch."""
+        return Action(stage, kind, self.microbatch)
+
     @classmethod
     def parse(cls, text: str) -> Action:
         found = _PATTERN.match(text.strip())
-        if not found:
-            raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0', '0B3', '2I1' or '2W1'")
+        if not found or found[2] not in KINDS:
+            raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0', '0B3', '2I1' or '2W1' (kinds: {', '.join(KINDS)})")
         return cls(int(found[1]), found[2], int(found[3]))
 
 
@@ -111,9 +114,13 @@ def check_placement(placement: Sequence[int], ranks: int, stages: int) -> tuple[
     return placement
 
 
-def format_actions(actions: Actions) -> list[str]:
-    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]``."""
-    return [" ".join(str(a) for a in rank) for rank in actions]
+def format_actions(actions: Sequence[Sequence[object]]) -> list[str]:
+    """One line per rank, actions in their compact form: ``["0F0 0F1 0B0 0B1", ...]`` (a comm op
+    as ``SEND(0F0>1F0)``, ``WAIT(RECV 1B0>0B0)``)."""
+    def text(op) -> str:
+        return str(op) if isinstance(op, Action) else f"{op.kind}({str(op).split(' ', 1)[1]})"
+
+    return [" ".join(text(a) for a in rank) for rank in actions]
 
 
 def to_csv(actions: Actions) -> str:

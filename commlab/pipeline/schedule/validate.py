@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from commlab.pipeline.actions import (
+from commlab.pipeline.schedule.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -22,11 +22,12 @@ from commlab.pipeline.actions import (
     num_stages,
     placement_of,
 )
-from commlab.pipeline.messages import message_order
-from commlab.pipeline.schedules import spec
-from commlab.pipeline.simulate import DeadlockError, dependencies, split_stages, walk
+from commlab.pipeline.schedule.clock import DeadlockError, walk
+from commlab.pipeline.schedule.comm import BACKENDS, RECV, SEND, WAIT, Comm, Lowered, Message, lower_comm, message_order
+from commlab.pipeline.schedule.kinds import dependencies, split_stages
+from commlab.pipeline.schedule.registry import spec
 
-__all__ = ["CHECKPOINT_MODES", "check_plan", "message_order", "problems", "recomputes", "resolve", "validate"]
+__all__ = ["CHECKPOINT_MODES", "check_plan", "comm_problems", "message_order", "problems", "recomputes", "resolve", "validate"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -83,7 +84,9 @@ def problems(
             for d in dependencies(a, stages, split):
                 # A dependency on this rank must already have run, or the rank waits on itself.
                 if d in position and position[d] > k:
-                    why = "stage order" if d.stage != a.stage else "forward before its backward" if d.kind == FORWARD else "I before its W"
+                    why = ("stage order" if d.stage != a.stage
+                           else "forward before its backward" if d.kind == FORWARD and a.kind in (BACKWARD, INPUT_GRAD)
+                           else "I before its W" if d.kind == INPUT_GRAD else f"{d.kind} before {a.kind}")  # fmt: skip
                     found.append(f"rank {r} runs {a} before {d} ({why}): it would wait on itself")
     for s in range(stages):
         for i in range(microbatches):
@@ -95,12 +98,45 @@ def problems(
             elif not full and not (inp and wgt):
                 missing = Action(s, BACKWARD, i) if not (inp or wgt) else Action(s, WEIGHT_GRAD if inp else INPUT_GRAD, i)
                 found.append(f"{missing} is missing")
+    if not found:  # any kind: what an action needs must run somewhere, or its rank waits forever
+        found += sorted({f"{a} needs {d}, which no rank runs" for a in seen for d in dependencies(a, stages, split) if d not in seen})
     if not found:
         try:
             walk(actions)
         except DeadlockError as err:
             found.append(str(err))
+    if not found:  # the lists the executor runs: every wait finds what it waits for, on either backend
+        for backend in BACKENDS:
+            found += [f"{backend}: {p}" for p in comm_problems(lower_comm(actions, placement, backend))]
     return found
+
+
+def comm_problems(lowered: Lowered) -> list[str]:
+    """Why lowered lists would hang (empty if they run): a ``WAIT RECV`` needs its SEND issued and
+    its own RECV posted, a ``WAIT SEND`` its RECV posted (a Gloo send completes only then), every
+    SEND one RECV."""
+    sends = [op.message for rank in lowered for op in rank if isinstance(op, Comm) and op.kind == SEND]
+    recvs = [op.message for rank in lowered for op in rank if isinstance(op, Comm) and op.kind == RECV]
+    if sorted(map(str, sends)) != sorted(map(str, recvs)):
+        return [f"sends {sorted(map(str, sends))} do not match receives {sorted(map(str, recvs))}"]
+    issued: set[tuple[str, Message]] = set()
+    nxt = [0] * len(lowered)
+    while any(k < len(rank) for k, rank in zip(nxt, lowered)):
+        moved = False
+        for r, rank in enumerate(lowered):
+            while nxt[r] < len(rank):
+                op = rank[nxt[r]]
+                # A wait needs the peer's side issued (and a receive its own post before it).
+                if isinstance(op, Comm) and op.kind == WAIT and not {(RECV, op.message), (op.of, op.message)} | (
+                        {(SEND, op.message)} if op.of == RECV else set()) <= issued:  # fmt: skip
+                    break
+                if isinstance(op, Comm) and op.kind != WAIT:
+                    issued.add((op.kind, op.message))
+                nxt[r], moved = nxt[r] + 1, True
+        if not moved:
+            waiting = {r: str(rank[k]) for r, (k, rank) in enumerate(zip(nxt, lowered)) if k < len(rank)}
+            return [f"the communication deadlocks: ranks wait forever at {waiting}"]
+    return []
 
 
 def validate(
