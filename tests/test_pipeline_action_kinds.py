@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlab.pipeline import KINDS, Kind, as_actions, liveness, lower_comm, register_kind, simulate, validate
-from commlab.pipeline.predict import Costs, predict
+from commlab.costmodel.pipeline import Costs, predict
 from commlab.pipeline.runtime.executor import HANDLERS, PipelineExecutor
 from commlab.pipeline.runtime.stages import RankStages
 from commlab.pipeline.schedule.validate import problems

@@ -5,8 +5,8 @@ from click.testing import CliRunner
 
 from commlab.cli import main
 from commlab.pipeline import build, simulate
-from commlab.pipeline.plan import LayerProfile, best, candidates, peak_bytes
-from commlab.pipeline.predict import Costs, lower, predict
+from commlab.costmodel.plan import LayerProfile, best, candidates, peak_bytes
+from commlab.costmodel.pipeline import Costs, lower, predict
 
 
 def test_predict_adds_what_the_executor_does_to_the_schedule():
@@ -127,8 +127,8 @@ def _measured(actions, costs, shift):
 
 
 def test_planner_prices_a_plan_exactly_as_the_bench_predictor():
-    from commlab.pipeline.calibrate import calibrated_costs, predicted_step
-    from commlab.pipeline.plan_calibrate import Calibration
+    from commlab.costmodel.pipeline_calibrate import calibrated_costs, predicted_step
+    from commlab.costmodel.plan_calibrate import Calibration
 
     actions = build("1f1b", 2, 4)
     per_rank = _measured(actions, Costs([1.0, 1.5], [2.0, 3.0], alpha=0.3, overhead=0.2), shift=0.2)
@@ -145,7 +145,7 @@ def test_planner_prices_a_plan_exactly_as_the_bench_predictor():
 
 
 def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
-    from commlab.pipeline.plan_calibrate import Calibration, fit_line
+    from commlab.costmodel.plan_calibrate import Calibration, fit_line
 
     layer = LayerProfile(seconds=[3.0, 3.0, 3.0, 3.0], saved=[0.0] * 4, output=[100.0, 400.0, 100.0, 7.0], params=[0.0] * 4,
                          input_bytes=0.0, forward=[1.0] * 4)  # fmt: skip
@@ -164,8 +164,8 @@ def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
 
 
 def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
-    from commlab.pipeline.calibrate import calibrated_costs, predicted_step
-    from commlab.pipeline.predict import sharing
+    from commlab.costmodel.pipeline_calibrate import calibrated_costs, predicted_step
+    from commlab.costmodel.pipeline import sharing
 
     actions, costs = build("1f1b", 3, 6), Costs([1.0, 1.5, 1.0], [2.0, 3.0, 2.0])
     alone = predict(actions, costs).step_time
@@ -197,7 +197,7 @@ def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
 
 
 def test_waiting_for_a_core_is_not_executor_overhead():
-    from commlab.pipeline.calibrate import idle_breakdown
+    from commlab.costmodel.pipeline_calibrate import idle_breakdown
 
     # Rank 1's input arrives at 1 but it starts at 2; meanwhile ranks 0 and 2 compute, so on 2
     # cores it could have had 2/3 of a core: 2/3 s of overhead, not 1 s.
@@ -208,7 +208,7 @@ def test_waiting_for_a_core_is_not_executor_overhead():
 
 
 def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predictor():
-    from commlab.pipeline.predict import checkpointed_microbatches
+    from commlab.costmodel.pipeline import checkpointed_microbatches
     from commlab.pipeline.schedule.validate import recomputes
 
     assert checkpointed_microbatches("never", 4) == ()

@@ -17,7 +17,7 @@ _COMMANDS = {
     "sweep": ("commlab.cli.sweep:sweep", "Sweep DDP over bucket size x backend x world size ..."),
     "figures": ("commlab.cli.sweep:figures", "Regenerate every figure of a results directory."),
     "trace": ("commlab.cli.sweep:trace", "Write one configuration's timeline as a Chrome trace."),
-    "pipeline": ("commlab.pipeline.cli:pipeline", "Pipeline schedules: show, simulate, benchmark."),
+    "pipeline": ("commlab.cli.pipeline:pipeline", "Pipeline schedules: show, simulate, benchmark."),
     "calibrate": ("commlab.cli.predict:calibrate", "Measure the DDP model's terms once; cache them in a profile."),
     "predict": ("commlab.cli.predict:predict", "Predict a sweep (same files, ids, figures) without running it."),
     "tune": ("commlab.cli.predict:tune", "Recommend bucket_cap_mb, algorithm and overlap by simulation."),

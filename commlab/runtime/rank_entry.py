@@ -25,6 +25,7 @@ def die_with_parent(parent: int | None = None) -> None:
 
 def main(rank: int, payload: bytes, q, parent: int | None = None) -> None:
     die_with_parent(parent)
-    from commlab.runtime.launch import _rank_main
+    # Imported here, not at the top: it imports torch, which must load after the death signal.
+    from commlab.runtime.rank_main import rank_main
 
-    _rank_main(rank, *pickle.loads(payload), q)
+    rank_main(rank, *pickle.loads(payload), q)

@@ -7,7 +7,7 @@ in the opposite order of the one before (plan k never always runs first or after
 neighbour), so a load change on a shared machine hits every plan alike. A step's time is the
 slowest rank's, from a barrier, without the memory hooks; peak memory comes from one more step
 per plan with the ledger on: what the executor held (stashes, buffers, sends in flight) plus the
-rank's parameters and their gradients, the terms :func:`commlab.pipeline.plan.peak_bytes` predicts.
+rank's parameters and their gradients, the terms :func:`commlab.costmodel.plan.peak_bytes` predicts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from commlab.pipeline.plan import Plan
+from commlab.costmodel.plan import Plan
 
 from commlab.pipeline.schedule.registry import REGISTRY
 

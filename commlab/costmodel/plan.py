@@ -1,11 +1,11 @@
 """The planner: the fastest schedule x micro-batches x stages per rank x checkpointing that fits a memory budget.
 
 Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
-times, and predicted on the shared core (:func:`commlab.pipeline.predict.predict`) with the
+times, and predicted on the shared core (:func:`commlab.costmodel.pipeline.predict`) with the
 bench predictor's lowering and cost terms: per-action compute from the profile, the executor's
 per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
 sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
-are measured once at plan time (:mod:`commlab.pipeline.plan_calibrate`, a few seconds). Its peak
+are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`, a few seconds). Its peak
 memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters and their
 gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
 input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from commlab.pipeline.partition import best_per_layer, partition, profile_times
-from commlab.pipeline.plan_calibrate import Calibration
-from commlab.pipeline.predict import Costs, checkpointed_microbatches, predict
+from commlab.costmodel.plan_calibrate import Calibration
+from commlab.costmodel.pipeline import Costs, checkpointed_microbatches, predict
 from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
@@ -106,7 +106,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
     ``calibration``: the per-message and per-action costs (zero: compute alone); ``cores``: the
-    host's, for the sharing of cores among more ranks (:func:`commlab.pipeline.predict.sharing`).
+    host's, for the sharing of cores among more ranks (:func:`commlab.costmodel.pipeline.sharing`).
     """
     plans = []
     for m, profile in sorted(profiles.items()):

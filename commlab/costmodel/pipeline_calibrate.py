@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from commlab.pipeline.predict import Costs, predict, shared
+from commlab.costmodel.pipeline import Costs, predict, shared
 from commlab.pipeline.schedule.actions import Action
 from commlab.pipeline.schedule.kinds import dependencies
 from commlab.pipeline.schedule.registry import REGISTRY
@@ -82,7 +82,7 @@ def executor_overhead(per_rank: list[dict[str, Any]], stages: int, cores: int | 
 
 def nominal(per_rank: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
     """``per_rank`` with each action's interval shortened to its work at full speed: the inverse of
-    the predictor's host sharing (:func:`commlab.pipeline.predict.sharing`). While n actions of
+    the predictor's host sharing (:func:`commlab.costmodel.pipeline.sharing`). While n actions of
     any rank ran at once, each advanced at min(1, cores / n), so its work is that rate's integral."""
     out = [{**r, "timelines": []} for r in per_rank]
     for k in range(len(per_rank[0]["timelines"])):
@@ -107,13 +107,13 @@ def _work(lo: float, hi: float, spans: list[tuple[float, float]], cores: int, ex
 
 
 def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None):
-    """The predictor's :class:`commlab.pipeline.predict.Costs` from the calibration steps' timelines.
+    """The predictor's :class:`commlab.costmodel.pipeline.Costs` from the calibration steps' timelines.
 
     Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
     includes its recomputation); per message: the median measured producer-to-consumer delay
     (``alpha``: the message cost at this run's one boundary size, so no ``beta`` term); per
     action: :func:`executor_overhead`. The planner fills the same fields from a profile and a
-    plan-time micro-benchmark (:mod:`commlab.pipeline.plan_calibrate`). With more ranks than
+    plan-time micro-benchmark (:mod:`commlab.costmodel.plan_calibrate`). With more ranks than
     ``cores``, compute is the work at full speed (:func:`nominal`): the predictor slows it again.
     """
     compute = nominal(per_rank, cores) if shared(len(per_rank), cores) else per_rank
@@ -133,7 +133,7 @@ def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions,
                    lookahead: bool = True) -> float:  # fmt: skip
     """The step time the shared core predicts from the calibration steps' timelines in ``per_rank``
     (:func:`calibrated_costs`); the executor's receive posting (``lookahead``: Gloo's, False on
-    NCCL) and send waits are modelled by :func:`commlab.pipeline.predict.lower`, as for the planner."""
+    NCCL) and send waits are modelled by :func:`commlab.costmodel.pipeline.lower`, as for the planner."""
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
     return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores, lookahead=lookahead).step_time
 

@@ -251,8 +251,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     """
     import os
 
-    from commlab.pipeline.plan import best, candidates, no_fit, profile_mlp
-    from commlab.pipeline.plan_calibrate import Calibration, calibrate as measure_costs
+    from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp
+    from commlab.costmodel.plan_calibrate import Calibration, calibrate as measure_costs
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -288,7 +288,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
 def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
     import commlab
-    from commlab.pipeline.plan_check import measure_rank, report, summarise
+    from commlab.costmodel.plan_check import measure_rank, report, summarise
 
     click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip

@@ -1,7 +1,7 @@
 """The planner's communication and executor costs: a micro-benchmark of a few seconds at plan time.
 
 The bench predictor takes its per-message delay and per-action overhead from the timed run's own
-calibration steps (:mod:`commlab.pipeline.calibrate`); the planner has no run yet, so it measures
+calibration steps (:mod:`commlab.costmodel.pipeline_calibrate`); the planner has no run yet, so it measures
 the same two terms once before it prices any plan, on the ranks it plans for (Gloo):
 
 - the executor's per-action overhead and its per-message delay: a few steps of the real executor
@@ -11,7 +11,7 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
 - the per-byte cost ``beta``: the slope of a ping-pong between ranks 0 and 1 at the plans' real
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
-Both then enter :class:`commlab.pipeline.predict.Costs` exactly as the bench's do.
+Both then enter :class:`commlab.costmodel.pipeline.Costs` exactly as the bench's do.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from commlab.bench.alpha_beta import least_squares_line
-from commlab.pipeline.calibrate import comm_latency, executor_overhead
-from commlab.pipeline.predict import shared
+from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
+from commlab.costmodel.pipeline import shared
 
 from commlab.bench.alpha_beta import least_squares_line
 
