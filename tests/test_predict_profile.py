@@ -17,7 +17,8 @@ def entry(**key_over):
             "params": {"nbytes": [4, 4], "ready_order": [1, 0], "signature": "abc"},
             "compute": {"forward_s": .1, "ready_s": [.1, .2], "optimizer_s": .01, "nosync_s": .3,
                         "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
-            "contention": {}, "collectives": {"native": fit_table([1, 2, 4], [1.0, 2.0, 4.0])}}
+            "contention": {}, "collectives": {"native": fit_table([1, 2, 4], [1.0, 2.0, 4.0])},
+            "steadiness": {"steady": True}}
 
 
 def test_profile_round_trip_and_lookup(tmp_path):
@@ -39,6 +40,10 @@ def test_stale_and_changed_profiles_are_detected(tmp_path):
         prof.lookup(path, e["key"], now=1000.0 + prof.DEFAULT_MAX_AGE_S + 1)
     with pytest.raises(prof.StaleProfile, match="changed"):
         prof.lookup(path, e["key"], signature="other", now=1001.0)
+    del e["steadiness"]  # made before calibration judged its own steadiness: measured again
+    prof.store(path, e)
+    with pytest.raises(prof.StaleProfile, match="steadiness"):
+        prof.lookup(path, e["key"], now=1001.0)
 
 
 def test_foreign_or_broken_profiles_are_errors(tmp_path):
@@ -146,7 +151,7 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
                 "params": {"nbytes": nbytes, "ready_order": list(range(len(nbytes))),
                            "signature": prof.param_signature(nbytes, shapes)},
                 "compute": {f: 0.0 for f in prof.REQUIRED["compute"]}, "contention": {},
-                "collectives": {a: {} for a in algorithms}}
+                "collectives": {a: {} for a in algorithms}, "steadiness": {"steady": True}}
 
     monkeypatch.setattr(cal, "calibrate", fake)
     path, kw = tmp_path / "p.json", dict(backend="gloo", world_size=2, threads=1)

@@ -1,9 +1,20 @@
 """The tuner's search on hand-made costs: it must find the knob values that are best by construction."""
 
+import math
+
 import pytest
 
 from commlab.costmodel.lower import DDPSetting, StepCosts
-from commlab.costmodel.tuning import search, step_time
+from commlab.costmodel.tuning import answer, search, step_time, torch_settings
+from commlab.costmodel.uncertainty import (
+    VALIDATION,
+    Steadiness,
+    judge,
+    overall_spread,
+    own_load,
+    relative_spread,
+    within_noise,
+)
 
 MIB = 1 << 20
 
@@ -20,28 +31,110 @@ def costs(alpha: float, per_mib: float, **over) -> StepCosts:
 def test_large_latency_favours_one_bucket_and_no_latency_favours_small_buckets():
     # Latency 1 s per all-reduce: the fewest buckets win (one bucket holding all 16 MiB).
     rec = search({"native": costs(1.0, 0.001)})
-    assert rec.setting.bucket_cap_mb >= 16 and rec.setting.first_bucket_mb is None
+    assert rec.commlab.setting.bucket_cap_mb >= 16 and rec.commlab.setting.first_bucket_mb is None
+    assert rec.torch.setting.bucket_cap_mb >= 16
     # No latency, comm as long as compute per MiB: small buckets overlap best.
     rec = search({"native": costs(0.0, 0.01)})
-    assert rec.setting.bucket_cap_mb <= 1.5 and rec.setting.overlap
-    assert rec.predicted_step_s < rec.default_step_s
+    assert rec.commlab.setting.bucket_cap_mb <= 1.5 and rec.commlab.setting.overlap
+    assert rec.commlab.step_s < rec.default.step_s and rec.torch.step_s < rec.default.step_s
 
 
-def test_the_cheaper_algorithm_is_chosen_and_json_is_pasteable():
+def test_the_cheaper_algorithm_is_commlabs_answer_and_torchs_stays_native():
     rec = search({"native": costs(0.0, 0.02), "ring": costs(0.0, 0.005)})
-    assert rec.algorithm == "ring"
-    out = rec.as_json()
-    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"}
-    assert out["commlab_kwargs"]["algorithm"] == "ring"
-    assert out["predicted_step_s"] == pytest.approx(step_time(costs(0.0, 0.005), rec.setting))
+    assert rec.commlab.algorithm == "ring" and rec.torch.algorithm == "native"
+    out = answer(rec, None)
+    assert set(out) == {"torch", "commlab", "default_step_s", "steady"}
+    assert set(out["torch"]["ddp_kwargs"]) <= {"bucket_cap_mb"}
+    assert out["commlab"]["commlab_kwargs"]["algorithm"] == "ring"
+    assert out["commlab"]["predicted_step_s"] == pytest.approx(step_time(costs(0.0, 0.005), rec.commlab.setting))
+    with pytest.raises(ValueError, match="native"):
+        search({"ring": costs(0.0, 0.005)})
+
+
+def test_torchs_answer_is_priced_with_torchs_own_first_bucket():
+    """An explicit bucket_cap_mb makes torch's first bucket as large as the cap (torch 2.13
+    _BucketCapacityConfig); only the default keeps 1 MiB. Where a small first bucket pays, commlab's
+    answer may use one, torch's cannot: its price is that of a first bucket equal to the cap."""
+    # Large latency after a long backward: the last gradients' bucket must start early and be small.
+    c = costs(0.0, 0.012, ready_s=tuple(0.01 * (j + 1) for j in range(16)))
+    rec = search({"native": c})
+    assert rec.torch.setting.first_bucket_mb is None and rec.torch.setting.overlap
+    assert rec.torch.setting.policy == "size_cap"
+    if rec.torch.setting.bucket_cap_mb is not None:
+        assert rec.torch.step_s == step_time(c, DDPSetting(bucket_cap_mb=rec.torch.setting.bucket_cap_mb))
+    for setting in torch_settings((2.0, 8.0)):
+        assert setting.first_bucket_mb is None and setting.overlap and setting.policy == "size_cap"
+    # commlab's search is a superset: never slower than torch's answer
+    assert rec.commlab.step_s <= rec.torch.step_s + 1e-12
+    # the torch default's ddp_kwargs are empty (paste nothing), an explicit cap is the only keyword
+    assert rec.default.ddp_kwargs() == {}
 
 
 def test_recommendation_is_never_worse_than_the_default():
     c = costs(0.002, 0.004, kc=0.5, km=0.3)
     rec = search({"native": c})
-    assert rec.predicted_step_s <= step_time(c, DDPSetting()) + 1e-12
+    assert rec.commlab.step_s <= step_time(c, DDPSetting()) + 1e-12
+    assert rec.torch.step_s <= step_time(c, DDPSetting()) + 1e-12
     with pytest.raises(ValueError):
         search({})
+
+
+STEADY = Steadiness(True, 0.05, 0.1, 1.0, 0.1, 2)
+UNSTEADY = Steadiness(False, 0.40, 3.5, 5.0, 3.5, 2, ("load",))
+
+
+def test_an_unsteady_calibration_recommends_the_default_unless_forced_with_wider_intervals():
+    rec = search({"native": costs(0.0, 0.01), "ring": costs(0.0, 0.005)})
+    steady, refused, forced = answer(rec, STEADY), answer(rec, UNSTEADY), answer(rec, UNSTEADY, force=True)
+    assert steady["steady"] and not refused["steady"] and not forced["steady"]
+    assert steady["torch"]["ddp_kwargs"] != {} and steady["commlab"]["commlab_kwargs"]["algorithm"] == "ring"
+    for side in ("torch", "commlab"):  # refused: torch's default, priced, in both answers
+        assert refused[side]["ddp_kwargs"] == {} and refused[side]["predicted_step_s"] == rec.default.step_s
+        assert forced[side]["predicted_step_s"] == steady[side]["predicted_step_s"]
+        width = lambda a: a["interval_s"][1] / a["interval_s"][0]  # noqa: E731
+        assert width(forced[side]) > width(steady[side])
+    assert refused["commlab"]["commlab_kwargs"]["algorithm"] == "native"
+    low, high = steady["torch"]["interval_s"]
+    p = steady["torch"]["predicted_step_s"]
+    # measured = predicted / (1 + error), error within the validated worst either way
+    assert low == pytest.approx(p / (1 + VALIDATION.abs_worst)) and high == pytest.approx(p / (1 - VALIDATION.abs_worst))
+
+
+def test_within_noise_of_the_default_uses_the_validated_shape_error():
+    assert within_noise(0.95, 1.0, STEADY)  # 5% gain < 7.9% worst shape error
+    assert not within_noise(0.80, 1.0, STEADY)
+    assert within_noise(0.80, 1.0, UNSTEADY)  # the spread adds to the noise
+
+
+@pytest.mark.parametrize("spread, before, after, steady", [
+    (0.05, 0.1, 1.5, True),   # quiet: the load after is the calibration's own two threads
+    (0.40, 0.1, 1.5, False),  # repeated micro-benchmarks 40% apart
+    (0.05, 3.0, 4.0, False),  # another job was running before it started
+    (0.05, 0.1, 4.5, False),  # ... or started during it: more than our own threads can explain
+])
+def test_steadiness_from_spread_and_load(spread, before, after, steady):
+    s = judge(spread, before, after, cpus=2, own_threads=2, seconds=40.0)
+    assert s.steady is steady and bool(s.reasons) is not steady
+    assert Steadiness.from_json(s.as_json()) == s
+
+
+def test_spread_and_own_load_are_what_they_say():
+    assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert relative_spread([1.0]) == 0.0
+    assert overall_spread([[1.0, 2.0], [1.0, 1.0], [1.0, 1.1]]) == pytest.approx(0.1 / 1.05)  # the median, not the worst
+    assert own_load(2, 60.0) == pytest.approx(2 * (1 - math.exp(-1)))
+    with pytest.raises(ValueError):
+        judge(0.1, 0.0, 0.0, cpus=0, own_threads=1, seconds=1.0)
+
+
+def test_the_calibrations_spread_comes_from_every_rank_and_the_ddp_steps():
+    from commlab.costmodel.calibrate import spread_of
+
+    results = [{"collective_samples": {"native": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}, "ddp": {"step_samples": [1.0, 1.5]}},
+               {"collective_samples": {"native": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}}]
+    assert spread_of(results) == 0.0  # four steady series, one noisy one: the median
+    results[1]["collective_samples"]["native"] = [[1.0, 2.0], [1.0, 2.0]]
+    assert spread_of(results) == pytest.approx(0.4)  # median of 0, 0, 0.4 (the DDP steps), 0.67, 0.67
 
 
 def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch):
@@ -60,7 +153,7 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
     profile = tmp_path / "profile.json"
     kw = dict(world_size=1, algorithms=("native",), batch_per_rank=4, profile=profile)
     rec = commlab.tune(net, **kw)
-    assert set(rec["ddp_kwargs"]) == {"bucket_cap_mb"} and rec["predicted_step_s"] > 0
+    assert set(rec["torch"]["ddp_kwargs"]) <= {"bucket_cap_mb"} and rec["commlab"]["predicted_step_s"] > 0
     entries = json.loads(profile.read_text())["entries"]
     (entry,) = entries.values()
     assert entry["key"]["model"] == instance.FACTORY

@@ -170,25 +170,63 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         _ECHO(f"comparison: {run_dir / 'comparison.csv'}, {paths[0]}")
 
 
-def _tune(spec_file, profile_path, recalibrate, as_json, **options):
-    """Recommend bucket_cap_mb (and first bucket, algorithm, overlap) by simulation: no sweep."""
+def _tune(spec_file, profile_path, recalibrate, as_json, force, **options):
+    """Recommend DDP settings by simulation, no sweep: the best torch DDP configuration (torch
+    keywords only) and the best commlab one, each with a predicted step time and the interval the
+    model's validated error gives; every registered all-reduce algorithm is searched. A calibration
+    the machine's load disturbed is said to be unsteady, and then the default is recommended
+    unless --force."""
     from commlab.costmodel import session
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
-    entries = _entries(plan, profile_path, recalibrate)
+    algorithms = session.tune_algorithms()
+    try:
+        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
+                                      echo=_ECHO, algorithms=algorithms)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
     policies = tuple(dict.fromkeys(c.bucket_policy for c in plan.configs))  # a spec's bucket_policy key
-    results = [session.tune_entry(entry, policies=policies) for entry in entries.values()]
+    names = tuple(dict.fromkeys(("native", *algorithms)))
+    results = [session.tune_entry(entry, algorithms=names, policies=policies, force=force)
+               for entry in entries.values()]
     if as_json:
         click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
         return
     for entry, r in zip(entries.values(), results):
-        k, ddp, extra = entry["key"], r["ddp_kwargs"], r["commlab_kwargs"]
-        click.echo(f"{k['model']} {k['model_args']} on {k['backend']}, world size {k['world_size']}: "
-                   f"bucket_cap_mb={ddp['bucket_cap_mb']:g}, first bucket "
-                   f"{'as the others' if extra['first_bucket_mb'] is None else str(extra['first_bucket_mb']) + ' MB'}, "
-                   f"algorithm {extra['algorithm']}, overlap {'on' if extra['overlap'] else 'off'}: predicted step "
-                   f"{r['predicted_step_s'] * 1e3:.1f} ms vs {r['default_step_s'] * 1e3:.1f} ms for torch's default "
-                   f"(25 MB, native, overlap): {r['gain'] * 100:+.1f}%")
+        click.echo(_tune_text(entry, r, force))
+
+
+def _tune_text(entry: dict, r: dict, force: bool) -> str:
+    """What `commlab tune` prints for one workload (the same numbers as --json)."""
+    from commlab.costmodel import uncertainty
+
+    k = entry["key"]
+    steadiness = uncertainty.Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    span = lambda a: f"{ms(a['predicted_step_s'])} (likely {ms(a['interval_s'][0])} to {ms(a['interval_s'][1])})"  # noqa: E731
+    kw = lambda d: ", ".join(f"{n}={v!r}" for n, v in d.items())  # noqa: E731
+    default = r["default_step_s"]
+    lines = [f"{k['model']} {k['model_args'] or '(default sizes)'} on {k['backend']}, world size {k['world_size']}, "
+             f"batch {k['batch_per_rank']} per rank (all figures PREDICTED)"]
+    if steadiness is not None:
+        lines.append(f"  calibration {steadiness.describe()}")
+    if not r["steady"] and not force:
+        lines.append("  NO RECOMMENDATION: the calibration cannot be trusted, so keep torch's default (below). "
+                     "Calibrate again on a quiet machine (--recalibrate), or pass --force to see the search's pick "
+                     "with widened intervals.")
+    for name, a in (("torch DDP", r["torch"]), ("commlab DDP", r["commlab"])):
+        args = {**a["ddp_kwargs"], **a.get("commlab_kwargs", {})}
+        gain = default / a["predicted_step_s"] - 1
+        noise = uncertainty.within_noise(a["predicted_step_s"], default, steadiness)
+        verdict = ("within noise of the default: the model cannot tell them apart, keep the default" if noise
+                   else f"{gain * 100:+.1f}% over the default")
+        lines.append(f"  {name + ':':13s} DistributedDataParallel(model{', ' if args else ''}{kw(args)})  "
+                     f"step {span(a)}; {verdict}")
+    lines.append(f"  torch's default (25 MB buckets, 1 MB first bucket, native all-reduce, overlap): {ms(default)}")
+    lines.append(f"  intervals: the model's worst error on held-out work, {uncertainty.VALIDATION.abs_worst * 100:.1f}%"
+                 f"{' plus the calibration spread' if r['steady'] is False else ''}; source: "
+                 f"{uncertainty.VALIDATION.source}")
+    return "\n".join(lines)
 
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -204,6 +242,9 @@ predict = click.Command("predict", callback=_predict, context_settings=_CTX, hel
     click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
-    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL,
-    click.Option(["--json", "as_json"], is_flag=True, help="print one JSON object (ddp_kwargs, commlab_kwargs, ...)"),
+    # no --algorithm: tune searches every registered one, whatever the profile cache holds
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm"}), _PROFILE, _RECAL,
+    click.Option(["--json", "as_json"], is_flag=True,
+                 help='print one JSON object: {"torch": {...}, "commlab": {...}, "default_step_s": ..., "steady": ...}'),
+    click.Option(["--force"], is_flag=True, help="recommend even when the calibration was unsteady (wider intervals)"),
 ])

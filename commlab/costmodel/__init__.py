@@ -14,7 +14,9 @@ Modules (one job each):
 - calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py)
   and caching them as a profile keyed by workload and machine;
 - predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
-- tuning.py: the exhaustive search behind ``commlab tune``; session.py: plan <-> profiles glue;
+- tuning.py: the exhaustive search behind ``commlab tune`` (a torch answer and a commlab answer);
+- uncertainty.py: how far a prediction can be trusted (the validated error, the calibration's
+  steadiness from its repeated micro-benchmarks and the load average); session.py: plan <-> profiles glue;
 - compare.py, validate.py: predicted against measured, and the held-out validation;
 - api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks.
 

@@ -44,7 +44,9 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         out["ddp"] = _profile_ddp(spec, workload.loss_fn, batch, solo[0])
     dist.barrier()
-    out["collectives"] = {a: _time_collective(a, spec["sizes"], spec["iters"]) for a in spec["algorithms"]}
+    timed = {a: _time_collective(a, spec["sizes"], spec["iters"]) for a in spec["algorithms"]}
+    out["collectives"] = {a: medians for a, (medians, _) in timed.items()}
+    out["collective_samples"] = {a: samples for a, (_, samples) in timed.items()}  # for the spread
     model = _fresh_model(spec)
     compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
     # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the
@@ -144,12 +146,15 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
+        # forward + backward of every repetition: their spread says how steady the machine was
+        "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
     }
 
 
-def _time_collective(algorithm: str, sizes: list[int], iters: int) -> list[float]:
-    """Median seconds of one all-reduce per size (each after a barrier), on this rank."""
-    times = []
+def _time_collective(algorithm: str, sizes: list[int], iters: int) -> tuple[list[float], list[list[float]]]:
+    """Median seconds of one all-reduce per size (each after a barrier), on this rank, and the
+    samples they are the median of (their spread says how steady the machine was)."""
+    times, every = [], []
     for nbytes in sizes:
         buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
         samples = []
@@ -160,7 +165,8 @@ def _time_collective(algorithm: str, sizes: list[int], iters: int) -> list[float
             if it:
                 samples.append(time.perf_counter() - start)
         times.append(float(statistics.median(samples)))
-    return times
+        every.append(samples)
+    return times, every
 
 
 def _compute(model, workload, batch) -> float:

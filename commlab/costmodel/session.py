@@ -31,20 +31,23 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
 
 
 def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
-                world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None) -> dict[Key, dict]:
-    """One profile entry per group of configurations, calibrating what is missing or stale."""
+                world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None,
+                algorithms: Iterable[str] = ()) -> dict[Key, dict]:
+    """One profile entry per group of configurations, calibrating what is missing or stale.
+    ``algorithms``: calibrated for every group besides the configurations' own and ``native``."""
+    extra = tuple(algorithms)
     wanted: dict[Key, list[str]] = {}
     for cfg in configs:
-        algorithms = wanted.setdefault(group_key(cfg, world_size), [])
-        for algorithm in ("native", cfg.algorithm):
-            if algorithm not in algorithms:
-                algorithms.append(algorithm)
+        group = wanted.setdefault(group_key(cfg, world_size), [])
+        for algorithm in ("native", *extra, cfg.algorithm):
+            if algorithm not in group:
+                group.append(algorithm)
     entries = {}
-    for key, algorithms in wanted.items():
+    for key, names in wanted.items():
         model, model_args, batch, backend, world, threads = key
         entries[key] = profile_for(Workload(model, model_args, batch), backend=backend, world_size=world,
                                    threads=threads, path=profile_path or DEFAULT_PROFILE, recalibrate=recalibrate,
-                                   algorithms=tuple(algorithms), echo=echo)
+                                   algorithms=tuple(names), echo=echo)
     return entries
 
 
@@ -87,11 +90,25 @@ def check_run_dir(run_dir: Path) -> None:
             old.unlink()
 
 
-def tune_entry(entry: dict, world_size: int | None = None, **search_options) -> dict[str, Any]:
-    """The recommendation (commlab/costmodel/tuning.py) for one profile entry, as JSON-ready data."""
+def tune_entry(entry: dict, world_size: int | None = None, *, algorithms: Iterable[str] | None = None,
+               force: bool = False, **search_options) -> dict[str, Any]:
+    """The two recommendations (commlab/costmodel/tuning.py) for one profile entry, as JSON-ready
+    data. ``algorithms``: those searched (default: every calibrated one); the entry's steadiness
+    (commlab/costmodel/uncertainty.py) widens the intervals and, unless ``force``, withholds a pick."""
+    # Lazy, as predict() below: the lowering pulls in the sweep's tables (pandas); CLI start-up.
     from commlab.costmodel.predict import costs_from_entry
-    from commlab.costmodel.tuning import search
+    from commlab.costmodel.tuning import answer, search
+    from commlab.costmodel.uncertainty import Steadiness
 
     world = world_size or entry["key"]["world_size"]
-    costs = {a: costs_from_entry(entry, a, world) for a in entry["collectives"]}
-    return search(costs, **search_options).as_json()
+    names = list(entry["collectives"]) if algorithms is None else list(dict.fromkeys(algorithms))
+    costs = {a: costs_from_entry(entry, a, world) for a in names}
+    steadiness = Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None
+    return answer(search(costs, **search_options), steadiness, force=force)
+
+
+def tune_algorithms() -> tuple[str, ...]:
+    """What `commlab tune` searches: every registered all-reduce algorithm, whatever a cache holds."""
+    from commlab.collectives import algorithm_names  # lazy: it imports torch (CLI start-up)
+
+    return tuple(algorithm_names())
