@@ -65,6 +65,15 @@ def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
         assert list(got.columns) == [want.columns[0], "source", *want.columns[1:]]
         assert set(got["source"]) == {"predicted"}
     assert (runs["status"] == "ok").all() and (runs["step_median"] > 0).all()
+    # the printed table: one row per configuration, its step time, exposed comm and bucket count
+    lines = r.stdout.splitlines()
+    assert "PREDICTED" in lines[0] and lines[1].split()[:2] == ["configuration", "step"]
+    for cfg, line in zip(plan.configs, lines[2:]):
+        name, step, exposed, count = line.split()
+        row = runs[runs["config"] == cfg.id].iloc[0]
+        assert name == cfg.id and float(step) == pytest.approx(row["step_median"] * 1e3, abs=0.051)
+        assert float(exposed) >= 0 and int(count) == buckets[(buckets["config"] == cfg.id) & (buckets["rank"] == 0)]["bucket"].nunique()
+    assert len(lines) == 2 + len(plan.configs)
     # per-bucket rows: ready <= launched <= done, and bigger caps give fewer buckets
     assert (buckets["launched"] >= buckets["ready"] - 1e-12).all() and (buckets["done"] > buckets["launched"]).all()
     counts = buckets[buckets["rank"] == 0].groupby("bucket_mb")["bucket"].nunique()

@@ -96,6 +96,10 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
         click.echo(f"{key_id(entry['key'])}: forward {c['forward_s'] * 1e3:.1f} ms, backward "
                    f"{c['ready_s'][-1] * 1e3:.1f} ms, optimizer {c['optimizer_s'] * 1e3:.1f} ms, co-run x{c['corun']:.2f}, "
                    f"write-back {c['writeback_s_per_byte'] * 2**30:.1f} s/GiB, bucket {c['bucket_fixed_s'] * 1e3:.2f} ms")
+        if "steadiness" in entry:
+            from commlab.costmodel.uncertainty import Steadiness
+
+            click.echo(f"  calibration {Steadiness.from_json(entry['steadiness']).describe()}")
         for algorithm, fit in entry["collectives"].items():
             k = entry["contention"].get(algorithm, {})
             worst = max(abs(r) for r in fit["line_residuals"])
@@ -144,8 +148,10 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         records, meta = session.predict(plan, entries, preset)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.costmodel.predict import write_prediction
+    from commlab.costmodel.predict import table, write_prediction
 
+    click.echo(meta["figure_note"])  # what every figure below is: predicted, and from what
+    click.echo(table(records))
     write_prediction(run_dir, records, meta)
     _ECHO(f"commlab predict: {len(records)} configuration(s) -> {run_dir} ({time.monotonic() - begin:.1f} s)")
     if draw:
