@@ -140,7 +140,9 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
-                                                              "many_buckets": ddp["small_run"]}},
+                                                              "many_buckets": ddp["small_run"]},
+                    # where it was measured, and the CUDA caching allocator's state after (GPU only)
+                    "device": results[0].get("device", "cpu"), "allocator": results[0].get("allocator", {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,

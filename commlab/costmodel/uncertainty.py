@@ -67,9 +67,10 @@ class Steadiness:
         return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
 
     def describe(self) -> str:
-        what = (f"spread {self.spread * 100:.0f}% over repeated micro-benchmarks, load average "
-                f"{self.load_before:.1f} before and {self.load_after:.1f} after on {self.cpus} core(s)")
-        return f"steady ({what})" if self.steady else f"UNSTEADY: {'; '.join(self.reasons)} ({what})"
+        load = f"load average {self.load_before:.1f} before and {self.load_after:.1f} after on {self.cpus} core(s)"
+        if self.steady:
+            return f"steady (spread {self.spread * 100:.0f}% over repeated micro-benchmarks, {load})"
+        return f"UNSTEADY: {'; '.join(self.reasons)} ({load})"
 
 
 def relative_spread(samples: Sequence[float]) -> float:
