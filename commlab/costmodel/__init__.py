@@ -13,7 +13,10 @@ Modules (one job each):
 - lower.py: one DDP optimizer step lowered onto the simulator core, and its sweep columns;
 - calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py)
   and caching them as a profile keyed by workload and machine;
-- predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
+- predict.py: a sweep's records, predicted from profiles;
+- hardware.py: named machines' presets (what-if), with nccl.py (an all-reduce priced as NCCL's
+  tuner prices it: ring or tree) and flops.py (compute from FLOPs at a stated fraction of peak);
+- devicetime.py: where a calibration rank measures (its device) and how it times (CUDA events on a GPU);
 - tuning.py: the exhaustive search behind ``commlab tune`` (a torch answer and a commlab answer);
 - uncertainty.py: how far a prediction can be trusted (the validated error, the calibration's
   steadiness from its repeated micro-benchmarks and the load average); session.py: plan <-> profiles glue;

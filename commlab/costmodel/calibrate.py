@@ -142,7 +142,8 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
                                                               "many_buckets": ddp["small_run"]},
                     # where it was measured, and the CUDA caching allocator's state after (GPU only)
-                    "device": results[0].get("device", "cpu"), "allocator": results[0].get("allocator", {})},
+                    "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),
+                    "allocator": results[0].get("allocator", {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,

@@ -67,6 +67,7 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
         size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
         out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
     out["allocator"] = allocator_state(device)
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return out
 
 

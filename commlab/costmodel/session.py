@@ -51,26 +51,71 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
     return entries
 
 
-def predict(plan, entries: dict[Key, dict], preset: dict | None = None) -> tuple[list[dict], dict[str, Any]]:
+def predict(plan, entries: dict[Key, dict]) -> tuple[list[dict], dict[str, Any]]:
     """Records for every configuration of ``plan`` and the run's metadata."""
     from commlab.costmodel.predict import costs_from_entry, predict_plan
 
-    def costs_for(cfg: Config):
-        if preset is not None:
-            from commlab.costmodel.hardware import costs_on
-
-            return costs_on(preset, entries[group_key(cfg, 1)], cfg.world_size)
-        return costs_from_entry(entries[group_key(cfg)], cfg.algorithm, cfg.world_size)
-
-    records = predict_plan(plan.configs, costs_for)
+    records = predict_plan(plan.configs, lambda cfg: costs_from_entry(entries[group_key(cfg)], cfg.algorithm,
+                                                                      cfg.world_size))
     note = ("PREDICTED by commlab predict from calibration profile(s) "
             + ", ".join(key_id(e["key"]) for e in entries.values()))
-    if preset is not None:
-        note = f"PREDICTED for hardware preset {preset['name']}: {preset['assumptions']}"
     meta = {"source": "predicted", "figure_note": note,
             "profiles": {key_id(e["key"]): {"key": e["key"], "created": e["created"]} for e in entries.values()},
-            "hardware": preset}
+            "hardware": None}
     return records, meta
+
+
+def predict_on(plan, preset: dict, profile_path: Path | None = None,
+               echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
+    """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware.py): nothing is
+    calibrated here; each workload's compute is a profile calibrated on the preset's device when
+    ``profile_path`` holds one, else its FLOPs."""
+    # Lazy: FLOPs counting and the lowering import torch and pandas (CLI start-up).
+    from commlab.costmodel import flops, hardware
+    from commlab.costmodel.costs import Overheads
+    from commlab.costmodel.predict import predict_plan, profile_from_entry
+
+    computes: dict[tuple, tuple] = {}
+    for cfg in plan.configs:
+        key = (cfg.model, cfg.model_args, cfg.batch_per_rank)
+        if key in computes:
+            continue
+        entry = device_entry(profile_path or DEFAULT_PROFILE, *key, device=str(preset["device"]))
+        if entry is not None:
+            c = entry["compute"]
+            computes[key] = (profile_from_entry(entry), Overheads(c["bucket_fixed_s"], c["writeback_s_per_byte"]),
+                             f"compute measured on {c['device_name']} (profile {key_id(entry['key'])})")
+        else:
+            counted = flops.count(cfg.model, cfg.model_kwargs(), cfg.batch_per_rank)
+            profile, overheads = hardware.flops_profile(preset, counted)
+            computes[key] = (profile, overheads, flops.describe(counted, float(preset["peak_tflops"]) * 1e12,
+                                                                float(preset["compute_fraction"]), cfg.batch_per_rank)
+                             + f"; optimizer and write-back as memory traffic at {preset['hbm_gbps']} GB/s")
+        echo(f"{cfg.model} {cfg.model_args}: {computes[key][2]}")
+
+    def costs_for(cfg: Config):
+        profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank)]
+        return hardware.costs_on(preset, profile, overheads, cfg.world_size)
+
+    records = predict_plan(plan.configs, costs_for)
+    said = "; ".join(dict.fromkeys(c[2] for c in computes.values()))
+    note = f"PREDICTED for hardware preset {preset['name']}: {hardware.assumptions(preset, said)}"
+    return records, {"source": "predicted", "figure_note": note, "profiles": {}, "hardware": preset}
+
+
+def device_entry(path: Path, model: str, model_args: str, batch_per_rank: int, *, device: str) -> dict | None:
+    """The newest world-size-1 NCCL profile entry of this workload calibrated on a device whose
+    name holds ``device`` (made on any machine: that is the point), or None."""
+    from commlab.costmodel.profile import check_entry, read_file
+
+    found = []
+    for entry in read_file(path).values():
+        k, c = entry.get("key", {}), entry.get("compute", {})
+        if (k.get("model"), k.get("model_args"), k.get("batch_per_rank"), k.get("world_size"), k.get("backend")) \
+                == (model, model_args, batch_per_rank, 1, "nccl") and device in str(c.get("device_name", "")):
+            check_entry(entry, f"{path} [{key_id(k)}]")
+            found.append(entry)
+    return max(found, key=lambda e: e["created"]) if found else None
 
 
 def holds_measured(run_dir: Path) -> bool:
