@@ -187,6 +187,8 @@ def test_commlab_tune_from_python_answers_as_the_cli(profile):
     r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json")
     assert json.loads(r.output) == out and out["steady"] is False
     assert out["torch"]["ddp_kwargs"] == {} and out["torch"]["predicted_step_s"] == out["default_step_s"]
+    r = invoke("predict", *ARGS, "--profile", str(profile), "--no-figures", "--out", str(profile.parent), "--name", "u")
+    assert r.exit_code == 0 and "WARNING: calibration" in r.output and "UNSTEADY" in r.output
     forced = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, force=True)
     r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json",
                "--force")

@@ -145,6 +145,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         if preset is None:
             entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO)
+            _warn_unsteady(entries.values())
             records, meta = session.predict(plan, entries)
         else:  # what-if: nothing of this machine is measured (hardware.py)
             if recalibrate:
@@ -179,6 +180,18 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         write_text(run_dir / "comparison.json", json.dumps(compare.summary(both, taus), indent=1) + "\n")
         paths = compare.draw(both, run_dir / "figures" / "predicted_vs_measured")
         _ECHO(f"comparison: {run_dir / 'comparison.csv'}, {paths[0]}")
+
+
+def _warn_unsteady(entries) -> None:
+    """Say so when a prediction rests on a calibration the machine's load disturbed."""
+    from commlab.costmodel.profile import key_id
+    from commlab.costmodel.uncertainty import Steadiness
+
+    for entry in entries:
+        if "steadiness" in entry and not entry["steadiness"]["steady"]:
+            _ECHO(f"WARNING: calibration {key_id(entry['key'])} was {Steadiness.from_json(entry['steadiness']).describe()}; "
+                  "its predictions may be off by more than the validated error. Calibrate again on a quiet "
+                  "machine (--recalibrate).")
 
 
 def _tune(spec_file, profile_path, recalibrate, as_json, force, **options):

@@ -68,9 +68,10 @@ def torch_settings(grid_mb: Sequence[float] = DEFAULT_GRID_MB) -> list[DDPSettin
 
 def commlab_settings(grid_mb: Sequence[float] = DEFAULT_GRID_MB, overlaps: Sequence[bool] = (True, False),
                      first_buckets: Sequence[float | None] = (None, 1.0),
-                     policies: Sequence[Any] = (DEFAULT_POLICY,)) -> list[DDPSetting]:
-    """``first_buckets``: None is a first bucket as large as the others, 1.0 is 1 MiB."""
-    out = [DDPSetting()]
+                     policies: Sequence[Any] = (DEFAULT_POLICY,), with_default: bool = True) -> list[DDPSetting]:
+    """``first_buckets``: None is a first bucket as large as the others, 1.0 is 1 MiB;
+    ``with_default``: torch's default (25 MiB, 1 MiB first) is a candidate too."""
+    out = [DDPSetting()] if with_default else []
     for policy, overlap, mb, first in itertools.product(policies, overlaps, grid_mb, first_buckets):
         if first is None or first < mb:
             out.append(DDPSetting(bucket_cap_mb=mb, first_bucket_mb=first, overlap=overlap, policy=policy))
@@ -93,7 +94,7 @@ def fastest(costs: Mapping[str, StepCosts], candidates: Iterable[tuple[str, DDPS
 
 def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GRID_MB,
            overlaps: Sequence[bool] = (True, False), first_buckets: Sequence[float | None] = (None, 1.0),
-           policies: Sequence[Any] = (DEFAULT_POLICY,)) -> Recommendation:
+           policies: Sequence[Any] = (DEFAULT_POLICY,), with_default: bool = True) -> Recommendation:
     """The best torch configuration and the best commlab configuration for ``costs`` (one
     StepCosts per algorithm); torch's needs the ``native`` algorithm's costs."""
     if not costs:
@@ -103,7 +104,7 @@ def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GR
                          f"got {', '.join(sorted(costs))}")
     default = Candidate(TORCH_ALGORITHM, DDPSetting(), step_time(costs[TORCH_ALGORITHM], DDPSetting()))
     torch_best = fastest(costs, ((TORCH_ALGORITHM, s) for s in torch_settings(grid_mb)))
-    settings = commlab_settings(grid_mb, overlaps, first_buckets, policies)
+    settings = commlab_settings(grid_mb, overlaps, first_buckets, policies, with_default)
     commlab_best = fastest(costs, ((a, s) for a in sorted(costs) for s in settings))
     return Recommendation(torch_best, commlab_best, default)
 

@@ -79,9 +79,9 @@ def tune_check(entry: dict, grid: list, echo) -> tuple[Any, dict]:
 
     # force: the check judges the search's pick, whatever the calibration's steadiness says
     rec = session.tune_entry(entry, first_buckets=(None,), grid_mb=[m for m in DEFAULT_GRID_MB if m <= 100],
-                             force=True)["commlab"]
+                             with_default=False, force=True)["commlab"]
     base = grid[0]
-    cfg = dataclasses.replace(base, bucket_mb=float(rec["ddp_kwargs"].get("bucket_cap_mb", 25.0)),
+    cfg = dataclasses.replace(base, bucket_mb=float(rec["ddp_kwargs"]["bucket_cap_mb"]),
                               algorithm=rec["commlab_kwargs"]["algorithm"], overlap=rec["commlab_kwargs"]["overlap"])
     echo(f"tune recommends {cfg.id} (predicted {rec['predicted_step_s'] * 1e3:.1f} ms)")
     return cfg, rec
