@@ -53,21 +53,17 @@ def test_the_cheaper_algorithm_is_commlabs_answer_and_torchs_stays_native():
 
 def test_torchs_answer_is_priced_with_torchs_own_first_bucket():
     """An explicit bucket_cap_mb makes torch's first bucket as large as the cap (torch 2.13
-    _BucketCapacityConfig); only the default keeps 1 MiB. Where a small first bucket pays, commlab's
-    answer may use one, torch's cannot: its price is that of a first bucket equal to the cap."""
-    # Large latency after a long backward: the last gradients' bucket must start early and be small.
-    c = costs(0.0, 0.012, ready_s=tuple(0.01 * (j + 1) for j in range(16)))
-    rec = search({"native": c})
-    assert rec.torch.setting.first_bucket_mb is None and rec.torch.setting.overlap
-    assert rec.torch.setting.policy == "size_cap"
-    if rec.torch.setting.bucket_cap_mb is not None:
-        assert rec.torch.step_s == step_time(c, DDPSetting(bucket_cap_mb=rec.torch.setting.bucket_cap_mb))
+    _BucketCapacityConfig.create); only the default keeps 1 MiB. Where a small first bucket pays,
+    commlab's answer uses one and torch's cannot: its price is that of a first bucket equal to the cap."""
+    c = costs(0.04, 0.004)  # 40 ms per all-reduce: 8 MB buckets, the last gradients' bucket small
+    rec = search({"native": c}, overlaps=(True,))
+    assert rec.commlab.setting == DDPSetting(bucket_cap_mb=8.0, first_bucket_mb=1.0)
+    assert rec.torch.setting == DDPSetting(bucket_cap_mb=8.0)  # first bucket = cap, overlap, size_cap
+    assert rec.torch.step_s == step_time(c, DDPSetting(bucket_cap_mb=8.0))
+    assert rec.torch.step_s > step_time(c, DDPSetting(bucket_cap_mb=8.0, first_bucket_mb=1.0)) == rec.commlab.step_s
+    assert rec.torch.ddp_kwargs() == {"bucket_cap_mb": 8.0} and rec.default.ddp_kwargs() == {}
     for setting in torch_settings((2.0, 8.0)):
         assert setting.first_bucket_mb is None and setting.overlap and setting.policy == "size_cap"
-    # commlab's search is a superset: never slower than torch's answer
-    assert rec.commlab.step_s <= rec.torch.step_s + 1e-12
-    # the torch default's ddp_kwargs are empty (paste nothing), an explicit cap is the only keyword
-    assert rec.default.ddp_kwargs() == {}
 
 
 def test_recommendation_is_never_worse_than_the_default():
