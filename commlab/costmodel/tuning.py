@@ -105,7 +105,9 @@ def search(costs: Mapping[str, StepCosts], grid_mb: Sequence[float] = DEFAULT_GR
     default = Candidate(TORCH_ALGORITHM, DDPSetting(), step_time(costs[TORCH_ALGORITHM], DDPSetting()))
     torch_best = fastest(costs, ((TORCH_ALGORITHM, s) for s in torch_settings(grid_mb)))
     settings = commlab_settings(grid_mb, overlaps, first_buckets, policies, with_default)
-    commlab_best = fastest(costs, ((a, s) for a in sorted(costs) for s in settings))
+    # native first: on a tie the backend's own all-reduce (what torch uses) is kept
+    algorithms = sorted(costs, key=lambda a: (a != TORCH_ALGORITHM, a))
+    commlab_best = fastest(costs, ((a, s) for a in algorithms for s in settings))
     return Recommendation(torch_best, commlab_best, default)
 
 
