@@ -173,6 +173,8 @@ def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
     assert (read_tables(tmp_path / "hw2")[2]["step_median"] > 5.0).all()  # the profile's 5 s forward
     r = invoke(*common, "--name", "hw3", "--recalibrate")
     assert r.exit_code == 2 and "measures nothing here" in r.output
+    r = invoke(*[a if a != "nccl" else "gloo" for a in common], "--name", "hw4")
+    assert r.exit_code == 2 and "--backend nccl" in r.output
 
 
 def test_commlab_tune_from_python_answers_as_the_cli(profile):

@@ -69,6 +69,8 @@ def _plan(spec_file, options, *, hardware: str | None = None):
 
             for cfg in plan.configs:
                 check_workload(cfg.model, **cfg.model_kwargs())
+                if cfg.backend != "nccl":  # a preset is priced as NCCL prices it (costmodel/nccl.py)
+                    raise ValueError(f"--hardware predicts NCCL on GPUs: give --backend nccl (got {cfg.backend})")
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     return plan
