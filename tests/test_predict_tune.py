@@ -183,3 +183,26 @@ def test_modules_that_differ_only_in_options_or_activations_get_different_names(
     assert digest(mlp(nn.ReLU())) == digest(mlp(nn.ReLU()))  # stable: a cached calibration is found again
     assert digest(mlp(nn.ReLU())) != digest(mlp(nn.Tanh()))
     assert digest(nn.Conv2d(3, 4, 3, stride=1)) != digest(nn.Conv2d(3, 4, 3, stride=2))
+
+
+def test_torch_answer_check_judges_the_pick_against_the_grid_measured_with_torch_ddp(monkeypatch):
+    """The check's arithmetic (pure), then one small launch: every configuration is a torch DDP
+    with only the answer's keywords, timed on both ranks (the tuner is a stub: no calibration)."""
+    import commlab
+    from commlab.costmodel import torchcheck
+
+    per_rank = [{"default": [1.0, 1.2], "bucket_cap_mb=5": [0.9, 0.9]}, {"default": [1.1, 1.0], "bucket_cap_mb=5": [1.0, 0.8]}]
+    assert torchcheck.slowest_rank(per_rank) == {"default": pytest.approx(1.15), "bucket_cap_mb=5": pytest.approx(0.95)}
+    verdict = torchcheck.judge({"default": 1.0, "bucket_cap_mb=5": 0.95, "bucket_cap_mb=8": 0.97}, "bucket_cap_mb=8",
+                               ["default", "bucket_cap_mb=5"])
+    assert verdict["best"] == "bucket_cap_mb=5" and verdict["within"] and verdict["over"] == pytest.approx(0.97 / 0.95 - 1)
+    assert torchcheck.label_of({}) == "default"
+
+    answer = {"torch": {"ddp_kwargs": {"bucket_cap_mb": 0.02}, "predicted_step_s": 0.01, "interval_s": [0.008, 0.013]},
+              "steady": True}
+    monkeypatch.setattr(commlab, "tune", lambda *a, **k: answer)
+    out = torchcheck.check("mlp", "depth=2,width=64", grid_mb=[0.01, 1.0], batch_per_rank=8, iters=2, warmup=1,
+                           timeout=300.0)
+    assert set(out["medians"]) == {"default", "bucket_cap_mb=0.01", "bucket_cap_mb=1", "bucket_cap_mb=0.02"}
+    assert all(s > 0 for s in out["medians"].values()) and out["pick"] == "bucket_cap_mb=0.02"
+    assert out["best"] != out["pick"]  # the pick is judged against the others

@@ -21,6 +21,7 @@ Modules (one job each):
 - uncertainty.py: how far a prediction can be trusted (the validated error, the calibration's
   steadiness from its repeated micro-benchmarks and the load average); session.py: plan <-> profiles glue;
 - compare.py, validate.py: predicted against measured, and the held-out validation;
+  torchcheck.py: tune's torch answer measured with torch's own DDP against a grid of bucket sizes;
 - api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks.
 
 The commands live in commlab/cli/predict.py.
