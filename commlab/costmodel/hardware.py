@@ -27,9 +27,9 @@ from commlab.costmodel.costs import DDPProfile, Overheads, SystemCosts
 from commlab.costmodel.lower import StepCosts, step_costs
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
-NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "peak_tflops", "hbm_gbps",
-           "compute_fraction")
-FIELDS = (*NUMBERS, "device", "source")
+NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels", "net_overhead_us",
+           "peak_tflops", "hbm_gbps", "compute_fraction")
+FIELDS = (*NUMBERS, "arch", "device", "source")
 # ASSUMED, for the FLOPs path: the reducer's own time per bucket (a few kernel launches and
 # bookkeeping) and the optimizer's memory traffic (fp32 parameter, gradient and two moments
 # read, three written: 7 x 4 bytes per parameter, Adam).
@@ -60,6 +60,10 @@ def load_preset(name: str) -> dict[str, Any]:
     for f in NUMBERS:
         if not float(preset[f]) > 0:
             raise ValueError(f"--hardware {name}: {f} must be positive")
+    try:
+        network({"name": name, **preset})
+    except ValueError as err:
+        raise ValueError(f"--hardware {name}: {err}") from None
     if not float(preset["compute_fraction"]) <= 1:
         raise ValueError(f"--hardware {name}: compute_fraction is a fraction of the peak (0-1]")
     return {"name": name, "published": [], **preset}
@@ -67,7 +71,8 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def network(preset: dict[str, Any]) -> nccl.Network:
     return nccl.Network(int(preset["gpus_per_node"]), float(preset["nvlink_busbw_gbps"]),
-                        float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]))
+                        float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]), int(preset["channels"]),
+                        str(preset["arch"]), float(preset["net_overhead_us"]))
 
 
 def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduce:
