@@ -114,6 +114,19 @@ def test_steadiness_from_spread_and_load(spread, before, after, steady):
     assert Steadiness.from_json(s.as_json()) == s
 
 
+def test_a_load_average_left_by_a_finished_run_is_not_taken_for_other_jobs():
+    """The 1-minute average lags: 2.0 from a run that just ended, nothing running now, decays
+    while the calibration's own two threads raise it; other jobs that keep running count."""
+    d = math.exp(-10 / 60)
+    after = 2.0 * d + 2 * (1 - d)  # the finished run's residue decays, our two threads add
+    s = judge(0.05, 2.0, after, cpus=2, own_threads=2, seconds=10.0, running_before=0.0)
+    assert s.steady and s.others_load == pytest.approx(0.0, abs=1e-9)
+    assert not judge(0.05, 2.0, after, cpus=2, own_threads=2, seconds=10.0).steady  # not knowing what runs now
+    busy_after = 4.0 * d + 6 * (1 - d)  # four other threads all along
+    s = judge(0.05, 4.0, busy_after, cpus=2, own_threads=2, seconds=10.0, running_before=4.0)
+    assert not s.steady and s.others_load == pytest.approx(4.0)
+
+
 def test_spread_and_own_load_are_what_they_say():
     assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
     assert relative_spread([1.0]) == 0.0

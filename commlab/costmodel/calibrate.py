@@ -86,7 +86,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
          f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
          "typically 15-50 s ...")
-    load_before = os.getloadavg()[0]
+    load_before, running_before = os.getloadavg()[0], runnable_now()
     results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
     load_after = os.getloadavg()[0]
     entry = assemble(results, spec, nbytes, shapes,
@@ -94,10 +94,25 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
                                    model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
     entry["calibration_s"] = time.monotonic() - begin
     steadiness = uncertainty.judge(spread_of(results), load_before, load_after, cpus=os.cpu_count() or 1,
-                                   own_threads=world_size * threads, seconds=entry["calibration_s"])
+                                   own_threads=world_size * threads, seconds=entry["calibration_s"],
+                                   running_before=running_before)
     entry["steadiness"] = steadiness.as_json()
     echo(f"calibrated in {entry['calibration_s']:.1f} s; {steadiness.describe()}")
     return entry
+
+
+def runnable_now(samples: int = 10, every_s: float = 0.05) -> float | None:
+    """Threads other than this one runnable right now (Linux /proc/loadavg's fourth field,
+    averaged over ``samples``), or None where the kernel does not say."""
+    counts = []
+    for _ in range(samples):
+        try:
+            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
+        except (OSError, IndexError):
+            return None
+        counts.append(max(int(running) - 1, 0))
+        time.sleep(every_s)
+    return sum(counts) / len(counts)
 
 
 def spread_of(results: list[dict]) -> float:

@@ -93,17 +93,30 @@ def own_load(threads: int, seconds: float) -> float:
     return threads * (1.0 - math.exp(-max(seconds, 0.0) / 60.0))
 
 
-def judge(spread: float, load_before: float, load_after: float, *, cpus: int, own_threads: int,
-          seconds: float, spread_limit: float = SPREAD_LIMIT,
-          load_per_core_limit: float = LOAD_PER_CORE_LIMIT) -> Steadiness:
-    """Steady or not, from the micro-benchmarks' spread and the load average around the calibration.
+def others_load(load_before: float, load_after: float, *, own_threads: int, seconds: float,
+                running_before: float | None = None) -> float:
+    """The load other jobs put on the machine around a calibration of ``seconds``.
 
-    Other jobs' load is the larger of the load before (nothing of the calibration ran yet) and the
-    load after less what the calibration's own ``own_threads`` busy threads add over ``seconds``.
+    The 1-minute load average lags: right after another run it is still high though nothing runs.
+    ``running_before``, the runnable threads counted just before (other than the caller), splits
+    ``load_before`` into what still runs and a past that only decays (by exp(-T / 60) over T):
+    after the calibration, ``load_after`` less the calibration's own threads and that decayed past
+    is what others ran meanwhile. Without ``running_before`` all of ``load_before`` counts.
     """
+    running = load_before if running_before is None else running_before
+    past = max(load_before - running, 0.0) * math.exp(-max(seconds, 0.0) / 60.0)
+    return max(running, load_after - own_load(own_threads, seconds) - past, 0.0)
+
+
+def judge(spread: float, load_before: float, load_after: float, *, cpus: int, own_threads: int,
+          seconds: float, running_before: float | None = None, spread_limit: float = SPREAD_LIMIT,
+          load_per_core_limit: float = LOAD_PER_CORE_LIMIT) -> Steadiness:
+    """Steady or not, from the micro-benchmarks' spread and the load around the calibration
+    (:func:`others_load`)."""
     if cpus < 1:
         raise ValueError(f"cpus must be >= 1, got {cpus}")
-    others = max(load_before, load_after - own_load(own_threads, seconds), 0.0)
+    others = others_load(load_before, load_after, own_threads=own_threads, seconds=seconds,
+                         running_before=running_before)
     reasons = []
     if spread > spread_limit:
         reasons.append(f"repeated micro-benchmarks spread by {spread * 100:.0f}% (limit {spread_limit * 100:.0f}%)")
