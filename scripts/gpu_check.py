@@ -2,10 +2,12 @@
 
     python scripts/gpu_check.py            # all GPU tests (pytest -m gpu) + an environment line
 
-Covers (issue 11, point 16): world size 1 on NCCL (comm streams, events, CUDA-event timings,
-DDP vs torch DDP), world size 2 with both ranks on one GPU over Gloo with CUDA tensors (DDP vs
-torch DDP, timings ordered ready <= launched <= done), and the 2-GPU NCCL tests when two GPUs
-are visible. Exits with pytest's status; without a GPU it says so and exits 2 (nothing ran).
+Covers: world size 1 on NCCL (comm streams, events, CUDA-event timings, DDP vs torch DDP), world
+size 2 with both ranks on one GPU over Gloo with CUDA tensors (DDP vs torch DDP, timings ordered
+ready <= launched <= done), the 2-GPU NCCL tests when two GPUs are visible, and the cost model's
+calibration on the GPU (model, batch and buffers on the device, CUDA-event timing, the caching
+allocator's state: tests/test_predict_device.py). Exits with pytest's status; without a GPU it
+says so and exits 2 (nothing ran).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_gpu.py", "tests/test_ddp.py", "tests/test_collectives.py"]
+TESTS = ["tests/test_gpu.py", "tests/test_ddp.py", "tests/test_collectives.py", "tests/test_predict_device.py"]
 
 
 def main() -> int:

@@ -133,9 +133,10 @@ def test_the_tuner_searches_the_policies_it_is_given():
 
     costs = _four_params()
     rec = search({"native": costs}, grid_mb=(25.0,), overlaps=(True,), first_buckets=(None,), policies=("test_pairs",))
-    assert rec.as_json()["commlab_kwargs"]["bucket_policy"] == "test_pairs"
-    assert rec.predicted_step_s == step_time(costs, DDPSetting(bucket_cap_mb=25.0, policy="test_pairs"))
-    assert rec.default_step_s == step_time(costs, DDPSetting())  # the baseline stays torch's default
+    pairs = step_time(costs, DDPSetting(bucket_cap_mb=25.0, policy="test_pairs"))
+    assert pairs < step_time(costs, DDPSetting())  # so the search must pick the policy (the default is a candidate)
+    assert rec.commlab.commlab_kwargs()["bucket_policy"] == "test_pairs" and rec.commlab.step_s == pairs
+    assert rec.default.step_s == step_time(costs, DDPSetting())  # the baseline stays torch's default
     both = search({"native": costs}, grid_mb=(25.0,), overlaps=(True,), first_buckets=(None,),
                   policies=("size_cap", Pairs()))
-    assert both.predicted_step_s == min(rec.predicted_step_s, step_time(costs, DDPSetting(bucket_cap_mb=25.0)))
+    assert both.commlab.step_s == min(rec.commlab.step_s, step_time(costs, DDPSetting(bucket_cap_mb=25.0)))

@@ -18,6 +18,8 @@ from commlab.costmodel.costs import fit_table
 from commlab.sweep.spec import build_plan, merge
 from commlab.sweep.store import read_tables, tables
 
+STEADY = {"steady": True, "spread": 0.05, "load_before": 0.2, "load_after": 1.1, "others_load": 0.2, "cpus": 2,
+          "reasons": []}
 ARGS = ["--model", "mlp", "--model-args", "depth=2,width=64", "--bucket-mb", "0.01,0.02,1", "--algorithm", "native"]
 
 
@@ -32,7 +34,10 @@ def synthetic_entry(**over):
          "compute": {"forward_s": 0.002, "ready_s": [0.001 * (j + 1) for j in range(n)], "optimizer_s": 0.0005,
                      "nosync_s": 0.008, "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
          "contention": {"native": {"kc": 0.5, "km": 0.2}},
-         "collectives": {"native": fit_table([1 << 10, 1 << 16, 1 << 20], [2e-4, 4e-4, 3e-3])}}
+         # every registered algorithm (tune searches them all), the p2p ones slower than native
+         "collectives": {a: fit_table([1 << 10, 1 << 16, 1 << 20], [f * 2e-4, f * 4e-4, f * 3e-3])
+                         for a, f in (("native", 1.0), ("ring", 1.3), ("tree", 1.6), ("halving_doubling", 1.4))},
+         "steadiness": STEADY}
     e.update(over)
     return e
 
@@ -60,6 +65,15 @@ def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
         assert list(got.columns) == [want.columns[0], "source", *want.columns[1:]]
         assert set(got["source"]) == {"predicted"}
     assert (runs["status"] == "ok").all() and (runs["step_median"] > 0).all()
+    # the printed table: one row per configuration, its step time, exposed comm and bucket count
+    lines = r.stdout.splitlines()
+    assert "PREDICTED" in lines[0] and lines[1].split()[:2] == ["configuration", "step"]
+    for cfg, line in zip(plan.configs, lines[2:]):
+        name, step, exposed, count = line.split()
+        row = runs[runs["config"] == cfg.id].iloc[0]
+        assert name == cfg.id and float(step) == pytest.approx(row["step_median"] * 1e3, abs=0.051)
+        assert float(exposed) >= 0 and int(count) == buckets[(buckets["config"] == cfg.id) & (buckets["rank"] == 0)]["bucket"].nunique()
+    assert len(lines) == 2 + len(plan.configs)
     # per-bucket rows: ready <= launched <= done, and bigger caps give fewer buckets
     assert (buckets["launched"] >= buckets["ready"] - 1e-12).all() and (buckets["done"] > buckets["launched"]).all()
     counts = buckets[buckets["rank"] == 0].groupby("bucket_mb")["bucket"].nunique()
@@ -90,14 +104,22 @@ def test_against_a_measurement_reports_errors_shape_and_order(tmp_path, profile)
     assert "Kendall tau" in r.output and (tmp_path / "p2" / "figures" / "predicted_vs_measured.png").exists()
 
 
-def test_tune_json_holds_only_torch_keywords_in_ddp_kwargs(profile):
+def test_tune_json_holds_two_answers_torch_keywords_only_in_torchs(profile):
     r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
-    assert set(out) >= {"ddp_kwargs", "commlab_kwargs", "predicted_step_s", "default_step_s"}
-    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"}
-    assert out["predicted_step_s"] <= out["default_step_s"] + 1e-12
-    assert out["commlab_kwargs"]["algorithm"] == "native"
+    assert set(out) == {"torch", "commlab", "default_step_s", "steady"} and out["steady"] is True
+    assert set(out["torch"]) == {"ddp_kwargs", "predicted_step_s", "interval_s"}
+    assert set(out["commlab"]) == {"ddp_kwargs", "commlab_kwargs", "predicted_step_s", "interval_s"}
+    assert set(out["torch"]["ddp_kwargs"]) <= {"bucket_cap_mb"}
+    for a in (out["torch"], out["commlab"]):
+        low, high = a["interval_s"]
+        assert low < a["predicted_step_s"] < high
+        assert a["predicted_step_s"] <= out["default_step_s"] + 1e-12
+    assert out["commlab"]["predicted_step_s"] <= out["torch"]["predicted_step_s"] + 1e-12  # it searches more
+    assert out["commlab"]["commlab_kwargs"]["algorithm"] == "native"  # the others are slower by construction
+    text = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile)).output
+    assert "torch DDP:" in text and "commlab DDP:" in text and "PREDICTED" in text and "steady" in text
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -126,25 +148,55 @@ def test_broken_or_foreign_profiles_are_errors_not_silently_used(tmp_path):
 
 
 def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
-    path = tmp_path / "profile.json"
-    e = synthetic_entry()
-    e["key"] = {**e["key"], "world_size": 1, "threads": default_threads(1)}  # compute only, gloo
-    prof.store(path, e)
-    r = invoke("predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
-               "--backend", "nccl", "--world-size", "8,16,64", "--scaling", "weak", "--batch-per-rank", "32",
-               "--bucket-mb", "25", "--overlap", "on", "--out", str(tmp_path), "--name", "hw", "--profile", str(path))
+    """Without a profile from the preset's device: compute from FLOPs, nothing calibrated here."""
+    common = ["predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
+              "--backend", "nccl", "--world-size", "8,16,64", "--scaling", "weak", "--batch-per-rank", "32",
+              "--bucket-mb", "25", "--overlap", "on", "--out", str(tmp_path), "--profile", str(tmp_path / "none.json")]
+    r = invoke(*common, "--name", "hw")
     assert r.exit_code == 0, r.output
     runs = read_tables(tmp_path / "hw")[2]
     assert list(runs["world_size"]) == [8, 16, 64]
     assert runs["step_median"].is_monotonic_increasing  # crossing nodes at 16 costs
-    assert "dgx-a100-hdr200" in json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+    note = json.loads((tmp_path / "hw" / "metadata.json").read_text())["figure_note"]
+    assert note.startswith("PREDICTED for hardware preset dgx-a100-hdr200")
+    assert "NCCL's tuning model" in note and "FLOPs" in note and "ASSUMED" in note
+    assert not (tmp_path / "none.json").exists()  # nothing was calibrated
+    # With a profile calibrated on an A100 (any machine), its measured compute is used instead.
+    e = synthetic_entry()
+    e["key"] = {**e["key"], "world_size": 1, "backend": "nccl", "machine": "elsewhere|gpu|64", "threads": 1}
+    e["compute"] = {**e["compute"], "device_name": "NVIDIA A100-SXM4-80GB", "forward_s": 5.0}
+    prof.store(tmp_path / "a100.json", e)
+    r = invoke(*common[:-1], str(tmp_path / "a100.json"), "--name", "hw2")
+    assert r.exit_code == 0, r.output
+    note = json.loads((tmp_path / "hw2" / "metadata.json").read_text())["figure_note"]
+    assert "compute measured on NVIDIA A100-SXM4-80GB" in note
+    assert (read_tables(tmp_path / "hw2")[2]["step_median"] > 5.0).all()  # the profile's 5 s forward
+    r = invoke(*common, "--name", "hw3", "--recalibrate")
+    assert r.exit_code == 2 and "measures nothing here" in r.output
+    r = invoke(*[a if a != "nccl" else "gloo" for a in common], "--name", "hw4")
+    assert r.exit_code == 2 and "--backend nccl" in r.output
 
 
-def test_commlab_tune_from_python(profile):
+def test_commlab_tune_from_python_answers_as_the_cli(profile):
     import commlab
 
-    out = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, algorithms=("native",))
-    assert set(out["ddp_kwargs"]) == {"bucket_cap_mb"} and out["predicted_step_s"] > 0
+    out = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile)
+    r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json")
+    assert json.loads(r.output) == out
+    unsteady = synthetic_entry(steadiness={**STEADY, "steady": False, "spread": 0.4, "reasons": ["spread"]})
+    prof.store(profile, unsteady)
+    out = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile)
+    r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json")
+    assert json.loads(r.output) == out and out["steady"] is False
+    assert out["torch"]["ddp_kwargs"] == {} and out["torch"]["predicted_step_s"] == out["default_step_s"]
+    r = invoke("predict", *ARGS, "--profile", str(profile), "--no-figures", "--out", str(profile.parent), "--name", "u")
+    assert r.exit_code == 0 and "WARNING: calibration" in r.output and "UNSTEADY" in r.output
+    forced = commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, force=True)
+    r = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile), "--json",
+               "--force")
+    assert json.loads(r.output) == forced and forced["torch"]["ddp_kwargs"] != {}
+    text = invoke("tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(profile)).output
+    assert "UNSTEADY" in text and "NO RECOMMENDATION" in text
     with pytest.raises(TypeError, match="package.module:factory"):
         commlab.tune(object())
     with pytest.raises(ValueError, match="unknown model"):
@@ -201,8 +253,11 @@ def test_predict_refuses_the_options_of_a_run(tmp_path, profile, option):
 def test_tune_and_calibrate_offer_no_sweep_run_options(command):
     r = invoke(command, "--help")
     assert r.exit_code == 0 and "--model" in r.output
-    for word in ("--force", "--resume", "--repeat", "--launcher"):
+    for word in ("--resume", "--repeat", "--launcher"):
         assert word not in r.output, word
+    # tune's --force is its own (recommend from an unsteady calibration), not the sweep's
+    assert ("--force" in r.output) == (command == "tune")
+    assert ("--algorithm" in r.output) == (command == "calibrate")  # tune searches them all
 
 
 def test_comparison_legend_names_what_differs_in_words():
@@ -212,3 +267,33 @@ def test_comparison_legend_names_what_differs_in_words():
     assert series_label(values, ["world_size", "overlap"]) == "world 4, overlap off"
     assert series_label(values, ["model", "model_args", "algorithm"]) == "mlp, default sizes, ring"
     assert series_label(values, []) == "all configurations"
+
+
+def test_tune_answers_the_same_from_an_empty_cache_and_a_warm_one(tmp_path, monkeypatch):
+    """Every registered algorithm is calibrated and searched, whatever the cache held before
+    (calibrate is replaced by the synthetic entry: no process is spawned)."""
+    from commlab.collectives import algorithm_names
+    from commlab.costmodel import calibrate as cal
+
+    calls = []
+
+    def fake(workload, *, algorithms=(), **_):
+        calls.append(set(algorithms))
+        return synthetic_entry()
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    path = tmp_path / "cache.json"
+    args = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64", "--profile", str(path), "--json"]
+    cold = invoke(*args)
+    warm = invoke(*args)
+    assert cold.exit_code == warm.exit_code == 0, cold.output
+    assert json.loads(cold.stdout) == json.loads(warm.stdout)
+    assert calls == [set(algorithm_names())]  # calibrated once, for every algorithm; then the cache
+    # A cache holding only what a prediction needed (native) is completed, not searched as it is ...
+    prof.store(path, synthetic_entry(collectives={"native": synthetic_entry()["collectives"]["native"]}))
+    assert json.loads(invoke(*args).stdout) == json.loads(cold.stdout) and len(calls) == 2
+    # ... and one holding more (an algorithm no longer registered, faster than all) changes nothing.
+    more = synthetic_entry()
+    more["collectives"]["gone"] = fit_table([1 << 10, 1 << 20], [1e-6, 2e-6])
+    prof.store(path, more)
+    assert json.loads(invoke(*args).stdout) == json.loads(cold.stdout) and len(calls) == 2

@@ -17,7 +17,8 @@ def entry(**key_over):
             "params": {"nbytes": [4, 4], "ready_order": [1, 0], "signature": "abc"},
             "compute": {"forward_s": .1, "ready_s": [.1, .2], "optimizer_s": .01, "nosync_s": .3,
                         "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
-            "contention": {}, "collectives": {"native": fit_table([1, 2, 4], [1.0, 2.0, 4.0])}}
+            "contention": {}, "collectives": {"native": fit_table([1, 2, 4], [1.0, 2.0, 4.0])},
+            "steadiness": {"steady": True}}
 
 
 def test_profile_round_trip_and_lookup(tmp_path):
@@ -39,6 +40,10 @@ def test_stale_and_changed_profiles_are_detected(tmp_path):
         prof.lookup(path, e["key"], now=1000.0 + prof.DEFAULT_MAX_AGE_S + 1)
     with pytest.raises(prof.StaleProfile, match="changed"):
         prof.lookup(path, e["key"], signature="other", now=1001.0)
+    del e["steadiness"]  # made before calibration judged its own steadiness: measured again
+    prof.store(path, e)
+    with pytest.raises(prof.StaleProfile, match="steadiness"):
+        prof.lookup(path, e["key"], now=1001.0)
 
 
 def test_foreign_or_broken_profiles_are_errors(tmp_path):
@@ -88,23 +93,14 @@ def test_contention_factors_invert_the_fluid_model():
         solve_contention(0.0, 1.0, 1.0, 1.0)
 
 
-def test_hardware_presets():
-    assert "dgx-a100-hdr200" in preset_names()
-    p = load_preset("dgx-a100-hdr200")
-    assert "assumed" in p["assumptions"]
-    # inside a node: 2 (n-1) hops + S * 2 (n-1) / n / busbw
-    assert allreduce_cost(p, 8)(1e9) == pytest.approx(14 * 2e-6 + 1e9 * 14 / 8 / 230e9)
-    assert allreduce_cost(p, 16)(1e9) == pytest.approx(30 * 5e-6 + 1e9 * 30 / 16 / 22.5e9)
-    assert allreduce_cost(p, 1)(1e9) == 0.0
-    with pytest.raises(ValueError, match="unknown preset"):
-        load_preset("dgx-z9000")
-
-
 def test_hardware_preset_file_missing_a_field(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("mine: {gpus_per_node: 4, intra_busbw_gbps: 100}\n")
+    path.write_text("mine: {gpus_per_node: 4, nvlink_busbw_gbps: 100}\n")
     with pytest.raises(ValueError, match="missing field"):
         load_preset(str(path))
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_preset("dgx-z9000")
+    assert "dgx-a100-hdr200" in preset_names()
     assert math.isfinite(allreduce_cost(load_preset("dgx-h100-ndr400"), 256)(25 << 20))
 
 
@@ -146,7 +142,7 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
                 "params": {"nbytes": nbytes, "ready_order": list(range(len(nbytes))),
                            "signature": prof.param_signature(nbytes, shapes)},
                 "compute": {f: 0.0 for f in prof.REQUIRED["compute"]}, "contention": {},
-                "collectives": {a: {} for a in algorithms}}
+                "collectives": {a: {} for a in algorithms}, "steadiness": {"steady": True}}
 
     monkeypatch.setattr(cal, "calibrate", fake)
     path, kw = tmp_path / "p.json", dict(backend="gloo", world_size=2, threads=1)

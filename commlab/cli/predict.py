@@ -4,7 +4,7 @@
     commlab calibrate --model mlp --world-size 2            measure the model's terms, cache them
     commlab predict sweeps/bucket_size.yaml                 a sweep's results, without running it
     commlab predict SPEC --against results/bucket_size      ... and how far off it is
-    commlab predict --hardware dgx-a100-hdr --world-size 8,16,32,64,128,256 --bucket-mb 25
+    commlab predict --hardware dgx-a100-hdr200 --backend nccl --world-size 8,16,32,64,128,256 --bucket-mb 25
     commlab tune --model mlp --json                         the bucket to use, no sweep
 
 All three take the sweep's spec file and options (commlab/cli/sweep.py), so a prediction has the
@@ -69,6 +69,8 @@ def _plan(spec_file, options, *, hardware: str | None = None):
 
             for cfg in plan.configs:
                 check_workload(cfg.model, **cfg.model_kwargs())
+                if cfg.backend != "nccl":  # a preset is priced as NCCL prices it (costmodel/nccl.py)
+                    raise ValueError(f"--hardware predicts NCCL on GPUs: give --backend nccl (got {cfg.backend})")
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     return plan
@@ -96,6 +98,10 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
         click.echo(f"{key_id(entry['key'])}: forward {c['forward_s'] * 1e3:.1f} ms, backward "
                    f"{c['ready_s'][-1] * 1e3:.1f} ms, optimizer {c['optimizer_s'] * 1e3:.1f} ms, co-run x{c['corun']:.2f}, "
                    f"write-back {c['writeback_s_per_byte'] * 2**30:.1f} s/GiB, bucket {c['bucket_fixed_s'] * 1e3:.2f} ms")
+        if "steadiness" in entry:
+            from commlab.costmodel.uncertainty import Steadiness
+
+            click.echo(f"  calibration {Steadiness.from_json(entry['steadiness']).describe()}")
         for algorithm, fit in entry["collectives"].items():
             k = entry["contention"].get(algorithm, {})
             worst = max(abs(r) for r in fit["line_residuals"])
@@ -139,13 +145,21 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         run_dir = Path(plan.out) / f"{name}-predicted"
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
-                                      world_size=1 if preset else None, echo=_ECHO)
-        records, meta = session.predict(plan, entries, preset)
+        if preset is None:
+            entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO)
+            _warn_unsteady(entries.values())
+            records, meta = session.predict(plan, entries)
+        else:  # what-if: nothing of this machine is measured (hardware.py)
+            if recalibrate:
+                raise click.UsageError("--recalibrate with --hardware: a preset's prediction measures nothing here "
+                                       "(its compute is a profile calibrated on that device, or the model's FLOPs)")
+            records, meta = session.predict_on(plan, preset, profile_path, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.costmodel.predict import write_prediction
+    from commlab.costmodel.predict import table, write_prediction
 
+    click.echo(meta["figure_note"])  # what every figure below is: predicted, and from what
+    click.echo(table(records))
     write_prediction(run_dir, records, meta)
     _ECHO(f"commlab predict: {len(records)} configuration(s) -> {run_dir} ({time.monotonic() - begin:.1f} s)")
     if draw:
@@ -170,25 +184,75 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **op
         _ECHO(f"comparison: {run_dir / 'comparison.csv'}, {paths[0]}")
 
 
-def _tune(spec_file, profile_path, recalibrate, as_json, **options):
-    """Recommend bucket_cap_mb (and first bucket, algorithm, overlap) by simulation: no sweep."""
+def _warn_unsteady(entries) -> None:
+    """Say so when a prediction rests on a calibration the machine's load disturbed."""
+    from commlab.costmodel.profile import key_id
+    from commlab.costmodel.uncertainty import Steadiness
+
+    for entry in entries:
+        if "steadiness" in entry and not entry["steadiness"]["steady"]:
+            _ECHO(f"WARNING: calibration {key_id(entry['key'])} was {Steadiness.from_json(entry['steadiness']).describe()}; "
+                  "its predictions may be off by more than the validated error. Calibrate again on a quiet "
+                  "machine (--recalibrate).")
+
+
+def _tune(spec_file, profile_path, recalibrate, as_json, force, **options):
+    """Recommend DDP settings by simulation, no sweep: the best torch DDP configuration (torch
+    keywords only) and the best commlab one, each with a predicted step time and the interval the
+    model's validated error gives; every registered all-reduce algorithm is searched. A calibration
+    the machine's load disturbed is said to be unsteady, and then the default is recommended
+    unless --force."""
     from commlab.costmodel import session
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
-    entries = _entries(plan, profile_path, recalibrate)
+    algorithms = session.tune_algorithms()
+    try:
+        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
+                                      echo=_ECHO, algorithms=algorithms)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
     policies = tuple(dict.fromkeys(c.bucket_policy for c in plan.configs))  # a spec's bucket_policy key
-    results = [session.tune_entry(entry, policies=policies) for entry in entries.values()]
+    names = tuple(dict.fromkeys(("native", *algorithms)))
+    results = [session.tune_entry(entry, algorithms=names, policies=policies, force=force)
+               for entry in entries.values()]
     if as_json:
         click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
         return
     for entry, r in zip(entries.values(), results):
-        k, ddp, extra = entry["key"], r["ddp_kwargs"], r["commlab_kwargs"]
-        click.echo(f"{k['model']} {k['model_args']} on {k['backend']}, world size {k['world_size']}: "
-                   f"bucket_cap_mb={ddp['bucket_cap_mb']:g}, first bucket "
-                   f"{'as the others' if extra['first_bucket_mb'] is None else str(extra['first_bucket_mb']) + ' MB'}, "
-                   f"algorithm {extra['algorithm']}, overlap {'on' if extra['overlap'] else 'off'}: predicted step "
-                   f"{r['predicted_step_s'] * 1e3:.1f} ms vs {r['default_step_s'] * 1e3:.1f} ms for torch's default "
-                   f"(25 MB, native, overlap): {r['gain'] * 100:+.1f}%")
+        click.echo(_tune_text(entry, r, force))
+
+
+def _tune_text(entry: dict, r: dict, force: bool) -> str:
+    """What `commlab tune` prints for one workload (the same numbers as --json)."""
+    from commlab.costmodel import uncertainty
+
+    k = entry["key"]
+    steadiness = uncertainty.Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    span = lambda a: f"{ms(a['predicted_step_s'])} (likely {ms(a['interval_s'][0])} to {ms(a['interval_s'][1])})"  # noqa: E731
+    kw = lambda d: ", ".join(f"{n}={v!r}" for n, v in d.items())  # noqa: E731
+    default = r["default_step_s"]
+    lines = [f"{k['model']} {k['model_args'] or '(default sizes)'} on {k['backend']}, world size {k['world_size']}, "
+             f"batch {k['batch_per_rank']} per rank (all figures PREDICTED)"]
+    if steadiness is not None:
+        lines.append(f"  calibration {steadiness.describe()}")
+    if not r["steady"] and not force:
+        lines.append("  NO RECOMMENDATION: the calibration cannot be trusted, so keep torch's default (below). "
+                     "Calibrate again on a quiet machine (--recalibrate), or pass --force to see the search's pick "
+                     "with widened intervals.")
+    for name, a in (("torch DDP", r["torch"]), ("commlab DDP", r["commlab"])):
+        args = {**a["ddp_kwargs"], **a.get("commlab_kwargs", {})}
+        gain = default / a["predicted_step_s"] - 1
+        noise = uncertainty.within_noise(a["predicted_step_s"], default, steadiness)
+        verdict = ("within noise of the default: the model cannot tell them apart, keep the default" if noise
+                   else f"{gain * 100:+.1f}% over the default")
+        lines.append(f"  {name + ':':13s} DistributedDataParallel(model{', ' if args else ''}{kw(args)})  "
+                     f"step {span(a)}; {verdict}")
+    lines.append(f"  torch's default (25 MB buckets, 1 MB first bucket, native all-reduce, overlap): {ms(default)}")
+    lines.append(f"  intervals: the model's worst error on held-out work, {uncertainty.VALIDATION.abs_worst * 100:.1f}%"
+                 f"{' plus the calibration spread' if r['steady'] is False else ''}; source: "
+                 f"{uncertainty.VALIDATION.source}")
+    return "\n".join(lines)
 
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -201,9 +265,13 @@ predict = click.Command("predict", callback=_predict, context_settings=_CTX, hel
                  help="a measured sweep's results directory: print measured, predicted, error, rank order "
                       "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
     _PROFILE, _RECAL,
-    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml) instead of this machine's collectives"),
+    click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml): NCCL's model of its network, "
+                                      "its device's compute from a profile calibrated there (--profile) or the model's FLOPs"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
-    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL,
-    click.Option(["--json", "as_json"], is_flag=True, help="print one JSON object (ddp_kwargs, commlab_kwargs, ...)"),
+    # no --algorithm: tune searches every registered one, whatever the profile cache holds
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm"}), _PROFILE, _RECAL,
+    click.Option(["--json", "as_json"], is_flag=True,
+                 help='print one JSON object: {"torch": {...}, "commlab": {...}, "default_step_s": ..., "steady": ...}'),
+    click.Option(["--force"], is_flag=True, help="recommend even when the calibration was unsteady (wider intervals)"),
 ])

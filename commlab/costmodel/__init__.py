@@ -13,9 +13,15 @@ Modules (one job each):
 - lower.py: one DDP optimizer step lowered onto the simulator core, and its sweep columns;
 - calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py)
   and caching them as a profile keyed by workload and machine;
-- predict.py: a sweep's records, predicted from profiles; hardware.py: named machines' presets;
-- tuning.py: the exhaustive search behind ``commlab tune``; session.py: plan <-> profiles glue;
+- predict.py: a sweep's records, predicted from profiles;
+- hardware.py: named machines' presets (what-if), with nccl.py (an all-reduce priced as NCCL's
+  tuner prices it: ring or tree) and flops.py (compute from FLOPs at a stated fraction of peak);
+- devicetime.py: where a calibration rank measures (its device) and how it times (CUDA events on a GPU);
+- tuning.py: the exhaustive search behind ``commlab tune`` (a torch answer and a commlab answer);
+- uncertainty.py: how far a prediction can be trusted (the validated error, the calibration's
+  steadiness from its repeated micro-benchmarks and the load average); session.py: plan <-> profiles glue;
 - compare.py, validate.py: predicted against measured, and the held-out validation;
+  torchcheck.py: tune's torch answer measured with torch's own DDP against a grid of bucket sizes;
 - api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks.
 
 The commands live in commlab/cli/predict.py.

@@ -9,23 +9,31 @@ import torch
 
 from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
 from commlab.costmodel.instance import as_name
-from commlab.costmodel.session import tune_entry
+from commlab.costmodel.session import tune_algorithms, tune_entry
 from commlab.models import check_workload
 from commlab.sweep.spec import canonical_model_args, parse_model_args
 
 
 def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
          backend: str = "gloo", world_size: int = 2, threads: int | None = None,
-         algorithms: tuple[str, ...] = ("native", "ring"), profile: str | Path | None = None,
-         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",)) -> dict[str, Any]:
+         algorithms: tuple[str, ...] | None = None, profile: str | Path | None = None,
+         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",), force: bool = False) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
     instance (saved once, whole, so that the spawned ranks can load it: commlab/costmodel/instance.py;
     its input shape comes from an ``input_shape`` attribute or its first Linear, as for a factory).
-    Returns ``{"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ...,
-    "default_step_s": ...}``; ``ddp_kwargs`` holds only torch DDP keywords. ``bucket_policies``:
-    the bucket policies searched (names or instances, commlab/ddp/policy.py).
+    Returns what ``commlab tune --json`` prints for the same inputs::
+
+        {"torch": {"ddp_kwargs": {...}, "predicted_step_s": ..., "interval_s": [low, high]},
+         "commlab": {"ddp_kwargs": {...}, "commlab_kwargs": {...}, "predicted_step_s": ..., "interval_s": [...]},
+         "default_step_s": ..., "steady": True}
+
+    ``torch.ddp_kwargs`` holds only torch DDP keywords, priced with torch's bucket rules
+    (commlab/costmodel/tuning.py). ``algorithms``: those searched (default: every registered
+    all-reduce algorithm, whatever the profile cache holds). ``bucket_policies``: the bucket
+    policies searched (names or instances, commlab/ddp/policy.py). When the calibration was
+    unsteady (commlab/costmodel/uncertainty.py) both answers are torch's default unless ``force``.
     """
     if isinstance(model_or_name, torch.nn.Module):
         if model_args:
@@ -38,7 +46,8 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     if batch_per_rank < 1 or world_size < 1:
         raise ValueError(f"batch_per_rank and world_size must be >= 1, got {batch_per_rank}, {world_size}")
     workload = Workload(model_or_name, canonical_model_args(model_args), batch_per_rank)
+    names = tuple(dict.fromkeys(("native", *(tune_algorithms() if algorithms is None else algorithms))))
     entry = profile_for(workload, backend=backend, world_size=world_size, threads=threads,
                         path=Path(profile) if profile else DEFAULT_PROFILE, recalibrate=recalibrate,
-                        algorithms=tuple(algorithms))
-    return tune_entry(entry, policies=tuple(bucket_policies))
+                        algorithms=names)
+    return tune_entry(entry, algorithms=names, policies=tuple(bucket_policies), force=force)

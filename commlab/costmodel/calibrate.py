@@ -8,6 +8,7 @@ never runs a multi-rank DDP iteration. The entry is keyed as commlab/costmodel/p
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from commlab.costmodel import profile as prof
+from commlab.costmodel import uncertainty
 from commlab.costmodel.costs import fit_table, solve_contention
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
@@ -37,8 +39,6 @@ class Workload:
 
 def default_threads(world_size: int) -> int:
     """What commlab.launch gives each local rank when OMP_NUM_THREADS is not set."""
-    import os
-
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) // world_size)
@@ -69,7 +69,7 @@ def table_sizes(total_bytes: int, smallest: int = 64 << 10, factor: int = 4) -> 
 
 
 def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
-              algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 3, iters: int = 3,
+              algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 3, iters: int = 5,
               timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
     """Measure and return a profile entry (does not write it)."""
     import commlab
@@ -86,13 +86,41 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
          f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
          "typically 15-50 s ...")
+    load_before, running_before = os.getloadavg()[0], runnable_now()
     results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
+    load_after = os.getloadavg()[0]
     entry = assemble(results, spec, nbytes, shapes,
                      prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                                    model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
     entry["calibration_s"] = time.monotonic() - begin
-    echo(f"calibrated in {entry['calibration_s']:.1f} s")
+    steadiness = uncertainty.judge(spread_of(results), load_before, load_after, cpus=os.cpu_count() or 1,
+                                   own_threads=world_size * threads, seconds=entry["calibration_s"],
+                                   running_before=running_before)
+    entry["steadiness"] = steadiness.as_json()
+    echo(f"calibrated in {entry['calibration_s']:.1f} s; {steadiness.describe()}")
     return entry
+
+
+def runnable_now(samples: int = 10, every_s: float = 0.05) -> float | None:
+    """Threads other than this one runnable right now (Linux /proc/loadavg's fourth field,
+    averaged over ``samples``), or None where the kernel does not say."""
+    counts = []
+    for _ in range(samples):
+        try:
+            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
+        except (OSError, IndexError):
+            return None
+        counts.append(max(int(running) - 1, 0))
+        time.sleep(every_s)
+    return sum(counts) / len(counts)
+
+
+def spread_of(results: list[dict]) -> float:
+    """The calibration's spread (pure): over every repeated micro-benchmark of every rank (each
+    all-reduce size of each algorithm, and rank 0's forward + backward inside DDP)."""
+    series = [s for r in results for per_size in r.get("collective_samples", {}).values() for s in per_size]
+    series.append(results[0]["ddp"].get("step_samples", []))
+    return uncertainty.overall_spread(series)
 
 
 def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
@@ -127,7 +155,10 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
-                                                              "many_buckets": ddp["small_run"]}},
+                                                              "many_buckets": ddp["small_run"]},
+                    # where it was measured, and the CUDA caching allocator's state after (GPU only)
+                    "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),
+                    "allocator": results[0].get("allocator", {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,

@@ -1,7 +1,17 @@
-"""Hardware presets: a named machine's collective costs (and a compute scale) instead of this one's.
+"""Hardware presets: a named machine's network and device instead of this one's (what-if).
 
-Presets live in commlab/costmodel/hardware.yaml (each with its numbers' sources); a path to a YAML
-file of the same form works too. See that file for the all-reduce model.
+Presets live in commlab/costmodel/hardware.yaml, each number with its source; a path to a YAML
+file of the same form works too. A preset's all-reduce is priced by NCCL's own tuning model
+(commlab/costmodel/nccl.py). A workload's compute on it comes from, in this order:
+
+1. a profile calibrated on one device of the preset's kind (``commlab calibrate --backend nccl
+   --world-size 1`` on that machine, then the profile file copied here): the measured
+   forward, gradient ready times, optimizer, write-back and per-bucket cost, used as they are;
+2. otherwise the model's FLOPs at the preset's stated fraction of the device's peak
+   (commlab/costmodel/flops.py), the optimizer and write-back as memory traffic at the
+   device's HBM bandwidth.
+
+Every figure is labelled predicted, with the assumptions it rests on (:func:`assumptions`).
 """
 
 from __future__ import annotations
@@ -11,12 +21,20 @@ from typing import Any
 
 import yaml
 
-from commlab.costmodel.costs import CollectiveCost, Overheads, SystemCosts
+from commlab.costmodel import flops as flop_model
+from commlab.costmodel import nccl
+from commlab.costmodel.costs import DDPProfile, Overheads, SystemCosts
 from commlab.costmodel.lower import StepCosts, step_costs
-from commlab.costmodel.predict import profile_from_entry
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
-FIELDS = ("gpus_per_node", "intra_busbw_gbps", "inter_busbw_gbps", "intra_hop_s", "inter_hop_s", "compute_speedup", "source")
+NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels", "net_overhead_us",
+           "peak_tflops", "hbm_gbps", "compute_fraction")
+FIELDS = (*NUMBERS, "arch", "device", "source")
+# ASSUMED, for the FLOPs path: the reducer's own time per bucket (a few kernel launches and
+# bookkeeping) and the optimizer's memory traffic (fp32 parameter, gradient and two moments
+# read, three written: 7 x 4 bytes per parameter, Adam).
+BUCKET_FIXED_S = 20e-6
+OPTIMIZER_BYTES_PER_GRAD_BYTE = 7.0
 
 
 def preset_names() -> list[str]:
@@ -39,31 +57,51 @@ def load_preset(name: str) -> dict[str, Any]:
     missing = [f for f in FIELDS if f not in (preset or {})]
     if missing:
         raise ValueError(f"--hardware {name}: missing field(s) {', '.join(missing)}")
-    for f in FIELDS[:-1]:
+    for f in NUMBERS:
         if not float(preset[f]) > 0:
             raise ValueError(f"--hardware {name}: {f} must be positive")
-    assumptions = (f"ring all-reduce at {preset['intra_busbw_gbps']} GB/s busbw within {preset['gpus_per_node']} GPUs, "
-                   f"{preset['inter_busbw_gbps']} GB/s across nodes; compute = this machine's / {preset['compute_speedup']} "
-                   f"(assumed); no compute/comm contention; source: {preset['source']}")
-    return {"name": name, **preset, "assumptions": assumptions}
+    try:
+        network({"name": name, **preset})
+    except ValueError as err:
+        raise ValueError(f"--hardware {name}: {err}") from None
+    if not float(preset["compute_fraction"]) <= 1:
+        raise ValueError(f"--hardware {name}: compute_fraction is a fraction of the peak (0-1]")
+    return {"name": name, "published": [], **preset}
 
 
-def allreduce_cost(preset: dict[str, Any], world_size: int) -> CollectiveCost:
-    """NCCL's ring model on this preset (hardware.yaml's header)."""
-    n = world_size
-    if n == 1:
-        return CollectiveCost.line(0.0, float("inf"))
-    inter = n > preset["gpus_per_node"]
-    busbw = float(preset["inter_busbw_gbps" if inter else "intra_busbw_gbps"]) * 1e9
-    hop = float(preset["inter_hop_s" if inter else "intra_hop_s"])
-    return CollectiveCost.line(2 * (n - 1) * hop, busbw * n / (2 * (n - 1)))
+def network(preset: dict[str, Any]) -> nccl.Network:
+    return nccl.Network(int(preset["gpus_per_node"]), float(preset["nvlink_busbw_gbps"]),
+                        float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]), int(preset["channels"]),
+                        str(preset["arch"]), float(preset["net_overhead_us"]))
 
 
-def costs_on(preset: dict[str, Any], entry: dict, world_size: int, algorithm: str = "native") -> StepCosts:
-    """The lowering's costs: compute from a world-size-1 profile entry, scaled; the preset's all-reduce
-    (the same line whatever the algorithm); no contention, no co-run stretch."""
-    c, s = entry["compute"], float(preset["compute_speedup"])
+def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduce:
+    """bytes -> seconds of one all-reduce on this preset, as NCCL's tuner prices it."""
+    return nccl.NCCLAllReduce(network(preset), world_size)
+
+
+def flops_profile(preset: dict[str, Any], counted: flop_model.Flops) -> tuple[DDPProfile, Overheads]:
+    """The compute of a counted workload on the preset's device (path 2 of the module docstring)."""
+    hbm = float(preset["hbm_gbps"]) * 1e9
+    rate = float(preset["peak_tflops"]) * 1e12 * float(preset["compute_fraction"])
+    optimizer = OPTIMIZER_BYTES_PER_GRAD_BYTE * sum(counted.param_nbytes) / hbm
+    # write-back: each reduced byte read from the bucket and written to .grad
+    return flop_model.profile(counted, rate, optimizer_s=optimizer), Overheads(BUCKET_FIXED_S, 2.0 / hbm)
+
+
+def costs_on(preset: dict[str, Any], profile: DDPProfile, overheads: Overheads, world_size: int,
+             algorithm: str = "native") -> StepCosts:
+    """The lowering's costs: the preset's all-reduce at ``world_size`` with a device's compute
+    (measured or from FLOPs); no compute/communication contention (NCCL runs on its own stream
+    and SMs; ASSUMED free), no co-run stretch (one GPU per rank)."""
     system = SystemCosts(collectives={("allreduce", algorithm, world_size): allreduce_cost(preset, world_size)},
-                         overheads=Overheads(bucket_fixed_s=c["bucket_fixed_s"] / s,
-                                             writeback_s_per_byte=c["writeback_s_per_byte"] / s))
-    return step_costs(system, profile_from_entry(entry).scaled(s), algorithm, world_size)
+                         overheads=overheads)
+    return step_costs(system, profile, algorithm, world_size)
+
+
+def assumptions(preset: dict[str, Any], compute: str) -> str:
+    """What every figure on this preset rests on, in one paragraph."""
+    return (f"all-reduce priced by NCCL's tuning model (ring or tree, whichever it finds faster; Simple protocol; "
+            f"no NVLS/CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
+            f"GPUs, {preset['nics_per_node']} x {preset['nic_busbw_gbps']} GB/s NICs across nodes; {compute}; "
+            f"compute and communication assumed not to slow each other; sources: {preset['source']}")

@@ -16,6 +16,10 @@
 5. on Gloo, the native all-reduce's concurrency: two of about 8 MiB issued together against the
    same two one after the other (Gloo's process group runs two collectives at once on its two
    worker threads; commlab's p2p algorithms run one at a time on the group's worker).
+
+On NCCL every step runs on the rank's GPU and is timed with CUDA events (the device and clock of
+commlab/costmodel/devicetime.py: the one difference from the CPU path), and the rank reports the
+CUDA caching allocator's state after measuring.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import collectives
+from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
 from commlab.models import build_workload
 
 
@@ -37,14 +42,18 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(int(spec["threads"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
-    out: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
+    device = calibration_device(dist.get_backend())
+    spec = {**spec, "device": str(device)}
+    out: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "device": str(device)}
     workload = build_workload(spec["model"], **spec["model_kwargs"])
     gen = torch.Generator().manual_seed(1000 + rank)
-    batch = workload.make_batch(spec["batch_per_rank"], gen)
+    batch = to_device(workload.make_batch(spec["batch_per_rank"], gen), device)
     if rank == 0:
         out["ddp"] = _profile_ddp(spec, workload.loss_fn, batch, solo[0])
     dist.barrier()
-    out["collectives"] = {a: _time_collective(a, spec["sizes"], spec["iters"]) for a in spec["algorithms"]}
+    times = {a: _time_collective(a, spec["sizes"], spec["iters"], device) for a in spec["algorithms"]}
+    out["collectives"] = {a: medians for a, (medians, _) in times.items()}
+    out["collective_samples"] = {a: samples for a, (_, samples) in times.items()}  # for the spread
     model = _fresh_model(spec)
     compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
     # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the
@@ -57,12 +66,14 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
         size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
         out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
+    out["allocator"] = allocator_state(device)
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return out
 
 
 def _fresh_model(spec: dict[str, Any]) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_workload(spec["model"], **spec["model_kwargs"]).model
+    return build_workload(spec["model"], **spec["model_kwargs"]).model.to(spec.get("device", "cpu"))
 
 
 def _matched_size(sizes: list[int], seconds: list[float], target_s: float) -> int:
@@ -101,31 +112,27 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
     if dist.get_world_size(group) != 1:
         raise RuntimeError("calibration profiles DDP on a one-rank process group only")
     model = _fresh_model(spec)
+    clock = clock_for(torch.device(spec.get("device", "cpu")))
     ddp = commlab.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb, overlap=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    stamps: dict[int, float] = {}
+    stamps: dict[int, Any] = {}
     # Registered after DDP's hooks, so they run after the gradient was copied into its bucket.
-    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, clock.stamp()))
                for i, p in enumerate(params)]
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     inputs, target = batch
     rows = []
     for step in range(spec["warmup"] + spec["reps"]):
         stamps.clear()
-        start = time.perf_counter()
-        with ddp.no_sync():
-            loss_fn(ddp(inputs), target).backward()
-        nosync = time.perf_counter() - start
+        nosync = timed(clock, lambda: _nosync_step(ddp, loss_fn, inputs, target))
         stamps.clear()
+        start = clock.stamp()  # the forward's start: the gradients' ready times count from it
         loss_fn(ddp(inputs), target).backward()
-        opt_start = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        opt = time.perf_counter() - opt_start
+        opt = timed(clock, lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         timing = ddp.iteration_timings[-1]
-        t0 = opt_start - timing.total  # DDP's t0: the synchronised forward's start
-        order = sorted(stamps, key=stamps.get)
-        rows.append({"forward": timing.forward, "ready": {i: stamps[i] - t0 - timing.forward for i in order},
+        since = {i: clock.seconds(start, stamp) for i, stamp in stamps.items()}
+        order = sorted(since, key=since.get)
+        rows.append({"forward": timing.forward, "ready": {i: since[i] - timing.forward for i in order},
                      "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt,
                      "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back})
     for h in handles:
@@ -144,58 +151,101 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
+        # forward + backward of every repetition: their spread says how steady the machine was
+        "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
     }
 
 
-def _time_collective(algorithm: str, sizes: list[int], iters: int) -> list[float]:
-    """Median seconds of one all-reduce per size (each after a barrier), on this rank."""
-    times = []
+def _nosync_step(ddp, loss_fn, inputs, target) -> None:
+    with ddp.no_sync():
+        loss_fn(ddp(inputs), target).backward()
+
+
+def _time_collective(algorithm: str, sizes: list[int], iters: int,
+                     device: torch.device = torch.device("cpu")) -> tuple[list[float], list[list[float]]]:
+    """Median seconds of one all-reduce per size (each after a barrier), on this rank, and the
+    samples they are the median of (their spread says how steady the machine was)."""
+    clock = clock_for(device)
+    times, every = [], []
     for nbytes in sizes:
-        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
         samples = []
         for it in range(iters + 1):
             dist.barrier()
-            start = time.perf_counter()
-            collectives.all_reduce(buf, "sum", algorithm=algorithm)
+            seconds = timed(clock, lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm))
             if it:
-                samples.append(time.perf_counter() - start)
+                samples.append(seconds)
         times.append(float(statistics.median(samples)))
-    return times
+        every.append(samples)
+    return times, every
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _compute(model, workload, batch) -> float:
-    start = time.perf_counter()
-    workload.loss_fn(model(batch[0]), batch[1]).backward()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    def step():
+        workload.loss_fn(model(batch[0]), batch[1]).backward()
+        model.zero_grad(set_to_none=True)
+
+    return timed(clock_for(_device_of(model)), step)
 
 
 def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) -> dict[str, float]:
     """Step 3: forward+backward and an all-reduce of a matched length, alone and together."""
+    device = _device_of(model)
+    clock = clock_for(device)
     alone_c, alone_m, both_c, both_m = [], [], [], []
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def compute():
+        workload.loss_fn(model(batch[0]), batch[1]).backward()
+        model.zero_grad(set_to_none=True)
+
     for _ in range(reps):
         dist.barrier()
-        alone_c.append(_compute(model, workload, batch))
+        alone_c.append(timed(clock, compute))
         dist.barrier()
-        start = time.perf_counter()
-        collectives.all_reduce(buf, "sum", algorithm=algorithm)
-        alone_m.append(time.perf_counter() - start)
+        alone_m.append(timed(clock, lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)))
         dist.barrier()
-        done: list[float] = []
-        start = time.perf_counter()
+        c, m = _together(algorithm, buf, compute, clock, side)
+        both_c.append(c)
+        both_m.append(m)
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
+            "comm_both_s": med(both_m), "nbytes": nbytes}
+
+
+def _together(algorithm: str, buf: torch.Tensor, compute, clock, side) -> tuple[float, float]:
+    """(compute, collective) seconds of an all-reduce started with the compute, from one start.
+
+    Where the collective's end is stamped is the clock's business: on the CPU the host is busy
+    computing, so its end is the time its future's callback ran (on the worker thread); on a GPU
+    it runs on a side stream, and its end is an event recorded there after waiting for it."""
+    start = clock.stamp()
+    if side is None:
+        done: list[Any] = []
         handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
-        handle.get_future().then(lambda _f: done.append(time.perf_counter()))
-        compute_end = start + _compute(model, workload, batch)
+        handle.get_future().then(lambda _f: done.append(clock.stamp()))
+        compute()
+        compute_end = clock.stamp()
         handle.wait()
         deadline = time.monotonic() + 60
         while not done and time.monotonic() < deadline:  # the callback runs on the worker thread
             time.sleep(0.0005)
-        both_c.append(compute_end - start)
-        both_m.append((done[0] if done else time.perf_counter()) - start)
-    med = lambda xs: float(statistics.median(xs))  # noqa: E731
-    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
-            "comm_both_s": med(both_m), "nbytes": nbytes}
+        end = done[0] if done else clock.stamp()
+    else:
+        side.wait_stream(torch.cuda.current_stream(buf.device))  # starts after `start`
+        with torch.cuda.stream(side):
+            handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
+        compute()
+        compute_end = clock.stamp()
+        with torch.cuda.stream(side):
+            handle.wait()
+            end = clock.stamp(side)
+    return clock.seconds(start, compute_end), clock.seconds(start, end)
 
 
 def _two_at_once(nbytes: int, reps: int) -> dict[str, float]:

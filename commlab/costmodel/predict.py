@@ -84,6 +84,20 @@ def predict_plan(configs, costs_for: Callable[[Config], StepCosts]) -> list[dict
     return [predict_config(cfg, costs) for cfg, costs in priced]
 
 
+def table(records: list[dict[str, Any]]) -> str:
+    """The configurations as a text table: predicted step time, exposed communication (end of
+    backward to the last bucket done, commlab/ddp/timing.py's definition) and bucket count."""
+    head = ("configuration", "step ms", "exposed comm ms", "buckets")
+    rows = []
+    for rec in records:
+        it = rec["iterations"][0]  # ranks are symmetric in the model: rank 0's row stands for all
+        buckets = sum(1 for b in rec["buckets"] if b["rank"] == 0)
+        rows.append((rec["config"]["config"], f"{it['step'] * 1e3:.1f}", f"{it['exposed_comm'] * 1e3:.1f}", str(buckets)))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([line(head), *(line(r) for r in rows)])
+
+
 def write_prediction(run_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Records and CSVs as a sweep writes them, then the ``source`` column on every table."""
     from commlab.sweep import store

@@ -121,6 +121,8 @@ def lookup(path: Path, key: dict[str, Any], *, signature: str | None = None,
     age = (time.time() if now is None else now) - float(entry["created"])
     if age > max_age_s:
         raise StaleProfile(f"profile {key_id(key)} is {age / 60:.0f} min old (limit {max_age_s / 60:.0f} min)")
+    if "steadiness" not in entry:
+        raise StaleProfile(f"profile {key_id(key)} was made before calibration judged its own steadiness")
     if signature is not None and entry["params"]["signature"] != signature:
         raise StaleProfile(f"profile {key_id(key)}: the model's parameters changed since calibration")
     return entry

@@ -31,43 +31,91 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
 
 
 def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
-                world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None) -> dict[Key, dict]:
-    """One profile entry per group of configurations, calibrating what is missing or stale."""
+                world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None,
+                algorithms: Iterable[str] = ()) -> dict[Key, dict]:
+    """One profile entry per group of configurations, calibrating what is missing or stale.
+    ``algorithms``: calibrated for every group besides the configurations' own and ``native``."""
+    extra = tuple(algorithms)
     wanted: dict[Key, list[str]] = {}
     for cfg in configs:
-        algorithms = wanted.setdefault(group_key(cfg, world_size), [])
-        for algorithm in ("native", cfg.algorithm):
-            if algorithm not in algorithms:
-                algorithms.append(algorithm)
+        group = wanted.setdefault(group_key(cfg, world_size), [])
+        for algorithm in ("native", *extra, cfg.algorithm):
+            if algorithm not in group:
+                group.append(algorithm)
     entries = {}
-    for key, algorithms in wanted.items():
+    for key, names in wanted.items():
         model, model_args, batch, backend, world, threads = key
         entries[key] = profile_for(Workload(model, model_args, batch), backend=backend, world_size=world,
                                    threads=threads, path=profile_path or DEFAULT_PROFILE, recalibrate=recalibrate,
-                                   algorithms=tuple(algorithms), echo=echo)
+                                   algorithms=tuple(names), echo=echo)
     return entries
 
 
-def predict(plan, entries: dict[Key, dict], preset: dict | None = None) -> tuple[list[dict], dict[str, Any]]:
+def predict(plan, entries: dict[Key, dict]) -> tuple[list[dict], dict[str, Any]]:
     """Records for every configuration of ``plan`` and the run's metadata."""
     from commlab.costmodel.predict import costs_from_entry, predict_plan
 
-    def costs_for(cfg: Config):
-        if preset is not None:
-            from commlab.costmodel.hardware import costs_on
-
-            return costs_on(preset, entries[group_key(cfg, 1)], cfg.world_size)
-        return costs_from_entry(entries[group_key(cfg)], cfg.algorithm, cfg.world_size)
-
-    records = predict_plan(plan.configs, costs_for)
+    records = predict_plan(plan.configs, lambda cfg: costs_from_entry(entries[group_key(cfg)], cfg.algorithm,
+                                                                      cfg.world_size))
     note = ("PREDICTED by commlab predict from calibration profile(s) "
             + ", ".join(key_id(e["key"]) for e in entries.values()))
-    if preset is not None:
-        note = f"PREDICTED for hardware preset {preset['name']}: {preset['assumptions']}"
     meta = {"source": "predicted", "figure_note": note,
             "profiles": {key_id(e["key"]): {"key": e["key"], "created": e["created"]} for e in entries.values()},
-            "hardware": preset}
+            "hardware": None}
     return records, meta
+
+
+def predict_on(plan, preset: dict, profile_path: Path | None = None,
+               echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
+    """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware.py): nothing is
+    calibrated here; each workload's compute is a profile calibrated on the preset's device when
+    ``profile_path`` holds one, else its FLOPs."""
+    # Lazy: FLOPs counting and the lowering import torch and pandas (CLI start-up).
+    from commlab.costmodel import flops, hardware
+    from commlab.costmodel.costs import Overheads
+    from commlab.costmodel.predict import predict_plan, profile_from_entry
+
+    computes: dict[tuple, tuple] = {}
+    for cfg in plan.configs:
+        key = (cfg.model, cfg.model_args, cfg.batch_per_rank)
+        if key in computes:
+            continue
+        entry = device_entry(profile_path or DEFAULT_PROFILE, *key, device=str(preset["device"]))
+        if entry is not None:
+            c = entry["compute"]
+            computes[key] = (profile_from_entry(entry), Overheads(c["bucket_fixed_s"], c["writeback_s_per_byte"]),
+                             f"compute measured on {c['device_name']} (profile {key_id(entry['key'])})")
+        else:
+            counted = flops.count(cfg.model, cfg.model_kwargs(), cfg.batch_per_rank)
+            profile, overheads = hardware.flops_profile(preset, counted)
+            computes[key] = (profile, overheads, flops.describe(counted, float(preset["peak_tflops"]) * 1e12,
+                                                                float(preset["compute_fraction"]), cfg.batch_per_rank)
+                             + f"; optimizer and write-back as memory traffic at {preset['hbm_gbps']} GB/s")
+        echo(f"{cfg.model} {cfg.model_args}: {computes[key][2]}")
+
+    def costs_for(cfg: Config):
+        profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank)]
+        return hardware.costs_on(preset, profile, overheads, cfg.world_size)
+
+    records = predict_plan(plan.configs, costs_for)
+    said = "; ".join(dict.fromkeys(c[2] for c in computes.values()))
+    note = f"PREDICTED for hardware preset {preset['name']}: {hardware.assumptions(preset, said)}"
+    return records, {"source": "predicted", "figure_note": note, "profiles": {}, "hardware": preset}
+
+
+def device_entry(path: Path, model: str, model_args: str, batch_per_rank: int, *, device: str) -> dict | None:
+    """The newest world-size-1 NCCL profile entry of this workload calibrated on a device whose
+    name holds ``device`` (made on any machine: that is the point), or None."""
+    from commlab.costmodel.profile import check_entry, read_file
+
+    found = []
+    for entry in read_file(path).values():
+        k, c = entry.get("key", {}), entry.get("compute", {})
+        if (k.get("model"), k.get("model_args"), k.get("batch_per_rank"), k.get("world_size"), k.get("backend")) \
+                == (model, model_args, batch_per_rank, 1, "nccl") and device in str(c.get("device_name", "")):
+            check_entry(entry, f"{path} [{key_id(k)}]")
+            found.append(entry)
+    return max(found, key=lambda e: e["created"]) if found else None
 
 
 def holds_measured(run_dir: Path) -> bool:
@@ -87,11 +135,25 @@ def check_run_dir(run_dir: Path) -> None:
             old.unlink()
 
 
-def tune_entry(entry: dict, world_size: int | None = None, **search_options) -> dict[str, Any]:
-    """The recommendation (commlab/costmodel/tuning.py) for one profile entry, as JSON-ready data."""
+def tune_entry(entry: dict, world_size: int | None = None, *, algorithms: Iterable[str] | None = None,
+               force: bool = False, **search_options) -> dict[str, Any]:
+    """The two recommendations (commlab/costmodel/tuning.py) for one profile entry, as JSON-ready
+    data. ``algorithms``: those searched (default: every calibrated one); the entry's steadiness
+    (commlab/costmodel/uncertainty.py) widens the intervals and, unless ``force``, withholds a pick."""
+    # Lazy, as predict() below: the lowering pulls in the sweep's tables (pandas); CLI start-up.
     from commlab.costmodel.predict import costs_from_entry
-    from commlab.costmodel.tuning import search
+    from commlab.costmodel.tuning import answer, search
+    from commlab.costmodel.uncertainty import Steadiness
 
     world = world_size or entry["key"]["world_size"]
-    costs = {a: costs_from_entry(entry, a, world) for a in entry["collectives"]}
-    return search(costs, **search_options).as_json()
+    names = list(entry["collectives"]) if algorithms is None else list(dict.fromkeys(algorithms))
+    costs = {a: costs_from_entry(entry, a, world) for a in names}
+    steadiness = Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None
+    return answer(search(costs, **search_options), steadiness, force=force)
+
+
+def tune_algorithms() -> tuple[str, ...]:
+    """What `commlab tune` searches: every registered all-reduce algorithm, whatever a cache holds."""
+    from commlab.collectives import algorithm_names  # lazy: it imports torch (CLI start-up)
+
+    return tuple(algorithm_names())

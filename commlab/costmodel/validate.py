@@ -77,7 +77,9 @@ def tune_check(entry: dict, grid: list, echo) -> tuple[Any, dict]:
     what the sweep measures) and caps within the measured grid's 0.5-100 MB."""
     from commlab.costmodel.tuning import DEFAULT_GRID_MB
 
-    rec = session.tune_entry(entry, first_buckets=(None,), grid_mb=[m for m in DEFAULT_GRID_MB if m <= 100])
+    # force: the check judges the search's pick, whatever the calibration's steadiness says
+    rec = session.tune_entry(entry, first_buckets=(None,), grid_mb=[m for m in DEFAULT_GRID_MB if m <= 100],
+                             with_default=False, force=True)["commlab"]
     base = grid[0]
     cfg = dataclasses.replace(base, bucket_mb=float(rec["ddp_kwargs"]["bucket_cap_mb"]),
                               algorithm=rec["commlab_kwargs"]["algorithm"], overlap=rec["commlab_kwargs"]["overlap"])

@@ -1,0 +1,151 @@
+"""How far a prediction can be trusted: the model's measured error and the calibration's steadiness.
+
+Two sources of doubt, kept apart:
+
+- the model's own error, measured on held-out workloads (:data:`VALIDATION`, with where the
+  figures come from). A predicted step time is given with the interval that error spans; two
+  configurations whose predicted difference is below the worst *shape* error (the error left
+  once one common factor per workload is taken out) are within noise of each other;
+- the calibration's: its micro-benchmarks are repeated, and their spread together with the
+  machine's load average before and after say whether the machine was steady while it measured
+  (other jobs on a CPU machine move single timings by tens of percent: docs/measurements.md).
+  :func:`judge` is the decision, pure, on given spreads and loads.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ValidationError:
+    """Errors measured on work the model was not developed on (relative: predicted / measured - 1)."""
+
+    abs_worst: float  # worst absolute error over the steady held-out configurations
+    shape_worst: float  # worst shape error (one common factor per workload taken out)
+    source: str
+
+
+# docs/measurements.md, "2026-11-23 15:00, commit 79358d8": `python -m commlab.costmodel.validate`
+# (then commlab.predict.validate), Gloo, held-out MLP and conv net, overlap on and off: absolute
+# error worst 24.6% at world size 2 and 24.9% at world size 3; shape error worst 7.9%.
+VALIDATION = ValidationError(
+    abs_worst=0.249, shape_worst=0.079,
+    source="held-out validation of 2026-11-23 (commit 79358d8, docs/measurements.md): Gloo, world sizes 2-4, "
+           "worst absolute error 24.9%, worst shape error 7.9%")
+
+# Thresholds of an unsteady calibration. Spread: (max - min) / median of a repeated
+# micro-benchmark, the median over all of them; on a quiet 2-core machine one message size moves
+# by 10-20% between identical runs (docs/measurements.md, 2026-11-25), so 25% is beyond the
+# machine's own noise. Load: other jobs' runnable threads per core; above one half, a rank
+# shares its core with another job for a good part of the time.
+SPREAD_LIMIT = 0.25
+LOAD_PER_CORE_LIMIT = 0.5
+WIDEST = 0.75  # an interval's half-width is capped here (a wider one says nothing)
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """Whether a calibration can be trusted, and the figures that say so."""
+
+    steady: bool
+    spread: float  # median relative spread of the repeated micro-benchmarks
+    load_before: float
+    load_after: float
+    others_load: float  # the load average other jobs are taken to have caused
+    cpus: int
+    reasons: tuple[str, ...] = ()
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "reasons": list(self.reasons)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Steadiness:
+        return cls(**{**data, "reasons": tuple(data.get("reasons", ()))})
+
+    def describe(self) -> str:
+        load = f"load average {self.load_before:.1f} before and {self.load_after:.1f} after on {self.cpus} core(s)"
+        if self.steady:
+            return f"steady (spread {self.spread * 100:.0f}% over repeated micro-benchmarks, {load})"
+        return f"UNSTEADY: {'; '.join(self.reasons)} ({load})"
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """(max - min) / median of one repeated measurement; 0 for fewer than two samples."""
+    if len(samples) < 2:
+        return 0.0
+    mid = statistics.median(samples)
+    return (max(samples) - min(samples)) / mid if mid > 0 else 0.0
+
+
+def overall_spread(series: Iterable[Sequence[float]]) -> float:
+    """The median of the relative spreads: one noisy micro-benchmark does not condemn a calibration."""
+    spreads = [relative_spread(s) for s in series if len(s) > 1]
+    return float(statistics.median(spreads)) if spreads else 0.0
+
+
+def own_load(threads: int, seconds: float) -> float:
+    """What ``threads`` busy threads add to the 1-minute load average over ``seconds``: the kernel's
+    average decays with a 60 s time constant (kernel/sched/loadavg.c), so N (1 - exp(-T / 60))."""
+    return threads * (1.0 - math.exp(-max(seconds, 0.0) / 60.0))
+
+
+def others_load(load_before: float, load_after: float, *, own_threads: int, seconds: float,
+                running_before: float | None = None) -> float:
+    """The load other jobs put on the machine around a calibration of ``seconds``.
+
+    The 1-minute load average lags: right after another run it is still high though nothing runs.
+    ``running_before``, the runnable threads counted just before (other than the caller), splits
+    ``load_before`` into what still runs and a past that only decays (by exp(-T / 60) over T):
+    after the calibration, ``load_after`` less the calibration's own threads and that decayed past
+    is what others ran meanwhile. Without ``running_before`` all of ``load_before`` counts.
+    """
+    running = load_before if running_before is None else running_before
+    past = max(load_before - running, 0.0) * math.exp(-max(seconds, 0.0) / 60.0)
+    return max(running, load_after - own_load(own_threads, seconds) - past, 0.0)
+
+
+def judge(spread: float, load_before: float, load_after: float, *, cpus: int, own_threads: int,
+          seconds: float, running_before: float | None = None, spread_limit: float = SPREAD_LIMIT,
+          load_per_core_limit: float = LOAD_PER_CORE_LIMIT) -> Steadiness:
+    """Steady or not, from the micro-benchmarks' spread and the load around the calibration
+    (:func:`others_load`)."""
+    if cpus < 1:
+        raise ValueError(f"cpus must be >= 1, got {cpus}")
+    others = others_load(load_before, load_after, own_threads=own_threads, seconds=seconds,
+                         running_before=running_before)
+    reasons = []
+    if spread > spread_limit:
+        reasons.append(f"repeated micro-benchmarks spread by {spread * 100:.0f}% (limit {spread_limit * 100:.0f}%)")
+    if others > load_per_core_limit * cpus:
+        reasons.append(f"other jobs kept a load of about {others:.1f} on {cpus} core(s) "
+                       f"(limit {load_per_core_limit * cpus:.1f})")
+    return Steadiness(not reasons, spread, load_before, load_after, others, cpus, tuple(reasons))
+
+
+def half_width(steadiness: Steadiness | None, validation: ValidationError = VALIDATION) -> float:
+    """The relative error an interval allows: the model's worst validated error, plus the
+    calibration's spread when the calibration was unsteady (its numbers may be off by as much)."""
+    width = validation.abs_worst
+    if steadiness is not None and not steadiness.steady:
+        width += max(steadiness.spread, 0.1)
+    return min(width, WIDEST)
+
+
+def interval(predicted_s: float, width: float) -> list[float]:
+    """Where the measured time lies if the prediction errs by at most ``width`` either way
+    (error = predicted / measured - 1, so measured = predicted / (1 + error))."""
+    return [predicted_s / (1.0 + width), predicted_s / (1.0 - width)]
+
+
+def within_noise(best_s: float, default_s: float, steadiness: Steadiness | None,
+                 validation: ValidationError = VALIDATION) -> bool:
+    """Whether the predicted gain over the default is below what the model can resolve: the worst
+    shape error (plus the calibration's spread when it was unsteady)."""
+    noise = validation.shape_worst
+    if steadiness is not None and not steadiness.steady:
+        noise += max(steadiness.spread, 0.1)
+    return default_s - best_s < noise * default_s
