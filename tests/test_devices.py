@@ -1,4 +1,4 @@
-"""Backend and device choice (issue 11, point 15), without GPUs: the rules are pure functions."""
+"""Backend and device choice without GPUs: the rules are pure functions."""
 
 import pytest
 import torch

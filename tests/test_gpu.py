@@ -1,4 +1,4 @@
-"""The CUDA path (issue 11, points 14-16): comm streams, events, CUDA-event timings, DDP parity.
+"""The CUDA path: comm streams, events, CUDA-event timings, DDP parity.
 
 Skipped without CUDA, with the reason; scripts/gpu_check.py runs this file on a GPU machine.
 - world 1 on NCCL: a p2p collective runs on its channel's own stream, which waits on the compute

@@ -1,4 +1,4 @@
-"""Robustness of the collectives and DDP (issue 11, points 10-13) and the timing definitions (17).
+"""Robustness of the collectives and DDP, and the timing definitions.
 
 Pure checks run in-process; the rest share one world-2 Gloo spawn (``_ranks``) that returns what
 it saw. Each check names the point it holds and fails without that point's fix: without the
