@@ -34,7 +34,7 @@ from commlab.ddp.assignment import (
 )
 from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
-from commlab.ddp import inflight
+from commlab.ddp import dist_autograd, inflight
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
 
@@ -97,9 +97,13 @@ class Reducer:
         # Bounded (timing.MAX_ITERATIONS): a long run does not grow without limit.
         self._log = TimingLog(self.clock, MAX_ITERATIONS)
         self._timeout = collectives.group_timeout(group)
+        self._dist_autograd_checks: list = []  # node hooks of this iteration (dist_autograd.py)
+        self.grad_order: list[int] | None = None  # hook order, when logging samples this iteration
+        self.last_iteration: RawIteration | None = None  # what logging_data.py reads
+        self.unsupported: str | None = None  # why this DDP cannot go on (dist_autograd.py)
 
     def __del__(self) -> None:
-        for handle in getattr(self, "_hooks", ()):
+        for handle in [*getattr(self, "_hooks", ()), *getattr(self, "_dist_autograd_checks", ())]:
             handle.remove()
 
     # -- buckets ---------------------------------------------------------------------------
@@ -131,6 +135,12 @@ class Reducer:
         self._ready_order = []
         return True
 
+    def set_static_graph(self, find_unused_parameters: bool) -> None:
+        """torch's Reducer::set_static_graph before the first iteration: the buckets stay as
+        built, the unused-parameter mode becomes static and the rebuild follows its rule."""
+        self.usage = UnusedParameters(self.names, find_unused_parameters=find_unused_parameters, static_graph=True)
+        self.rebuild_pending = will_rebuild(find_unused_parameters, True)
+
     # -- one iteration -----------------------------------------------------------------------
     def start_iteration(self) -> None:
         self._start = self.clock.stamp()
@@ -146,6 +156,9 @@ class Reducer:
             bucket.reset()
         if self.rebuild_pending:
             self._ready_order = []
+        for handle in self._dist_autograd_checks:
+            handle.remove()
+        self._dist_autograd_checks = dist_autograd.arm(self, self._accumulators) if dist_autograd.in_context() else []
         reached = reachable(outputs) if self.usage.dynamic else None
         self._unused = self.usage.unused_at_start(reached, self._accumulator_index)
         self._locally_unused = list(self._unused)
@@ -170,11 +183,15 @@ class Reducer:
         backward builds a graph (create_graph=True), where the copies must not be recorded.
         """
         if not self.expect_hooks:  # no_sync, or a backward that did not go through forward
+            if self.usage.dynamic and param.grad is not None:  # used: reduced at the next sync (unused.py)
+                self.usage.used_unsynced.add(index)
             return
         if self.sparse is not None:  # may raise, as torch does at its first hook
             self.sparse.on_first_hook()
         if not self._started:
             self.on_backward_start()
+        if self.grad_order is not None:
+            self.grad_order.append(index)
         if self.rebuild_pending and not self.usage.static_first:  # torch records no order then
             self._ready_order.append(index)
         if param.grad is None and self.usage.tracking:  # undefined gradient: locally unused (torch)
@@ -266,10 +283,9 @@ class Reducer:
             (b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at, self._queued[b.position])
             for b in self.buckets
         ]
-        self._log.append(
-            RawIteration(self._start, self._forward_end, self.clock.stamp(), buckets, self._backward_end,
-                         self._unused_span, self._write_back_spans)
-        )
+        self.last_iteration = RawIteration(self._start, self._forward_end, self.clock.stamp(), buckets,
+                                           self._backward_end, self._unused_span, self._write_back_spans)
+        self._log.append(self.last_iteration)
 
     @property
     def timings(self) -> list[IterationTiming]:
