@@ -15,6 +15,7 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from commlab import collectives
+from commlab.ddp import dist_autograd
 from commlab.ddp import join as uneven
 from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
@@ -192,9 +193,9 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
+        if sync and dist_autograd.in_context():  # before any collective: every rank raises here
+            raise NotImplementedError(dist_autograd.MESSAGE)
         joining = self._join_config.enable  # set by ddp.join(), as in torch
-        if self.reducer.unsupported:  # a backward under distributed autograd was refused
-            raise NotImplementedError(self.reducer.unsupported)
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
             self.reducer.usage.check_prior_finished(self.process_group, self._sparse.unfinished if self._sparse else ())
         if joining:

@@ -34,7 +34,7 @@ from commlab.ddp.assignment import (
 )
 from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
-from commlab.ddp import dist_autograd, inflight
+from commlab.ddp import inflight
 from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
 from commlab.ddp.unused import UnusedParameters
 
@@ -97,13 +97,11 @@ class Reducer:
         # Bounded (timing.MAX_ITERATIONS): a long run does not grow without limit.
         self._log = TimingLog(self.clock, MAX_ITERATIONS)
         self._timeout = collectives.group_timeout(group)
-        self._dist_autograd_checks: list = []  # node hooks of this iteration (dist_autograd.py)
         self.grad_order: list[int] | None = None  # hook order, when logging samples this iteration
         self.last_iteration: RawIteration | None = None  # what logging_data.py reads
-        self.unsupported: str | None = None  # why this DDP cannot go on (dist_autograd.py)
 
     def __del__(self) -> None:
-        for handle in [*getattr(self, "_hooks", ()), *getattr(self, "_dist_autograd_checks", ())]:
+        for handle in getattr(self, "_hooks", ()):
             handle.remove()
 
     # -- buckets ---------------------------------------------------------------------------
@@ -156,9 +154,6 @@ class Reducer:
             bucket.reset()
         if self.rebuild_pending:
             self._ready_order = []
-        for handle in self._dist_autograd_checks:
-            handle.remove()
-        self._dist_autograd_checks = dist_autograd.arm(self, self._accumulators) if dist_autograd.in_context() else []
         reached = reachable(outputs) if self.usage.dynamic else None
         self._unused = self.usage.unused_at_start(reached, self._accumulator_index)
         self._locally_unused = list(self._unused)

@@ -12,7 +12,9 @@ check that the swap took. Set the environment (run.py does) before importing thi
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 
 import torch
 import torch.nn.parallel
@@ -86,6 +88,22 @@ class TensorPipeDdpComparisonTest(under_autograd.DdpComparisonTest, TensorPipeRp
 CLASSES = [TestDistBackendWithSpawn, TensorPipeDdpUnderDistAutogradTest, TensorPipeDdpComparisonTest]
 
 
-def is_ddp_test(name: str) -> bool:
-    """The selection: test names that mention DDP."""
-    return name.startswith("test_") and any(key in name for key in ("DistributedDataParallel", "ddp", "DDP"))
+MENTIONS_DDP = re.compile(r"DistributedDataParallel|ddp|DDP")
+
+
+def is_ddp_test(cls: type, name: str) -> bool:
+    """The selection: tests whose name, source, or the source of the ``self._helper(...)`` methods
+    it calls mentions DistributedDataParallel, ddp or DDP."""
+    if not name.startswith("test_"):
+        return False
+    text = name + _source(getattr(cls, name))
+    for helper in set(re.findall(r"self\.(_\w+)\(", text)):
+        text += _source(getattr(cls, helper, None))
+    return MENTIONS_DDP.search(text) is not None
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (TypeError, OSError):  # not a Python function (or a property, a builtin)
+        return ""

@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--ddp", choices=["commlab", "torch"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
+    parser.add_argument("--skip-known", help="a JSON from an earlier run: leave out the tests it has")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="commlab-torch-suite-")
     log = os.path.join(work, "built")
@@ -32,9 +33,13 @@ def main() -> None:
     import harness  # reads the environment above at import, as torch's test modules do
 
     loader = unittest.TestLoader()
-    names = [(cls, n) for cls in harness.CLASSES for n in loader.getTestCaseNames(cls) if harness.is_ddp_test(n)]
+    names = [(cls, n) for cls in harness.CLASSES for n in loader.getTestCaseNames(cls) if harness.is_ddp_test(cls, n)]
     if args.k:
         names = [(c, n) for c, n in names if any(k in n for k in args.k)]
+    if args.skip_known:
+        with open(args.skip_known) as f:
+            known = json.load(f)
+        names = [(c, n) for c, n in names if f"{c.__name__}.{n}" not in known]
     results = {}
     for cls, name in names:
         result = unittest.TestResult()
