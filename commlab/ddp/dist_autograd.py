@@ -19,6 +19,7 @@ inside one).
 from __future__ import annotations
 
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 
 MESSAGE = (
     "commlab's DistributedDataParallel does not support torch.distributed.autograd: a synchronised "
@@ -29,8 +30,10 @@ MESSAGE = (
 
 
 def in_context() -> bool:
-    """Whether this thread is inside ``dist_autograd.context()``."""
-    if not dist_autograd.is_available():
+    """Whether this thread is inside ``dist_autograd.context()``. A context needs RPC (init_rpc
+    starts distributed autograd), and asking for the current context costs tens of microseconds
+    when there is none (a C++ error), so that is asked only with an RPC agent set."""
+    if not (rpc.is_available() and dist_autograd.is_available()) or not rpc._is_current_rpc_agent_set():
         return False
     try:
         dist_autograd._current_context()

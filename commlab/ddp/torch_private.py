@@ -13,12 +13,18 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 
 class TorchPrivateAPI:
     """``_get_ddp_logging_data``, ``_set_ddp_runtime_logging_sample_rate``, ``_set_static_graph``,
-    ``_log_and_throw``, and ``__getstate__`` / ``__setstate__`` (so pickle, torch.save and
-    copy.deepcopy work as torch's do)."""
+    ``_log_and_throw``, the parameters-to-ignore helpers, and ``__getstate__`` / ``__setstate__``
+    (so pickle, torch.save and copy.deepcopy work as torch's do)."""
+
+    # torch's static helpers for parameters DDP leaves alone (commlab reads the same attribute,
+    # ``_ddp_params_and_buffers_to_ignore``), taken from torch rather than rewritten.
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(TorchDDP._set_params_and_buffers_to_ignore_for_model)
+    _get_data_parallel_params = staticmethod(TorchDDP._get_data_parallel_params)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging dictionary (keys and meanings in commlab/ddp/logging_data.py)."""
