@@ -15,18 +15,21 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from commlab import collectives
+from commlab.ddp import dist_autograd
 from commlab.ddp import join as uneven
 from commlab.ddp import options
 from commlab.ddp.assignment import bucket_caps
+from commlab.ddp.logging_data import DDPLogging
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.outputs import find_tensors, through_sink
 from commlab.ddp.reducer import Reducer
 from commlab.ddp.sparse import sparse_parameters, sparse_reducer
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.ddp.timing import IterationTiming
+from commlab.ddp.torch_private import TorchPrivateAPI
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce that overlaps backward.
 
     torch's arguments in torch's order with torch's defaults (commlab/ddp/options.py says which
@@ -67,7 +70,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         round_robin_groups: int | Sequence[dist.ProcessGroup] = 1,
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
+        # What __setstate__ rebuilds from (pickling, copy.deepcopy), as torch rebuilds its reducer.
+        settings = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
+        self._settings = settings
         Joinable.__init__(self)
         self._divide_by_initial_world_size = True
         if not isinstance(module, nn.Module):
@@ -154,6 +160,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.sparse = self._sparse
             self._sparse.start_backward = _weak_call(self.reducer.on_backward_start)
         self._hook_registered = False
+        self._logging = DDPLogging(self)
+        if static_graph:
+            self._logging.set("static_graph", 1)
 
     # -- what users and the sweep read ---------------------------------------------------------
     @property
@@ -188,6 +197,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
+        if sync and dist_autograd.in_context():  # before any collective: every rank raises here
+            raise NotImplementedError(dist_autograd.MESSAGE)
         joining = self._join_config.enable  # set by ddp.join(), as in torch
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
             self.reducer.usage.check_prior_finished(self.process_group, self._sparse.unfinished if self._sparse else ())
@@ -196,6 +207,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if grad:
             self.reducer.maybe_rebuild()
         if sync:
+            self._logging.before_sync_forward(self.reducer)
             self.reducer.start_iteration()
             if self._sparse is not None:
                 self._sparse.first_index = len(self.reducer.buckets)
@@ -224,6 +236,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
     ) -> Join:
         """torch's context manager for ranks with different numbers of batches."""
+        self._logging.set("join_uneven_inputs", 1)
         return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> uneven.DDPJoinHook:
@@ -271,6 +284,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not callable(hook):
             raise ValueError(f"hook must be callable, got {type(hook).__name__}")
         self._hook_registered = True
+        self._logging.set("comm_hook", getattr(hook, "__qualname__", type(hook).__name__))
         if self._sparse is not None:  # as torch: the hook also gets each sparse bucket, un-divided
             self._sparse.comm_state, self._sparse.comm_hook = state, hook
         self.reducer.comm_state = state

@@ -93,6 +93,8 @@ class Reducer:
         # Bounded (timing.MAX_ITERATIONS): a long run does not grow without limit.
         self._log = TimingLog(self.clock, MAX_ITERATIONS)
         self._timeout = collectives.group_timeout(group)
+        self.grad_order: list[int] | None = None  # hook order, when logging samples this iteration
+        self.last_iteration: RawIteration | None = None  # what logging_data.py reads
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", ()):
@@ -126,6 +128,12 @@ class Reducer:
         self.rebuild_pending = False
         self._ready_order = []
         return True
+
+    def set_static_graph(self, find_unused_parameters: bool) -> None:
+        """torch's Reducer::set_static_graph before the first iteration: the buckets stay as
+        built, the unused-parameter mode becomes static and the rebuild follows its rule."""
+        self.usage = UnusedParameters(self.names, find_unused_parameters=find_unused_parameters, static_graph=True)
+        self.rebuild_pending = will_rebuild(find_unused_parameters, True)
 
     # -- one iteration -----------------------------------------------------------------------
     def start_iteration(self) -> None:
@@ -166,11 +174,15 @@ class Reducer:
         backward builds a graph (create_graph=True), where the copies must not be recorded.
         """
         if not self.expect_hooks:  # no_sync, or a backward that did not go through forward
+            if self.usage.dynamic and param.grad is not None:  # used: reduced at the next sync (unused.py)
+                self.usage.used_unsynced.add(index)
             return
         if self.sparse is not None:  # may raise, as torch does at its first hook
             self.sparse.on_first_hook()
         if not self._started:
             self.on_backward_start()
+        if self.grad_order is not None:
+            self.grad_order.append(index)
         if self.rebuild_pending and not self.usage.static_first:  # torch records no order then
             self._ready_order.append(index)
         if param.grad is None and self.usage.tracking:  # undefined gradient: locally unused (torch)
@@ -262,10 +274,9 @@ class Reducer:
             (b.nbytes, len(b.params), b.ready_at, b.launched_at, b.done_at, self._queued[b.position])
             for b in self.buckets
         ]
-        self._log.append(
-            RawIteration(self._start, self._forward_end, self.clock.stamp(), buckets, self._backward_end,
-                         self._unused_span, self._write_back_spans)
-        )
+        self.last_iteration = RawIteration(self._start, self._forward_end, self.clock.stamp(), buckets,
+                                           self._backward_end, self._unused_span, self._write_back_spans)
+        self._log.append(self.last_iteration)
 
     @property
     def timings(self) -> list[IterationTiming]:

@@ -41,6 +41,7 @@ class UnusedParameters:
         self._last_locally_unused: list[int] | None = None  # None: no iteration yet
         self.span: tuple | None = None  # (start, end) of the last used-map all-reduce, when stamped
         self.unfinished: list[int] = []  # torch's require_finalize_ left set, with its culprits
+        self.used_unsynced: set[int] = set()  # got a gradient in a backward outside sync (dynamic)
 
     @property
     def tracking(self) -> bool:
@@ -72,6 +73,9 @@ class UnusedParameters:
         (a clock) times the all-reduce itself into ``self.span``."""
         if not self.tracking:
             return self._static_globally_unused
+        if self.used_unsynced:
+            locally_unused = [i for i in locally_unused if i not in self.used_unsynced]
+            self.used_unsynced = set()
         self._last_locally_unused = list(locally_unused)
         used = self.local_used_map(device)
         start: list = []
