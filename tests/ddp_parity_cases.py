@@ -1,4 +1,4 @@
-"""Rank-side code of the torch-parity tests: each edge of issue 11 on torch's DDP and commlab's.
+"""Rank-side code of the torch-parity tests: each edge users hit, on torch's DDP and commlab's.
 
 ``side_by_side`` builds one model per rank (different initial values on every rank, so the
 construction broadcast matters), wraps a copy in each DDP, trains both the same way with an

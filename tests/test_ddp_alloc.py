@@ -1,4 +1,4 @@
-"""No bucket-sized allocation in a steady-state DDP iteration (issue 10), against torch's DDP.
+"""No bucket-sized allocation in a steady-state DDP iteration, against torch's DDP.
 
 One spawn (world 2, Gloo) runs every configuration after the bucket rebuild and returns the
 allocations above the largest gradient (anything that big is bucket-sized: every bucket holds

@@ -1,4 +1,4 @@
-"""commlab's DDP against torch's on the edges users hit (issue 11, points 1-9), world sizes 2 and 3.
+"""commlab's DDP against torch's on the edges users hit, world sizes 2 and 3.
 
 One spawn per world size runs every edge on both DDPs (ddp_parity_cases.py); the tests compare
 final parameters and buffers, which gradients are None, state_dict keys, bucket layouts, and

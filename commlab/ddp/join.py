@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
 def _ordered(ddp: DistributedDataParallel, issue):
     """Issue a flag collective on the group's one ordered path (commlab/collectives/worker.py):
-    after the group's queued collectives, never inside another thread's p2p batch (issue 11,
-    point 10). torch's own Join loop (_get_num_nonjoined_procs) runs only once this rank's
+    after the group's queued collectives, never inside another thread's p2p batch. torch's own Join loop (_get_num_nonjoined_procs) runs only once this rank's
     shadow collectives have completed, so nothing of the group is in flight then."""
     return collectives.run_ordered(ddp.process_group, issue)
 
