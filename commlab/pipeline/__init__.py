@@ -5,6 +5,12 @@
     pipe = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy)
     loss = pipe.step(x, target=y)                            # x on the first rank, y on the last
 
+    stages = RankStages(gpt, split_points=["layers.4"], example_args=(tokens[:2],),
+                        example_kwargs={"attention_mask": mask[:2]})   # any module, cut by tracing
+    pipe = PipelineExecutor(stages, "1f1b", microbatches=4, loss_fn=lm_loss)
+    pipe.step(tokens, attention_mask=mask, target=y, losses=losses)   # torch's call
+    logits = pipe.eval_step(tokens, attention_mask=mask)             # merged, on the last rank
+
 Schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``; :data:`REGISTRY`), or any
 per-rank action lists (``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), the comm pass
 :func:`lower_comm`, :func:`validate`, :func:`simulate` and :func:`grid` are pure functions of the

@@ -49,7 +49,11 @@ class Stashed:
 
 
 def forward_layers(module: nn.Module, x: Value) -> tuple[Value, list[Layer]]:
-    """Run an nn.Sequential one layer at a time, each layer's graph cut at its input."""
+    """Run an nn.Sequential one layer at a time, each layer's graph cut at its input; any other
+    stage (a traced model's) is one layer, whose W re-traverses the stage's graph."""
+    if not isinstance(module, nn.Sequential):
+        out = module(x)
+        return out, [Layer(x, out, [p for p in module.parameters() if p.requires_grad])]
     layers: list[Layer] = []
     h = x
     for k, layer in enumerate(module.children()):

@@ -1,0 +1,240 @@
+"""A model cut by name (torch.export), run with torch's step() call, against the unpartitioned model and torch.
+
+The model is commlab.models.GPT, written as users write one (embeddings, a ModuleList of blocks
+looped over in forward, final norm, head), fed integer token ids and an attention-mask keyword.
+On two Gloo ranks each schedule's loss, per-micro-batch ``losses``, gradients (named as in the
+model) and ``eval_step`` outputs must equal the unpartitioned model's; torch.distributed.pipelining
+runs the same split under Schedule1F1B and ScheduleGPipe in the same processes and must give the
+same losses, gradients and eval() outputs. Torch's traced stages cannot read a root input after
+the first stage (its stage raises "expected non-root _RecvInfo but got root arg"), so that
+comparison runs without the mask; commlab carries the mask to the later stages.
+Bad input is refused before any process starts.
+"""
+
+import types
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import commlab
+from commlab.models import GPT, lm_loss
+from commlab.pipeline import PipelineExecutor, RankStages, v_shape
+from commlab.pipeline.runtime.chunks import inputs_of
+from commlab.pipeline.runtime.traced import trace_stages
+
+BATCH, M, VOCAB, SEQ = 8, 4, 64, 16
+TWO = ["layers.2"]
+FOUR = ["layers.1", "layers.2", "layers.3"]
+CASES = [  # name, schedule, split points, placement, checkpoint, with the attention mask
+    ("gpipe", "gpipe", TWO, None, "never", True),
+    ("1f1b", "1f1b", TWO, None, "never", True),
+    ("1f1b checkpointed", "1f1b", TWO, None, "except_last", True),
+    ("interleaved", "interleaved", FOUR, None, "never", True),
+    ("zb-h1", "zb-h1", TWO, None, "never", True),
+    ("zb-v", "zb-v", FOUR, "v", "never", True),
+    ("gpipe no mask", "gpipe", TWO, None, "never", False),
+    ("1f1b no mask", "1f1b", TWO, None, "never", False),
+]
+TORCH = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+
+
+def _model(layers: int = 4) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab=VOCAB, d_model=32, layers=layers, heads=4, seq=SEQ)
+
+
+def _data(batch: int = BATCH):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    mask = torch.ones(batch, SEQ)
+    mask[::3, 11:] = 0  # padding at the end of every third sequence
+    return tokens, mask, torch.roll(tokens, -1, dims=1)
+
+
+def _example(tokens, mask, m=M):
+    n = tokens.shape[0] // m
+    return (tokens[:n],), ({"attention_mask": mask[:n]} if mask is not None else {})
+
+
+def _torch_run(schedule: str, points, tokens, target):
+    from torch.distributed import pipelining
+
+    model = _model()
+    args, _ = _example(tokens, None)
+    pipe = pipelining.pipeline(model, mb_args=args,
+                               split_spec={p: pipelining.SplitPoint.BEGINNING for p in points})  # fmt: skip
+    stage = pipe.build_stage(dist.get_rank(), torch.device("cpu"))
+    run = getattr(pipelining, TORCH[schedule])(stage, n_microbatches=M, loss_fn=lm_loss)
+    losses: list = []
+    first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
+    run.step(*((tokens,) if first else ()), target=target if last else None, losses=losses)
+    grads = {n: p.grad.clone() for n, p in stage.submod.named_parameters() if p.grad is not None}
+    evaluated = run.eval(*((tokens,) if first else ()), target=target if last else None)
+    return [x.item() for x in losses], grads, evaluated if last else None
+
+
+def _ranks():
+    warnings.filterwarnings("ignore")  # torch.export's deprecation chatter
+    tokens, mask, target = _data()
+    out = {}
+    for name, schedule, points, placement, checkpoint, masked in CASES:
+        model = _model()
+        args, kwargs = _example(tokens, mask if masked else None)
+        stage = RankStages(model, split_points=points, example_args=args, example_kwargs=kwargs,
+                           placement=v_shape(2) if placement == "v" else None)  # fmt: skip
+        pipe = PipelineExecutor(stage, schedule, microbatches=M, loss_fn=lm_loss, checkpoint=checkpoint, timeout=60)
+        losses: list = []
+        inputs = ((tokens,), {"attention_mask": mask} if masked else {}) if stage.is_first else ((), {})
+        loss = pipe.step(*inputs[0], target=target if stage.is_last else None, losses=losses, **inputs[1])
+        grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+        evaluated = pipe.eval_step(*inputs[0], **inputs[1])
+        assert {n for n, _ in stage.named_parameters()} <= {n for n, _ in model.named_parameters()}
+        out[name] = (None if loss is None else loss.item(), [x.item() for x in losses], grads, evaluated)
+    for schedule in TORCH:
+        out["torch " + schedule] = _torch_run(schedule, TWO, tokens, target)
+    # A batch that does not split into micro-batches of the traced shape: refused on every rank.
+    stage = RankStages(_model(), split_points=TWO, example_args=(tokens[:2],), example_kwargs={"attention_mask": mask[:2]})
+    pipe = PipelineExecutor(stage, "1f1b", microbatches=M, loss_fn=lm_loss, timeout=60)
+    try:
+        pipe.step(*((tokens[:7],) if stage.is_first else ()), target=target[:7], attention_mask=mask[:7])
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return commlab.launch(_ranks, world_size=2, backend="gloo", timeout=400)
+
+
+def _reference(masked: bool):
+    model, (tokens, mask, target) = _model(), _data()
+    mask = mask if masked else None
+    loss = lm_loss(model(tokens, attention_mask=mask), target)
+    loss.backward()
+    with torch.no_grad():
+        out = model(tokens, attention_mask=mask)
+        per_mb = [lm_loss(model(t, attention_mask=None if mask is None else mask.chunk(M)[k]), y).item()
+                  for k, (t, y) in enumerate(zip(tokens.chunk(M), target.chunk(M)))]  # fmt: skip
+    return loss.item(), per_mb, {n: p.grad for n, p in model.named_parameters()}, out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {True: _reference(True), False: _reference(False)}
+
+
+def _merged(ranks, name):
+    loss = next(r[name][0] for r in ranks if r[name][0] is not None)
+    losses = next(r[name][1] for r in ranks if r[name][1])
+    grads = {k: v for r in ranks for k, v in r[name][2].items()}
+    evaluated = next(r[name][3] for r in ranks if r[name][3] is not None)
+    return loss, losses, grads, evaluated
+
+
+@pytest.mark.parametrize("name, masked", [(c[0], c[-1]) for c in CASES])
+def test_split_by_name_matches_unpartitioned_model(ranks, reference, name, masked):
+    ref_loss, ref_losses, ref_grads, ref_out = reference[masked]
+    loss, losses, grads, evaluated = _merged(ranks, name)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)  # each micro-batch's loss, unscaled, in order
+    assert set(grads) == set(ref_grads)  # every parameter, named as in the model, on exactly one rank
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=k)
+    torch.testing.assert_close(evaluated, ref_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", list(TORCH))
+def test_same_losses_gradients_and_eval_as_torch_pipelining(ranks, schedule):
+    loss, losses, grads, evaluated = _merged(ranks, schedule + " no mask")
+    torch_losses = next(r["torch " + schedule][0] for r in ranks if r["torch " + schedule][0])
+    torch_grads = {k: v for r in ranks for k, v in r["torch " + schedule][1].items()}
+    assert losses == pytest.approx(torch_losses, rel=1e-6)
+    assert set(grads) == set(torch_grads)
+    for k, g in torch_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=k)
+    torch_eval = next(r["torch " + schedule][2] for r in ranks if r["torch " + schedule][2] is not None)
+    torch.testing.assert_close(evaluated, torch_eval, rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_that_does_not_split_into_the_traced_shape_is_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert "cannot" in r["refused"] or "traced on" in r["refused"], r["refused"]
+
+
+# -- bad input, before any process starts ---------------------------------------------------------
+def _trace(model=None, points=TWO, batch=2):
+    tokens, mask, _ = _data(batch)
+    return trace_stages(model or _model(), points, (tokens,), {"attention_mask": mask})
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) if h.sum() > 0 else h  # branches on a value: no single graph
+
+
+@pytest.mark.parametrize("make, points, expected", [
+    (_model, ["layers.9"], "split point 'layers.9' names no submodule of GPT"),
+    (_model, ["blocks.1"], "names no submodule"),
+    (_model, ["layers.3", "layers.1"], "not in the order forward calls them"),
+    (_model, ["layers.1", "layers.1"], "given more than once"),
+    (_model, "layers.1", "non-empty list of submodule names"),
+    (_model, ["layers.1", "layers.1.ln1"], "nested inside another"),
+])  # fmt: skip
+def test_bad_split_points_are_refused(make, points, expected):
+    with pytest.raises(ValueError, match=expected):
+        _trace(make(), points)
+
+
+def test_a_model_torch_export_cannot_trace_is_refused():
+    with pytest.raises(ValueError, match="torch.export cannot trace _DataDependent"):
+        trace_stages(_DataDependent(), ["b"], (torch.randn(2, 4),))
+
+
+def test_tied_parameters_across_stages_are_refused_by_name():
+    model = _model()
+    model.head.weight = model.tok.weight  # tied input and output embeddings
+    with pytest.raises(ValueError, match=r"\['tok.weight', 'head.weight'\] are one tensor used by stages \[0, 1\]"):
+        _trace(model)
+
+
+def test_the_cut_model_computes_the_model_and_leaves_it_unchanged():
+    model = _model()
+    traced = _trace(model, FOUR)
+    tokens, mask, _ = _data(2)
+    value = (tokens, mask)
+    for part in traced.parts:
+        value = part(value)
+    torch.testing.assert_close(value, model(tokens, attention_mask=mask))
+    assert "forward" not in model.layers[1].__dict__  # torch's split marker was taken off again
+    # The mask crosses every cut beside the hidden state; the token ids only enter stage 0.
+    assert [[str(d) for _, d in c] for c in traced.carried] == [["torch.int64", "torch.float32"]] + [
+        ["torch.float32", "torch.float32"]] * 3  # fmt: skip
+    named = [n for part in traced.parts for n, _ in part.inner.named_parameters()]
+    assert sorted(named) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_chunk_specs_that_do_not_divide_are_refused():
+    traced = _trace(batch=2)
+    stage = types.SimpleNamespace(traced=traced, device=torch.device("cpu"))
+    tokens, mask, _ = _data(BATCH)
+    ok = inputs_of(stage, (tokens,), {"attention_mask": mask}, M, None, None)
+    assert len(ok) == M and ok[1][0].shape == (2, SEQ)
+    with pytest.raises(ValueError, match="has no dimension 2"):
+        inputs_of(stage, (tokens,), {"attention_mask": mask}, M, (2,), None)
+    with pytest.raises(ValueError, match="16 along dimension 1 cannot be split into 32"):
+        inputs_of(stage, (tokens,), {"attention_mask": mask}, 32, (1,), None)
+    with pytest.raises(ValueError, match="traced on"):  # 10 rows do not make four micro-batches of 2
+        inputs_of(stage, (tokens[:6].repeat(2, 1)[:10],), {"attention_mask": mask[:10]}, M, None, None)
+    with pytest.raises(ValueError, match="traced on"):  # the mask replicated: its shape is the whole batch
+        inputs_of(stage, (tokens,), {"attention_mask": mask}, M, None, {"attention_mask": None})
+    with pytest.raises(ValueError, match="must take the arguments the model was traced with"):
+        inputs_of(stage, (tokens,), {}, M, None, None)
