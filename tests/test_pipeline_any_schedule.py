@@ -88,6 +88,23 @@ def test_torch_compute_only_csv_round_trips_and_runs_here():
     assert from_csv("0F0,,0REDUCE_GRAD,0B0\n") == ((Action(0, "F", 0), Action(0, "B", 0)),)
 
 
+def test_looped_bfs_and_interleaved_zb_are_registered_by_name():
+    # looped-bfs is torch's ScheduleLoopedBFS order, rank for rank (its idle steps dropped).
+    for p, m, v in [(2, 3, 2), (3, 6, 2), (2, 4, 3), (4, 5, 2)]:
+        ours = build("looped-bfs", p, m, v)
+        assert ours == from_csv(torch_csv("ScheduleLoopedBFS", p, m, list(range(0, p * v, p)), p * v))
+        validate(ours, microbatches=m, stages=p * v, placement=[s % p for s in range(p * v)])
+    # interleaved-zb: interleaved 1F1B's forwards, each B split into I then W, rank r's W held back r.
+    assert format_actions(build("interleaved-zb", 2, 4, 2))[1] == (
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3")
+    for p, m, v in [(2, 4, 2), (3, 6, 2), (4, 8, 3)]:
+        zb, base = build("interleaved-zb", p, m, v), build("interleaved", p, m, v)
+        validate(zb, microbatches=m, stages=p * v)
+        assert [[a for a in r if a.kind == "F"] for r in zb] == [[a for a in r if a.kind == "F"] for r in base]
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        build("interleaved-zb", 2, 3, 2)
+
+
 def test_zb_h1_literal_lists_and_memory():
     assert format_actions(build("zb-h1", 3, 4)) == [
         "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",  # rank 0 holds back no W

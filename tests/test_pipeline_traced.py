@@ -35,6 +35,8 @@ CASES = [  # name, schedule, split points, placement, checkpoint, with the atten
     ("interleaved", "interleaved", FOUR, None, "never", True),
     ("zb-h1", "zb-h1", TWO, None, "never", True),
     ("zb-v", "zb-v", FOUR, "v", "never", True),
+    ("looped-bfs", "looped-bfs", FOUR, None, "never", True),
+    ("interleaved-zb", "interleaved-zb", FOUR, None, "always", True),
     ("gpipe no mask", "gpipe", TWO, None, "never", False),
     ("1f1b no mask", "1f1b", TWO, None, "never", False),
 ]

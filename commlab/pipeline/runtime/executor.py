@@ -123,10 +123,9 @@ class PipelineExecutor:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **kwargs) -> torch.Tensor | None:
-        """One training step: ``args``/``kwargs`` on the rank of the first stage (the model's own
-        arguments for a traced model, each tensor chunked by its chunk spec), ``target`` on the
-        last. Returns the mini-batch loss there (None elsewhere) and appends each micro-batch's
-        loss, unscaled, to ``losses`` (torch's ``step(..., losses=)``)."""
+        """One training step: ``args``/``kwargs`` (each tensor chunked by its chunk spec) on the first
+        stage's rank, ``target`` on the last's. Returns the mini-batch loss there (None elsewhere),
+        and appends each micro-batch's loss, unscaled, to ``losses`` (torch's ``step(..., losses=)``)."""
         self._prepare(args, kwargs, target, need_target=True)
         self._run_ops(self.ops)
         self._stash.clear()
@@ -135,8 +134,7 @@ class PipelineExecutor:
         return sum(self._raw_losses[i] * w for i, w in enumerate(self._weights)) if self.stage.is_last else None
 
     def eval_step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **kwargs):
-        """Forward only (torch's ``eval()``): the micro-batches' outputs merged along dim 0 on the
-        last stage's rank (None elsewhere); with ``target``, each micro-batch's loss in ``losses``."""
+        """Forward only (torch's ``eval()``): the outputs merged along dim 0 on the last stage's rank."""
         self._prepare(args, kwargs, target, need_target=False)
         self._outputs: dict[int, Value] = {}
         self._evaluating = True
@@ -258,8 +256,9 @@ class PipelineExecutor:
 
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:
         s, i = action.stage, action.microbatch
-        if action.kind == WEIGHT_GRAD:
-            weight_grad(self._stash[(s, i)].layers)
+        if action.kind == WEIGHT_GRAD:  # outputs None: the weights-only half of a split backward
+            with self.stage.backward_context(s, self._last_backward[s] == action, None):
+                weight_grad(self._stash[(s, i)].layers)
             return None
         stash = self._stash[(s, i)]
         if stash.rng is not None:  # recompute the forward with the RNG state of the first run (dropout)

@@ -137,8 +137,9 @@ class RankStages:
         """Entered around every forward of ``stage`` (including a checkpoint's recomputation)."""
         return contextlib.nullcontext()
 
-    def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor]) -> ContextManager:
-        """Entered around every backward of ``stage`` from ``outputs``; ``last``: its final one in the step."""
+    def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor] | None) -> ContextManager:
+        """Entered around every backward of ``stage`` from ``outputs`` (None: a split backward's W,
+        the weights' half); ``last``: its final one in the step."""
         return contextlib.nullcontext()
 
 

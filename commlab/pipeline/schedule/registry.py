@@ -27,7 +27,7 @@ from commlab.pipeline.schedule.actions import (
     num_stages,
     v_shape,
 )
-from commlab.pipeline.schedule.zero_bubble import zb_h1, zb_v
+from commlab.pipeline.schedule.zero_bubble import deferred_weights, zb_h1, zb_v
 
 __all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 
@@ -116,6 +116,21 @@ def _interleaved_rank(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     return tuple(warm + steady + cool)
 
 
+def looped_bfs(ranks: int, microbatches: int, virtual: int = 2) -> Actions:
+    """Looped breadth-first (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023; torch's
+    ScheduleLoopedBFS): each rank runs every micro-batch's forward through its first stage, then
+    its next stage, ...; then the backwards, last stage first, micro-batches in reverse order (as
+    torch does). Looping placement; all m micro-batches stay alive on every stage, as in GPipe."""
+    _check(ranks, microbatches, virtual)
+    return tuple(_looped_bfs_rank(r, ranks, microbatches, virtual) for r in range(ranks))
+
+
+def _looped_bfs_rank(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
+    stages = [k * p + r for k in range(v)]
+    forward = [Action(s, FORWARD, i) for s in stages for i in range(m)]
+    return tuple(forward + [Action(s, BACKWARD, i) for s in reversed(stages) for i in reversed(range(m))])
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A registered schedule: everything the executor, CLI, validator and benchmark need to know.
@@ -165,6 +180,11 @@ register(ScheduleSpec("zb-h1", lambda p, m, v: zb_h1(p, m), kinds=frozenset({FOR
 register(ScheduleSpec("zb-v", lambda p, m, v: zb_v(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
                       kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleZBVZeroBubble",
                       doc="zero bubble V, two stages per rank"))  # fmt: skip
+register(ScheduleSpec("looped-bfs", looped_bfs, virtual=None, torch="ScheduleLoopedBFS",
+                      doc="looped breadth-first, looping placement"))  # fmt: skip
+register(ScheduleSpec("interleaved-zb", lambda p, m, v: deferred_weights(interleaved(p, m, v)), virtual=None,
+                      multiple=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}),
+                      doc="interleaved 1F1B, backward split, weights deferred"))  # fmt: skip
 SCHEDULES = tuple(REGISTRY)  # the built-in names; REGISTRY also holds any registered later
 
 

@@ -11,6 +11,10 @@ on rank 0: "ZB-H1 ... the same peak memory as 1F1B", section 3.1). The deferred 
 cool-down, where 1F1B's ranks idle waiting for gradients. Bubble about (p-1)(F+I-W) instead of
 (p-1)(F+I+W).
 
+``deferred_weights``: any order's backward split into I then W, rank r holding back r weight
+gradients as ZB-H1 does; applied to interleaved 1F1B it is the ``interleaved-zb`` schedule (the
+interleaved zero-bubble family of torch's ScheduleInterleavedZeroBubble, not its exact order).
+
 ``zb_v``: two stages per rank in the V placement [0, 1, ..., p-1, p-1, ..., 0] (section 6), built
 by a greedy list scheduler on equal-time actions in which a message between ranks takes one
 action to arrive: a free rank runs a ready I first (it unblocks a peer), then a ready F (the
@@ -21,7 +25,7 @@ the list fill it with other work instead of counting on free messages (see ``LAT
 
 from __future__ import annotations
 
-from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
 from commlab.pipeline.schedule.kinds import dependencies
 
 
@@ -43,6 +47,25 @@ def _zb_h1_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
             out.append(Action(r, WEIGHT_GRAD, done_w))
             done_w += 1
     out += [Action(r, WEIGHT_GRAD, i) for i in range(done_w, m)]
+    return tuple(out)
+
+
+def deferred_weights(actions: Actions) -> Actions:
+    """Each B split into I, and its W run after rank r's next r input gradients (the rest at the
+    end). A W needs only its own I, on its own rank, so any valid order stays valid."""
+    out = []
+    for r, rank in enumerate(actions):
+        lst: list[Action] = []
+        pending: list[Action] = []
+        for a in rank:
+            if a.kind != BACKWARD:
+                lst.append(a)
+                continue
+            lst.append(a.at(a.stage, INPUT_GRAD))
+            pending.append(a.at(a.stage, WEIGHT_GRAD))
+            if len(pending) > r:
+                lst.append(pending.pop(0))
+        out.append(tuple(lst + pending))
     return tuple(out)
 
 
