@@ -25,7 +25,7 @@ from commlab.pipeline import (
 )
 from commlab.pipeline.schedule.comm import messages
 from commlab.pipeline.schedule.validate import problems
-from pipeline_torch_orders import torch_csv
+from pipeline_torch_orders import torch_csv, torch_dualpipev
 
 
 def test_actions_have_four_kinds_and_torch_strings():
@@ -103,6 +103,15 @@ def test_looped_bfs_and_interleaved_zb_are_registered_by_name():
         assert [[a for a in r if a.kind == "F"] for r in zb] == [[a for a in r if a.kind == "F"] for r in base]
     with pytest.raises(ValueError, match="multiple of the ranks"):
         build("interleaved-zb", 2, 3, 2)
+
+
+def test_dualpipev_is_torchs_order_on_the_v():
+    for p, m in [(2, 4), (2, 5), (3, 6), (3, 11), (4, 9)]:
+        ours = build("dualpipev", p, m, 2)
+        validate(ours, microbatches=m, stages=2 * p, placement=v_shape(p))
+        assert [[str(a) for a in rank] for rank in ours] == [torch_dualpipev(p, m, r) for r in range(p)]
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        build("dualpipev", 2, 3, 2)
 
 
 def test_zb_h1_literal_lists_and_memory():

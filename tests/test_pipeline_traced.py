@@ -35,6 +35,7 @@ CASES = [  # name, schedule, split points, placement, checkpoint, with the atten
     ("interleaved", "interleaved", FOUR, None, "never", True),
     ("zb-h1", "zb-h1", TWO, None, "never", True),
     ("zb-v", "zb-v", FOUR, "v", "never", True),
+    ("dualpipev", "dualpipev", FOUR, "v", "except_last", True),
     ("looped-bfs", "looped-bfs", FOUR, None, "never", True),
     ("interleaved-zb", "interleaved-zb", FOUR, None, "always", True),
     ("gpipe no mask", "gpipe", TWO, None, "never", False),

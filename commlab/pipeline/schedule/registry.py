@@ -6,8 +6,9 @@ process group, so every schedule is tested as literal lists. :data:`REGISTRY` is
 schedule is declared (:class:`ScheduleSpec`: builder, placement, action kinds, what it accepts);
 the executor, the CLI, the validator and the benchmark all read it.
 
-gpipe, 1f1b and interleaved use the looping placement (stage s on rank s % p); the zero-bubble
-schedules are in :mod:`commlab.pipeline.schedule.zero_bubble`.
+gpipe, 1f1b, interleaved and looped-bfs use the looping placement (stage s on rank s % p); the
+zero-bubble schedules (zb-h1, zb-v, interleaved-zb, dualpipev) are in
+:mod:`commlab.pipeline.schedule.zero_bubble`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from commlab.pipeline.schedule.actions import (
     num_stages,
     v_shape,
 )
-from commlab.pipeline.schedule.zero_bubble import deferred_weights, zb_h1, zb_v
+from commlab.pipeline.schedule.zero_bubble import deferred_weights, dualpipev, zb_h1, zb_v
 
 __all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 
@@ -137,7 +138,8 @@ class ScheduleSpec:
 
     ``build(ranks, microbatches, virtual)`` returns the actions; ``placement(ranks, stages)`` the
     rank of each stage; ``kinds`` the action kinds it uses; ``virtual`` the stages per rank it
-    accepts (None: any); ``multiple``: micro-batches must be a multiple of the ranks; ``torch``:
+    accepts (None: any); ``multiple``: micro-batches must be a multiple of the ranks; ``fill``: at
+    least as many micro-batches as stages; ``torch``:
     the torch.distributed.pipelining class running the same order (for the benchmark), or None.
     """
 
@@ -147,6 +149,7 @@ class ScheduleSpec:
     kinds: frozenset[str] = frozenset({FORWARD, BACKWARD})
     virtual: tuple[int, ...] | None = (1,)
     multiple: bool = False
+    fill: bool = False
     torch: str | None = None
     doc: str = ""
 
@@ -160,6 +163,9 @@ class ScheduleSpec:
         if self.multiple and microbatches % ranks:
             raise ValueError(f"schedule {self.name!r} needs micro-batches to be a multiple of the ranks: "
                              f"{microbatches} micro-batches, {ranks} ranks")  # fmt: skip
+        if self.fill and microbatches < ranks * virtual:
+            raise ValueError(f"schedule {self.name!r} needs at least as many micro-batches as stages: "
+                             f"{microbatches} micro-batches, {ranks * virtual} stages")  # fmt: skip
 
 
 REGISTRY: dict[str, ScheduleSpec] = {}
@@ -185,6 +191,9 @@ register(ScheduleSpec("looped-bfs", looped_bfs, virtual=None, torch="ScheduleLoo
 register(ScheduleSpec("interleaved-zb", lambda p, m, v: deferred_weights(interleaved(p, m, v)), virtual=None,
                       multiple=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}),
                       doc="interleaved 1F1B, backward split, weights deferred"))  # fmt: skip
+register(ScheduleSpec("dualpipev", lambda p, m, v: dualpipev(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
+                      fill=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleDualPipeV",
+                      doc="DualPipe on the V placement, m >= 2p"))  # fmt: skip
 SCHEDULES = tuple(REGISTRY)  # the built-in names; REGISTRY also holds any registered later
 
 
