@@ -2,7 +2,7 @@
 
 The model is commlab.models.GPT, written as users write one (embeddings, a ModuleList of blocks
 looped over in forward, final norm, head), fed integer token ids and an attention-mask keyword.
-On two Gloo ranks each schedule's loss, per-micro-batch ``losses``, gradients (named as in the
+On two Gloo ranks (and three, fewer cases) each schedule's loss, per-micro-batch ``losses``, gradients (named as in the
 model) and ``eval_step`` outputs must equal the unpartitioned model's; torch.distributed.pipelining
 runs the same split under Schedule1F1B and ScheduleGPipe in the same processes and must give the
 same losses, gradients and eval() outputs. Torch's traced stages cannot read a root input after
@@ -25,23 +25,36 @@ from commlab.pipeline import PipelineExecutor, RankStages, v_shape
 from commlab.pipeline.runtime.chunks import inputs_of
 from commlab.pipeline.runtime.traced import trace_stages
 
-BATCH, M, VOCAB, SEQ = 8, 4, 64, 16
+BATCH, M, VOCAB, SEQ = 8, 4, 64, 16  # the world-2 run and the single-process checks
 TWO = ["layers.2"]
 FOUR = ["layers.1", "layers.2", "layers.3"]
-CASES = [  # name, schedule, split points, placement, checkpoint, with the attention mask
-    ("gpipe", "gpipe", TWO, None, "never", True),
-    ("1f1b", "1f1b", TWO, None, "never", True),
-    ("1f1b checkpointed", "1f1b", TWO, None, "except_last", True),
-    ("interleaved", "interleaved", FOUR, None, "never", True),
-    ("zb-h1", "zb-h1", TWO, None, "never", True),
-    ("zb-v", "zb-v", FOUR, "v", "never", True),
-    ("dualpipev", "dualpipev", FOUR, "v", "except_last", True),
-    ("looped-bfs", "looped-bfs", FOUR, None, "never", True),
-    ("interleaved-zb", "interleaved-zb", FOUR, None, "always", True),
-    ("gpipe no mask", "gpipe", TWO, None, "never", False),
-    ("1f1b no mask", "1f1b", TWO, None, "never", False),
-]
-TORCH = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+THREE = ["layers.2", "layers.4"]
+SIX = ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5"]
+V = "v"
+CASES = {  # world -> [(name, schedule, split points, placement, checkpoint, with the attention mask)]
+    2: [("gpipe", "gpipe", TWO, None, "never", True),
+        ("1f1b", "1f1b", TWO, None, "never", True),
+        ("1f1b checkpointed", "1f1b", TWO, None, "except_last", True),
+        ("interleaved", "interleaved", FOUR, None, "never", True),
+        ("zb-h1", "zb-h1", TWO, None, "never", True),
+        ("zb-v", "zb-v", FOUR, V, "never", True),
+        ("dualpipev", "dualpipev", FOUR, V, "except_last", True),
+        ("looped-bfs", "looped-bfs", FOUR, None, "never", True),
+        ("interleaved-zb", "interleaved-zb", FOUR, None, "always", True),
+        ("gpipe no mask", "gpipe", TWO, None, "never", False),
+        ("1f1b no mask", "1f1b", TWO, None, "never", False)],
+    3: [("gpipe", "gpipe", THREE, None, "never", True),
+        ("1f1b", "1f1b", THREE, None, "never", True),
+        ("interleaved", "interleaved", SIX, None, "except_last", True),
+        ("zb-h1", "zb-h1", THREE, None, "never", True),
+        ("zb-v", "zb-v", SIX, V, "never", True),
+        ("dualpipev", "dualpipev", SIX, V, "never", True),
+        ("looped-bfs", "looped-bfs", SIX, None, "never", True),
+        ("interleaved-zb", "interleaved-zb", SIX, None, "never", True),
+        ("1f1b no mask", "1f1b", THREE, None, "never", False)],
+}  # fmt: skip
+SIZES = {2: (4, BATCH, M), 3: (6, 12, 6)}  # world -> (layers, batch, micro-batches of 2)
+TORCH = {2: {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}, 3: {"1f1b": "Schedule1F1B"}}
 
 
 def _model(layers: int = 4) -> GPT:
@@ -62,15 +75,14 @@ def _example(tokens, mask, m=M):
     return (tokens[:n],), ({"attention_mask": mask[:n]} if mask is not None else {})
 
 
-def _torch_run(schedule: str, points, tokens, target):
+def _torch_run(world: int, schedule: str, points, tokens, target):
     from torch.distributed import pipelining
 
-    model = _model()
-    args, _ = _example(tokens, None)
-    pipe = pipelining.pipeline(model, mb_args=args,
+    layers, _, m = SIZES[world]
+    pipe = pipelining.pipeline(_model(layers), mb_args=_example(tokens, None, m)[0],
                                split_spec={p: pipelining.SplitPoint.BEGINNING for p in points})  # fmt: skip
     stage = pipe.build_stage(dist.get_rank(), torch.device("cpu"))
-    run = getattr(pipelining, TORCH[schedule])(stage, n_microbatches=M, loss_fn=lm_loss)
+    run = getattr(pipelining, TORCH[world][schedule])(stage, n_microbatches=m, loss_fn=lm_loss)
     losses: list = []
     first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
     run.step(*((tokens,) if first else ()), target=target if last else None, losses=losses)
@@ -79,16 +91,17 @@ def _torch_run(schedule: str, points, tokens, target):
     return [x.item() for x in losses], grads, evaluated if last else None
 
 
-def _ranks():
+def _ranks(world: int):
     warnings.filterwarnings("ignore")  # torch.export's deprecation chatter
-    tokens, mask, target = _data()
+    layers, batch, m = SIZES[world]
+    tokens, mask, target = _data(batch)
     out = {}
-    for name, schedule, points, placement, checkpoint, masked in CASES:
-        model = _model()
-        args, kwargs = _example(tokens, mask if masked else None)
+    for name, schedule, points, placement, checkpoint, masked in CASES[world]:
+        model = _model(layers)
+        args, kwargs = _example(tokens, mask if masked else None, m)
         stage = RankStages(model, split_points=points, example_args=args, example_kwargs=kwargs,
-                           placement=v_shape(2) if placement == "v" else None)  # fmt: skip
-        pipe = PipelineExecutor(stage, schedule, microbatches=M, loss_fn=lm_loss, checkpoint=checkpoint, timeout=60)
+                           placement=v_shape(world) if placement == V else None)  # fmt: skip
+        pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=lm_loss, checkpoint=checkpoint, timeout=100)
         losses: list = []
         inputs = ((tokens,), {"attention_mask": mask} if masked else {}) if stage.is_first else ((), {})
         loss = pipe.step(*inputs[0], target=target if stage.is_last else None, losses=losses, **inputs[1])
@@ -96,38 +109,43 @@ def _ranks():
         evaluated = pipe.eval_step(*inputs[0], **inputs[1])
         assert {n for n, _ in stage.named_parameters()} <= {n for n, _ in model.named_parameters()}
         out[name] = (None if loss is None else loss.item(), [x.item() for x in losses], grads, evaluated)
-    for schedule in TORCH:
-        out["torch " + schedule] = _torch_run(schedule, TWO, tokens, target)
+    for schedule in TORCH[world]:
+        out["torch " + schedule] = _torch_run(world, schedule, CASES[world][1][2], tokens, target)
     # A batch that does not split into micro-batches of the traced shape: refused on every rank.
-    stage = RankStages(_model(), split_points=TWO, example_args=(tokens[:2],), example_kwargs={"attention_mask": mask[:2]})
-    pipe = PipelineExecutor(stage, "1f1b", microbatches=M, loss_fn=lm_loss, timeout=60)
+    stage = RankStages(_model(layers), split_points=CASES[world][1][2], example_args=(tokens[:2],),
+                       example_kwargs={"attention_mask": mask[:2]})  # fmt: skip
+    pipe = PipelineExecutor(stage, "1f1b", microbatches=m, loss_fn=lm_loss, timeout=100)
     try:
-        pipe.step(*((tokens[:7],) if stage.is_first else ()), target=target[:7], attention_mask=mask[:7])
+        pipe.step(*((tokens[:-1],) if stage.is_first else ()), target=target[:-1], attention_mask=mask[:-1])
     except ValueError as err:
         out["refused"] = str(err)
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return commlab.launch(_ranks, world_size=2, backend="gloo", timeout=400)
+def runs():
+    """world -> every rank's results, each world launched once, when a test first asks for it."""
+    cache: dict = {}
+
+    def get(world: int):
+        if world not in cache:
+            cache[world] = commlab.launch(_ranks, world, world_size=world, backend="gloo", timeout=600)
+        return cache[world]
+
+    return get
 
 
-def _reference(masked: bool):
-    model, (tokens, mask, target) = _model(), _data()
+def _reference(world: int, masked: bool):
+    layers, batch, m = SIZES[world]
+    model, (tokens, mask, target) = _model(layers), _data(batch)
     mask = mask if masked else None
     loss = lm_loss(model(tokens, attention_mask=mask), target)
     loss.backward()
     with torch.no_grad():
         out = model(tokens, attention_mask=mask)
-        per_mb = [lm_loss(model(t, attention_mask=None if mask is None else mask.chunk(M)[k]), y).item()
-                  for k, (t, y) in enumerate(zip(tokens.chunk(M), target.chunk(M)))]  # fmt: skip
+        per_mb = [lm_loss(model(t, attention_mask=None if mask is None else mask.chunk(m)[k]), y).item()
+                  for k, (t, y) in enumerate(zip(tokens.chunk(m), target.chunk(m)))]  # fmt: skip
     return loss.item(), per_mb, {n: p.grad for n, p in model.named_parameters()}, out
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return {True: _reference(True), False: _reference(False)}
 
 
 def _merged(ranks, name):
@@ -138,10 +156,10 @@ def _merged(ranks, name):
     return loss, losses, grads, evaluated
 
 
-@pytest.mark.parametrize("name, masked", [(c[0], c[-1]) for c in CASES])
-def test_split_by_name_matches_unpartitioned_model(ranks, reference, name, masked):
-    ref_loss, ref_losses, ref_grads, ref_out = reference[masked]
-    loss, losses, grads, evaluated = _merged(ranks, name)
+@pytest.mark.parametrize("world, name, masked", [(w, c[0], c[-1]) for w, cases in CASES.items() for c in cases])
+def test_split_by_name_matches_unpartitioned_model(runs, world, name, masked):
+    ref_loss, ref_losses, ref_grads, ref_out = _reference(world, masked)
+    loss, losses, grads, evaluated = _merged(runs(world), name)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert losses == pytest.approx(ref_losses, rel=1e-5)  # each micro-batch's loss, unscaled, in order
     assert set(grads) == set(ref_grads)  # every parameter, named as in the model, on exactly one rank
@@ -150,8 +168,9 @@ def test_split_by_name_matches_unpartitioned_model(ranks, reference, name, maske
     torch.testing.assert_close(evaluated, ref_out, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", list(TORCH))
-def test_same_losses_gradients_and_eval_as_torch_pipelining(ranks, schedule):
+@pytest.mark.parametrize("world, schedule", [(w, s) for w, names in TORCH.items() for s in names])
+def test_same_losses_gradients_and_eval_as_torch_pipelining(runs, world, schedule):
+    ranks = runs(world)
     loss, losses, grads, evaluated = _merged(ranks, schedule + " no mask")
     torch_losses = next(r["torch " + schedule][0] for r in ranks if r["torch " + schedule][0])
     torch_grads = {k: v for r in ranks for k, v in r["torch " + schedule][1].items()}
@@ -163,9 +182,10 @@ def test_same_losses_gradients_and_eval_as_torch_pipelining(ranks, schedule):
     torch.testing.assert_close(evaluated, torch_eval, rtol=1e-6, atol=1e-6)
 
 
-def test_a_batch_that_does_not_split_into_the_traced_shape_is_refused_on_every_rank(ranks):
-    for r in ranks:
-        assert "cannot" in r["refused"] or "traced on" in r["refused"], r["refused"]
+@pytest.mark.parametrize("world", list(CASES))
+def test_a_batch_that_does_not_split_into_the_traced_shape_is_refused_on_every_rank(runs, world):
+    for r in runs(world):
+        assert "traced on" in r["refused"] and "static-shape" in r["refused"], r["refused"]
 
 
 # -- bad input, before any process starts ---------------------------------------------------------
