@@ -5,7 +5,7 @@ gradients must equal the unpartitioned model's on the whole batch (DDP averages 
 and each stage's DDP must have synchronised exactly once per mini-batch, not once per micro-batch.
 One spawn checks gpipe, 1f1b and interleaved, one with checkpointing, the zero-bubble schedules
 (whose split stages reduce once, after their last W), gradient accumulation over two steps with
-one reduction, and the topology's groups.
+one reduction, a GPT cut by name under zb-v with an attention mask, and the topology's groups.
 """
 
 import pytest
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commlab
+from commlab.models import GPT, lm_loss
 from commlab.pipeline import PipelineExecutor, v_shape
 from commlab.pipeline.runtime.hybrid import DataParallelStage
 
@@ -69,7 +70,30 @@ def _hybrid():
         out["accumulated " + schedule] = (_grads(model), _syncs(stage))
         pipe.step(x[quarters[1]] if stage.is_first else None, target=y[quarters[1]] if stage.is_last else None)
         out["accumulated " + schedule] = (*out["accumulated " + schedule], _grads(model), _syncs(stage))
+    # Any module, cut by name: a GPT with an attention mask, zero bubble on the V.
+    model, (tokens, mask, target) = _gpt(), _gpt_data()
+    stage = DataParallelStage(model, None, topo, placement=v_shape(2), split_points=["layers.1", "layers.2", "layers.3"],
+                              example_args=(tokens[:2],), example_kwargs={"attention_mask": mask[:2]})  # fmt: skip
+    pipe = PipelineExecutor(stage, "zb-v", microbatches=4, loss_fn=lm_loss, timeout=100)
+    rows = slice(topo.replica * 8, topo.replica * 8 + 8)
+    inputs = ((tokens[rows],), {"attention_mask": mask[rows]}) if stage.is_first else ((), {})
+    loss = pipe.step(*inputs[0], target=target[rows] if stage.is_last else None, **inputs[1])
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    out["gpt"] = (None if loss is None else loss.item(), grads, _syncs(stage))
     return out
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab=64, d_model=32, layers=4, heads=4, seq=16)
+
+
+def _gpt_data():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (16, 16), generator=g)
+    mask = torch.ones(16, 16)
+    mask[::3, 11:] = 0
+    return tokens, mask, torch.roll(tokens, -1, dims=1)
 
 
 def _syncs(stage) -> dict:
@@ -140,3 +164,17 @@ def test_gradient_accumulation_reduces_once_at_the_last_step(hybrid, schedule):
     # Nothing reduced inside no_sync (the replicas' gradients still differ); one reduction after.
     assert any(not torch.allclose(results[0][0][n], results[1][0][n]) for n in results[0][0])
     assert all(set(r[1].values()) == {0} and set(r[3].values()) == {1} for r in results)
+
+
+def test_hybrid_gpt_cut_by_name_under_zero_bubble(hybrid):
+    model, (tokens, mask, target) = _gpt(), _gpt_data()
+    loss = lm_loss(model(tokens, attention_mask=mask), target)
+    loss.backward()
+    halves = [hybrid[r]["gpt"][0] for r in (0, 1)]  # the V's last stage is on pipeline rank 0
+    assert sum(halves) / 2 == pytest.approx(loss.item(), rel=1e-5)
+    for replica in (0, 1):
+        grads = {**hybrid[replica]["gpt"][1], **hybrid[2 + replica]["gpt"][1]}
+        assert set(grads) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"replica {replica} {name}")
+    assert all(set(r["gpt"][2].values()) == {1} for r in hybrid)  # each stage reduced once, after its last W

@@ -84,6 +84,19 @@ def input_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | Non
     return grad
 
 
+def full_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | None = None) -> tuple | None:
+    """I and W in one pass, for an I whose W follows at once (DualPipeV's full backwards, a rank
+    of ZB-H1 that holds none back): each layer's backward accumulates its weights' gradients and
+    its input's in one autograd call, instead of I's pass and then W's again."""
+    for k, layer in enumerate(reversed(layers)):
+        outs, gs = ([root], None) if root is not None and k == 0 else pairs(layer.out, grad)
+        ins = [t for t in floats(layer.inp) if t.requires_grad]
+        if outs and (ins or layer.params):
+            torch.autograd.backward(outs, gs, inputs=[*layer.params, *ins])
+        grad = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in floats(layer.inp))
+    return grad
+
+
 def weight_grad(layers: list[Layer]) -> None:
     """W: accumulate every layer's weight gradients from the output gradients I kept."""
     for layer in layers:

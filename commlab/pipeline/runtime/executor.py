@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.pipeline.runtime.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
+from commlab.pipeline.runtime.compute import Stashed, forward_layers, full_grad, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.runtime.chunks import merge, step_inputs
 from commlab.pipeline.runtime.handshake import agree
 from commlab.pipeline.runtime.memory import Ledger, NoCount, SavedBytes
@@ -103,8 +103,7 @@ class PipelineExecutor:
         self.checkpoint = checkpoint
         self.loss_reduction = loss_reduction
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.measure = measure
-        self.track_memory = track_memory
+        self.measure, self.track_memory = measure, track_memory
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._evaluating = False
         self.actions: tuple[Action, ...] = all_actions[stage.rank]
@@ -113,6 +112,8 @@ class PipelineExecutor:
         self._eval_ops = lower_comm(forward, stage.placement, "nccl" if self._nccl else "gloo")[stage.rank]
         self._freed = {live.action: live.freed for live in liveness(all_actions)[stage.rank]}
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
+        # An I directly followed by its own W runs both in one pass (compute.full_grad); its W is then empty.
+        self._fused = {w for a, w in zip(self.actions, self.actions[1:]) if a.kind == INPUT_GRAD and w == a.at(a.stage, w.kind)}
         self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
         self._known: dict = {}  # first stage's input boundary -> every stage's (handshake.agree)
@@ -177,7 +178,8 @@ class PipelineExecutor:
             torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
         self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - self.started_at))
         for s, i in self._freed.get(action, ()):  # activations the schedule's liveness frees after this action
-            self._release(s, i, self._stash.pop((s, i)))
+            self._live[s] -= self._stash.pop((s, i)).nbytes
+            self._drop("stash", Action(s, FORWARD, i))
         self._transport.hand_over(action, produced)
         return produced
 
@@ -258,7 +260,8 @@ class PipelineExecutor:
         s, i = action.stage, action.microbatch
         if action.kind == WEIGHT_GRAD:  # outputs None: the weights-only half of a split backward
             with self.stage.backward_context(s, self._last_backward[s] == action, None):
-                weight_grad(self._stash[(s, i)].layers)
+                if action not in self._fused:
+                    weight_grad(self._stash[(s, i)].layers)
             return None
         stash = self._stash[(s, i)]
         if stash.rng is not None:  # recompute the forward with the RNG state of the first run (dropout)
@@ -272,18 +275,16 @@ class PipelineExecutor:
             grad = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
         sends = s > 0 and bool(floats(stash.x))  # a gradient goes back for each floating input
-        if action.kind == INPUT_GRAD:
-            out = input_grad(stash.layers, grad, stash.loss)
+        if action.kind == INPUT_GRAD:  # never a stage's last backward: its W comes after it
+            with self.stage.backward_context(s, False, None):
+                run = full_grad if action.at(s, WEIGHT_GRAD) in self._fused else input_grad
+                out = run(stash.layers, grad, stash.loss)
             return (out or tuple(torch.zeros_like(t) for t in floats(stash.x))) if sends else None
         roots, grads = ([stash.loss], None) if stash.loss is not None else pairs(stash.y, grad)
         with self.stage.backward_context(s, self._last_backward[s] == action, roots):
             if roots and all(r.requires_grad for r in roots):
                 torch.autograd.backward(roots, grad_tensors=grads)
         return leaf_grads(stash.x) if sends else None
-
-    def _release(self, s: int, i: int, stash: Stashed) -> None:
-        self._live[s] -= stash.nbytes
-        self._drop("stash", Action(s, FORWARD, i))
 
 
 # What each action kind runs: (executor, action, its incoming message) -> what it sends, or None.

@@ -37,22 +37,28 @@ from commlab.runtime.topology import Topology
 class DataParallelStage(RankStages):
     """This rank's stages in a pp x dp grid, each wrapped in DDP over ``topology.dp_group``.
 
+    The model is cut as :class:`RankStages` cuts it: ``balance`` for an nn.Sequential, or
+    ``split_points`` with ``example_args`` / ``example_kwargs`` for any module (keywords).
     ``ddp_options`` go to :class:`commlab.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
     def __init__(
         self,
-        model: nn.Sequential,
-        balance: Sequence[int],
-        topology: Topology,
+        model: nn.Module,
+        balance: Sequence[int] | None = None,
+        topology: Topology | None = None,
         *,
         placement: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        split_points: Sequence[str] | None = None,
+        example_args: tuple | None = None,
+        example_kwargs: dict | None = None,
         **ddp_options: Any,
     ):
-        if topology.pp_group is None or topology.dp_group is None:
+        if topology is None or topology.pp_group is None or topology.dp_group is None:
             raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
-        super().__init__(model, balance, placement, group=topology.pp_group, device=device)
+        super().__init__(model, balance, placement, split_points=split_points, example_args=example_args,
+                         example_kwargs=example_kwargs, group=topology.pp_group, device=device)  # fmt: skip
         self.topology = topology
         # Wrap in stage order: DDP's constructor is collective over the data-parallel group. A stage
         # without trainable parameters (an activation, Dropout) has nothing to synchronise: it
