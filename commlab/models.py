@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-BUILTIN = ("mlp", "transformer")
+BUILTIN = ("mlp", "transformer", "gpt")
 OPTIONAL = {"resnet50": "torchvision", "bert": "transformers"}
 
 
@@ -87,8 +87,8 @@ class Block(nn.Module):
         allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         if attention_mask is not None:  # (batch, seq), 1 for a token to attend to, 0 for padding
             allowed = allowed & attention_mask[:, None, None, :].bool()
-        # An explicit softmax rather than scaled_dot_product_attention: a query whose keys are all
-        # masked would give NaN there; here it is the first token's row, which is never all masked.
+        # A query whose keys are all masked gets NaN (softmax over -inf alone): pad at the end, so
+        # every query still sees the first token.
         att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
         y = (att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
@@ -137,7 +137,8 @@ def check_model_name(name: str) -> None:
 
 
 # The sizes each built-in model takes (``--model-args``); anything else is a user error.
-SIZES = {"mlp": ("depth", "width", "classes"), "transformer": ("vocab", "d_model", "layers", "heads", "seq")}
+SIZES = {"mlp": ("depth", "width", "classes"), "transformer": ("vocab", "d_model", "layers", "heads", "seq"),
+         "gpt": ("vocab", "d_model", "layers", "heads", "seq")}
 
 
 def check_workload(name: str, **sizes) -> None:
@@ -174,8 +175,9 @@ def build_workload(name: str, **sizes) -> Workload:
         width = sizes.get("width", 1024)
         model = mlp(sizes.get("depth", 12), width, classes=sizes.get("classes", 10))
         return Workload(model, _dense_batch((width,), sizes.get("classes", 10)), nn.functional.cross_entropy)
-    if name == "transformer":
-        model = TinyTransformer(**sizes)
+    if name in ("transformer", "gpt"):
+        check_workload(name, **sizes)
+        model = TinyTransformer(**sizes) if name == "transformer" else GPT(**sizes)
         return Workload(model, _token_batch(model.seq, model.vocab), lm_loss)
     if name in OPTIONAL:
         _require(OPTIONAL[name], name)
