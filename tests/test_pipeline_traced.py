@@ -11,6 +11,7 @@ comparison runs without the mask; commlab carries the mask to the later stages.
 Bad input is refused before any process starts.
 """
 
+import functools
 import types
 import warnings
 
@@ -135,6 +136,7 @@ def runs():
     return get
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(world: int, masked: bool):
     layers, batch, m = SIZES[world]
     model, (tokens, mask, target) = _model(layers), _data(batch)
