@@ -245,6 +245,10 @@ def test_the_cut_model_computes_the_model_and_leaves_it_unchanged():
         ["torch.float32", "torch.float32"]] * 3  # fmt: skip
     named = [n for part in traced.parts for n, _ in part.inner.named_parameters()]
     assert sorted(named) == sorted(n for n, _ in model.named_parameters())
+    # Tensors the graph creates were traced on the example's device; placing a stage moves them too.
+    assert "device = device(type='cpu')" in traced.parts[0].inner.code
+    placed = traced.parts[0].place(torch.device("meta"))
+    assert "device(type='meta')" in placed.inner.code and placed.inner.tok.weight.is_meta
 
 
 def test_chunk_specs_that_do_not_divide_are_refused():

@@ -95,7 +95,8 @@ class RankStages:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
         self.modules: dict[int, nn.Module] = {
-            s: parts[s].to(self.device) for s in range(self.num_stages) if self.placement[s] == self.rank
+            s: parts[s].place(self.device) if self.traced else parts[s].to(self.device)
+            for s in range(self.num_stages) if self.placement[s] == self.rank
         }
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._global_ranks = [

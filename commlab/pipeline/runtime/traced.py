@@ -73,6 +73,18 @@ class GraphStage(nn.Module):
         result = tuple(env[k] for k in self.gives)
         return result[0] if self.last and len(result) == 1 else result
 
+    def place(self, device: torch.device) -> GraphStage:
+        """Move to ``device``, with the tensors the graph creates (``torch.arange(..., device=)``,
+        baked in as the example's device when traced) created there too."""
+        self.to(device)
+        for module in self.inner.modules():
+            if isinstance(module, fx.GraphModule):
+                for node in module.graph.nodes:
+                    if isinstance(node.kwargs.get("device"), torch.device):
+                        node.update_kwarg("device", device)
+                module.recompile()
+        return self
+
 
 def flatten_inputs(order: tuple[str, ...], args: tuple, kwargs: dict | None) -> tuple[list, pytree.TreeSpec]:
     """The leaves of ``(args, kwargs)`` in the order torch.export numbers the graph's inputs:
