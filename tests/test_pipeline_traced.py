@@ -2,7 +2,7 @@
 
 The model is commlab.models.GPT, written as users write one (embeddings, a ModuleList of blocks
 looped over in forward, final norm, head), fed integer token ids and an attention-mask keyword.
-On two Gloo ranks (and three, fewer cases) each schedule's loss, per-micro-batch ``losses``, gradients (named as in the
+On two Gloo ranks (three and four: fewer cases) each schedule's loss, per-micro-batch ``losses``, gradients (named as in the
 model) and ``eval_step`` outputs must equal the unpartitioned model's; torch.distributed.pipelining
 runs the same split under Schedule1F1B and ScheduleGPipe in the same processes and must give the
 same losses, gradients and eval() outputs. Torch's traced stages cannot read a root input after
@@ -31,6 +31,8 @@ TWO = ["layers.2"]
 FOUR = ["layers.1", "layers.2", "layers.3"]
 THREE = ["layers.2", "layers.4"]
 SIX = ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5"]
+FOUR_OF_8 = ["layers.2", "layers.4", "layers.6"]
+EIGHT = [f"layers.{k}" for k in range(1, 8)]
 V = "v"
 CASES = {  # world -> [(name, schedule, split points, placement, checkpoint, with the attention mask)]
     2: [("gpipe", "gpipe", TWO, None, "never", True),
@@ -53,9 +55,13 @@ CASES = {  # world -> [(name, schedule, split points, placement, checkpoint, wit
         ("looped-bfs", "looped-bfs", SIX, None, "never", True),
         ("interleaved-zb", "interleaved-zb", SIX, None, "never", True),
         ("1f1b no mask", "1f1b", THREE, None, "never", False)],
+    4: [("1f1b", "1f1b", FOUR_OF_8, None, "never", True),
+        ("interleaved", "interleaved", EIGHT, None, "never", True),
+        ("zb-v", "zb-v", EIGHT, V, "never", True),
+        ("dualpipev", "dualpipev", EIGHT, V, "never", True)],
 }  # fmt: skip
-SIZES = {2: (4, BATCH, M), 3: (6, 12, 6)}  # world -> (layers, batch, micro-batches of 2)
-TORCH = {2: {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}, 3: {"1f1b": "Schedule1F1B"}}
+SIZES = {2: (4, BATCH, M), 3: (6, 12, 6), 4: (8, 16, 8)}  # world -> (layers, batch, micro-batches of 2)
+TORCH = {2: {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}, 3: {"1f1b": "Schedule1F1B"}, 4: {}}
 
 
 def _model(layers: int = 4) -> GPT:
@@ -110,10 +116,11 @@ def _ranks(world: int):
         evaluated = pipe.eval_step(*inputs[0], **inputs[1])
         assert {n for n, _ in stage.named_parameters()} <= {n for n, _ in model.named_parameters()}
         out[name] = (None if loss is None else loss.item(), [x.item() for x in losses], grads, evaluated)
+    one_stage_each = next(c[2] for c in CASES[world] if c[1] == "1f1b")
     for schedule in TORCH[world]:
-        out["torch " + schedule] = _torch_run(world, schedule, CASES[world][1][2], tokens, target)
+        out["torch " + schedule] = _torch_run(world, schedule, one_stage_each, tokens, target)
     # A batch that does not split into micro-batches of the traced shape: refused on every rank.
-    stage = RankStages(_model(layers), split_points=CASES[world][1][2], example_args=(tokens[:2],),
+    stage = RankStages(_model(layers), split_points=one_stage_each, example_args=(tokens[:2],),
                        example_kwargs={"attention_mask": mask[:2]})  # fmt: skip
     pipe = PipelineExecutor(stage, "1f1b", microbatches=m, loss_fn=lm_loss, timeout=100)
     try:
