@@ -64,6 +64,7 @@ SIZES = {2: (4, BATCH, M), 3: (6, 12, 6), 4: (8, 16, 8)}  # world -> (layers, ba
 TORCH = {  # world -> {schedule: (torch's class, split points, placement)}, run without the mask
     2: {"1f1b": ("Schedule1F1B", TWO, None), "gpipe": ("ScheduleGPipe", TWO, None),
         "interleaved": ("ScheduleInterleaved1F1B", FOUR, None), "looped-bfs": ("ScheduleLoopedBFS", FOUR, None),
+        "interleaved-zb": ("ScheduleInterleavedZeroBubble", FOUR, None),  # torch's order differs; the sums do not
         "zb-v": ("ScheduleZBVZeroBubble", FOUR, V), "dualpipev": ("ScheduleDualPipeV", FOUR, V)},
     3: {"1f1b": ("Schedule1F1B", THREE, None)},
     4: {},
