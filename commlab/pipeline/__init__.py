@@ -46,6 +46,7 @@ _LAZY = {
     "RankStages": "commlab.pipeline.runtime.stages",
     "Stage": "commlab.pipeline.runtime.stages",
     "DataParallelStage": "commlab.pipeline.runtime.hybrid",
+    "trace_stages": "commlab.pipeline.runtime.traced",
 }
 
 
