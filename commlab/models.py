@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-BUILTIN = ("mlp", "transformer")
+BUILTIN = ("mlp", "transformer", "gpt")
 OPTIONAL = {"resnet50": "torchvision", "bert": "transformers"}
 
 
@@ -65,6 +65,65 @@ class TinyTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens) + self.pos[: tokens.shape[1]]))
 
 
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP, each around a residual."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if attention_mask is not None:  # (batch, seq), 1 for a token to attend to, 0 for padding
+            allowed = allowed & attention_mask[:, None, None, :].bool()
+        # A query whose keys are all masked gets NaN (softmax over -inf alone): pad at the end, so
+        # every query still sees the first token.
+        att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        y = (att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT-style language model written as users write one (nanoGPT's shape): token and position
+    embeddings, a ModuleList of pre-norm causal blocks looped over in ``forward``, a final norm and
+    a head. ``forward(tokens, attention_mask=None)`` returns logits (batch, seq, vocab). Not an
+    nn.Sequential: the pipeline cuts it by tracing (``RankStages(model, split_points=["layers.2"],
+    example_args=(tokens,))``)."""
+
+    def __init__(self, vocab: int = 256, d_model: int = 64, layers: int = 4, heads: int = 4, seq: int = 32):
+        super().__init__()
+        self.seq, self.vocab = seq, vocab
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq, d_model)
+        self.layers = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok(tokens) + self.pos(positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask)
+        return self.head(self.norm(h))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of next-token logits (batch, seq, vocab) against token ids (batch, seq)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def model_names() -> list[str]:
     return [*BUILTIN, *OPTIONAL]
 
@@ -78,7 +137,8 @@ def check_model_name(name: str) -> None:
 
 
 # The sizes each built-in model takes (``--model-args``); anything else is a user error.
-SIZES = {"mlp": ("depth", "width", "classes"), "transformer": ("vocab", "d_model", "layers", "heads", "seq")}
+SIZES = {"mlp": ("depth", "width", "classes"), "transformer": ("vocab", "d_model", "layers", "heads", "seq"),
+         "gpt": ("vocab", "d_model", "layers", "heads", "seq")}
 
 
 def check_workload(name: str, **sizes) -> None:
@@ -115,9 +175,10 @@ def build_workload(name: str, **sizes) -> Workload:
         width = sizes.get("width", 1024)
         model = mlp(sizes.get("depth", 12), width, classes=sizes.get("classes", 10))
         return Workload(model, _dense_batch((width,), sizes.get("classes", 10)), nn.functional.cross_entropy)
-    if name == "transformer":
-        model = TinyTransformer(**sizes)
-        return Workload(model, _token_batch(model.seq, model.vocab), _lm_loss)
+    if name in ("transformer", "gpt"):
+        check_workload(name, **sizes)
+        model = TinyTransformer(**sizes) if name == "transformer" else GPT(**sizes)
+        return Workload(model, _token_batch(model.seq, model.vocab), lm_loss)
     if name in OPTIONAL:
         _require(OPTIONAL[name], name)
         return _resnet50() if name == "resnet50" else _bert()
@@ -173,7 +234,7 @@ def _bert() -> Workload:
         def forward(self, tokens):
             return self.bert(input_ids=tokens).logits
 
-    return Workload(_Logits(), _token_batch(128, config.vocab_size), _lm_loss)
+    return Workload(_Logits(), _token_batch(128, config.vocab_size), lm_loss)
 
 
 def _dense_batch(shape: tuple[int, ...], classes: int | None):
@@ -192,10 +253,6 @@ def _token_batch(seq: int, vocab: int):
         return tokens, torch.roll(tokens, -1, dims=1)
 
     return make
-
-
-def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def _mse_to_zero(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from commlab.pipeline import (
 )
 from commlab.pipeline.schedule.comm import messages
 from commlab.pipeline.schedule.validate import problems
-from pipeline_torch_orders import torch_csv
+from pipeline_torch_orders import torch_csv, torch_dualpipev
 
 
 def test_actions_have_four_kinds_and_torch_strings():
@@ -86,6 +86,32 @@ def test_torch_compute_only_csv_round_trips_and_runs_here():
     with pytest.raises(ValueError, match="communication action"):
         from_csv("0F0,0SEND_F0\n1RECV_F0,1F0\n")
     assert from_csv("0F0,,0REDUCE_GRAD,0B0\n") == ((Action(0, "F", 0), Action(0, "B", 0)),)
+
+
+def test_looped_bfs_and_interleaved_zb_are_registered_by_name():
+    # looped-bfs is torch's ScheduleLoopedBFS order, rank for rank (its idle steps dropped).
+    for p, m, v in [(2, 3, 2), (3, 6, 2), (2, 4, 3), (4, 5, 2)]:
+        ours = build("looped-bfs", p, m, v)
+        assert ours == from_csv(torch_csv("ScheduleLoopedBFS", p, m, list(range(0, p * v, p)), p * v))
+        validate(ours, microbatches=m, stages=p * v, placement=[s % p for s in range(p * v)])
+    # interleaved-zb: interleaved 1F1B's forwards, each B split into I then W, rank r's W held back r.
+    assert format_actions(build("interleaved-zb", 2, 4, 2))[1] == (
+        "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3")
+    for p, m, v in [(2, 4, 2), (3, 6, 2), (4, 8, 3)]:
+        zb, base = build("interleaved-zb", p, m, v), build("interleaved", p, m, v)
+        validate(zb, microbatches=m, stages=p * v)
+        assert [[a for a in r if a.kind == "F"] for r in zb] == [[a for a in r if a.kind == "F"] for r in base]
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        build("interleaved-zb", 2, 3, 2)
+
+
+def test_dualpipev_is_torchs_order_on_the_v():
+    for p, m in [(2, 4), (2, 5), (3, 6), (3, 11), (4, 9)]:
+        ours = build("dualpipev", p, m, 2)
+        validate(ours, microbatches=m, stages=2 * p, placement=v_shape(p))
+        assert [[str(a) for a in rank] for rank in ours] == [torch_dualpipev(p, m, r) for r in range(p)]
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        build("dualpipev", 2, 3, 2)
 
 
 def test_zb_h1_literal_lists_and_memory():

@@ -5,8 +5,15 @@
     pipe = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy)
     loss = pipe.step(x, target=y)                            # x on the first rank, y on the last
 
-Schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``; :data:`REGISTRY`), or any
-per-rank action lists (``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), the comm pass
+    stages = RankStages(gpt, split_points=["layers.4"], example_args=(tokens[:2],),
+                        example_kwargs={"attention_mask": mask[:2]})   # any module, cut by tracing
+    pipe = PipelineExecutor(stages, "1f1b", microbatches=4, loss_fn=lm_loss)
+    pipe.step(tokens, attention_mask=mask, target=y, losses=losses)   # torch's call
+    logits = pipe.eval_step(tokens, attention_mask=mask)             # merged, on the last rank
+
+Schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``, ``looped-bfs``,
+``interleaved-zb``, ``dualpipev``; :data:`REGISTRY`), or any per-rank action lists
+(``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), the comm pass
 :func:`lower_comm`, :func:`validate`, :func:`simulate` and :func:`grid` are pure functions of the
 pipeline's shape (:mod:`commlab.pipeline.schedule`); the executor and what it runs on are in
 :mod:`commlab.pipeline.runtime`. ``PipelineSchedule`` and ``Stage`` are the deprecated old names of
@@ -28,7 +35,7 @@ from commlab.pipeline.schedule.registry import REGISTRY, SCHEDULES, ScheduleSpec
 from commlab.pipeline.schedule.render import grid
 from commlab.pipeline.schedule.simulate import Simulation, bubble_formula, simulate
 from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, resolve, validate
-from commlab.pipeline.schedule.zero_bubble import zb_h1, zb_v
+from commlab.pipeline.schedule.zero_bubble import dualpipev, zb_h1, zb_v
 
 # The runtime needs torch, which costs seconds to import: these names load on first use, so that
 # `commlab pipeline --help` and the pure schedule functions stay fast.
@@ -39,6 +46,7 @@ _LAZY = {
     "RankStages": "commlab.pipeline.runtime.stages",
     "Stage": "commlab.pipeline.runtime.stages",
     "DataParallelStage": "commlab.pipeline.runtime.hybrid",
+    "trace_stages": "commlab.pipeline.runtime.traced",
 }
 
 
@@ -53,5 +61,5 @@ __all__ = sorted([
     "Simulation", "as_actions", "balance_by_size", "balance_by_time", "bubble_formula", "build", "check_plan", "dependencies", "format_actions", "from_csv",
     "gpipe", "grid", "interleaved", "liveness", "looping", "lower_comm", "message_order", "one_f_one_b",
     "partition", "peak_in_flight", "placement_of", "register", "register_kind", "resolve", "send_waits", "simulate", "split", "to_csv",
-    "v_shape", "validate", "zb_h1", "zb_v", *_LAZY,
+    "v_shape", "validate", "zb_h1", "zb_v", "dualpipev", *_LAZY,
 ])  # fmt: skip

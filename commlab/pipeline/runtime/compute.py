@@ -49,7 +49,11 @@ class Stashed:
 
 
 def forward_layers(module: nn.Module, x: Value) -> tuple[Value, list[Layer]]:
-    """Run an nn.Sequential one layer at a time, each layer's graph cut at its input."""
+    """Run an nn.Sequential one layer at a time, each layer's graph cut at its input; any other
+    stage (a traced model's) is one layer, whose W re-traverses the stage's graph."""
+    if not isinstance(module, nn.Sequential):
+        out = module(x)
+        return out, [Layer(x, out, [p for p in module.parameters() if p.requires_grad])]
     layers: list[Layer] = []
     h = x
     for k, layer in enumerate(module.children()):
@@ -77,6 +81,19 @@ def input_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | Non
         found = iter(torch.autograd.grad(outs, ins, gs, retain_graph=True, allow_unused=True))
         grad = tuple(next(found) if t.requires_grad else None for t in floats(layer.inp))
         grad = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grad, floats(layer.inp)))
+    return grad
+
+
+def full_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | None = None) -> tuple | None:
+    """I and W in one pass, for an I whose W follows at once (DualPipeV's full backwards, a rank
+    of ZB-H1 that holds none back): each layer's backward accumulates its weights' gradients and
+    its input's in one autograd call, instead of I's pass and then W's again."""
+    for k, layer in enumerate(reversed(layers)):
+        outs, gs = ([root], None) if root is not None and k == 0 else pairs(layer.out, grad)
+        ins = [t for t in floats(layer.inp) if t.requires_grad]
+        if outs and (ins or layer.params):
+            torch.autograd.backward(outs, gs, inputs=[*layer.params, *ins])
+        grad = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in floats(layer.inp))
     return grad
 
 

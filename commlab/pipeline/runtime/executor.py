@@ -1,6 +1,7 @@
 """The pipeline executor: runs one rank's lowered action list for a training step, with checkpointing.
 
-``loss = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy).step(x, target=y)``
+``loss = PipelineExecutor(stages, "1f1b", microbatches=8, loss_fn=F.cross_entropy).step(x, target=y)``; a
+traced model takes torch's call: ``step(tokens, attention_mask=mask, target=y, losses=ls)``, ``eval_step(...)``.
 
 The schedule is a registered name (:data:`commlab.pipeline.schedule.registry.REGISTRY`) or the per-rank
 action lists themselves (:class:`Action` or strings such as "0F1", "0I1", "0W1"), e.g. read from
@@ -32,14 +33,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.pipeline.runtime.compute import Stashed, forward_layers, input_grad, recompute, rng_state, weight_grad
-from commlab.pipeline.runtime.handshake import agree, split_batch
+from commlab.pipeline.runtime.compute import Stashed, forward_layers, full_grad, input_grad, recompute, rng_state, weight_grad
+from commlab.pipeline.runtime.chunks import merge, step_inputs
+from commlab.pipeline.runtime.handshake import agree
 from commlab.pipeline.runtime.memory import Ledger, NoCount, SavedBytes
 from commlab.pipeline.runtime.stages import RankStages
-from commlab.pipeline.runtime.transport import Transport
+from commlab.pipeline.runtime.transport import Transport, run_lowered
 from commlab.pipeline.runtime.values import Value, detached, flat, floats, leaf_grads, pairs
 from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from commlab.pipeline.schedule.comm import RECV, SEND, Comm, lower_comm, message_order
+from commlab.pipeline.schedule.comm import lower_comm, message_order
 from commlab.pipeline.schedule.kinds import split_stages
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.simulate import Timed
@@ -78,6 +80,8 @@ class PipelineExecutor:
         timeout: float = 300.0,
         measure: bool = False,
         track_memory: bool = True,
+        args_chunk_spec: Sequence | None = None,
+        kwargs_chunk_spec: dict | None = None,
     ):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"unknown loss_reduction {loss_reduction!r}: choose from {', '.join(LOSS_REDUCTIONS)}")
@@ -99,13 +103,17 @@ class PipelineExecutor:
         self.checkpoint = checkpoint
         self.loss_reduction = loss_reduction
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.measure = measure
-        self.track_memory = track_memory
+        self.measure, self.track_memory = measure, track_memory
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self._evaluating = False
         self.actions: tuple[Action, ...] = all_actions[stage.rank]
         self.ops = lower_comm(all_actions, stage.placement, "nccl" if self._nccl else "gloo")[stage.rank]
+        forward = tuple(tuple(a for a in rank if a.kind == FORWARD) for rank in all_actions)  # eval_step's list
+        self._eval_ops = lower_comm(forward, stage.placement, "nccl" if self._nccl else "gloo")[stage.rank]
         self._freed = {live.action: live.freed for live in liveness(all_actions)[stage.rank]}
-        self._sending = {op.message.sent_by for op in self.ops if isinstance(op, Comm) and op.kind == SEND}
         self._last_backward = {a.stage: a for a in self.actions if a.kind in (BACKWARD, WEIGHT_GRAD)}
+        # An I directly followed by its own W runs both in one pass (compute.full_grad); its W is then empty.
+        self._fused = {w for a, w in zip(self.actions, self.actions[1:]) if a.kind == INPUT_GRAD and w == a.at(a.stage, w.kind)}
         self._transport = Transport(stage, self.split, microbatches)
         self._shapes: dict = {}  # (stage, input boundary) -> output boundary
         self._known: dict = {}  # first stage's input boundary -> every stage's (handshake.agree)
@@ -115,21 +123,36 @@ class PipelineExecutor:
         self.started_at = 0.0
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor | None = None, *, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        st, m = self.stage, self.microbatches
-        chunks = targets = None
-        error = None
-        try:  # a refusal here reaches every rank through handshake.agree, so every rank raises it
-            if st.is_first:
-                if inputs is None:
-                    raise ValueError("the rank holding the first stage must pass the mini-batch to step()")
-                chunks = split_batch(inputs.to(st.device), m, "the mini-batch")
-            if st.is_last:
-                if target is None:
-                    raise ValueError("the rank holding the last stage must pass target= to step()")
-                targets = split_batch(target.to(st.device), m, "the target")
-        except ValueError as err:
-            error = str(err)
+    def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **kwargs) -> torch.Tensor | None:
+        """One training step: ``args``/``kwargs`` (each tensor chunked by its chunk spec) on the first
+        stage's rank, ``target`` on the last's. Returns the mini-batch loss there (None elsewhere),
+        and appends each micro-batch's loss, unscaled, to ``losses`` (torch's ``step(..., losses=)``)."""
+        self._prepare(args, kwargs, target, need_target=True)
+        self._run_ops(self.ops)
+        self._stash.clear()
+        if losses is not None and self.stage.is_last:
+            losses.extend(self._raw_losses[i] for i in range(self.microbatches))
+        return sum(self._raw_losses[i] * w for i, w in enumerate(self._weights)) if self.stage.is_last else None
+
+    def eval_step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **kwargs):
+        """Forward only (torch's ``eval()``): the outputs merged along dim 0 on the last stage's rank."""
+        self._prepare(args, kwargs, target, need_target=False)
+        self._outputs: dict[int, Value] = {}
+        self._evaluating = True
+        try:
+            with torch.no_grad():
+                self._run_ops(self._eval_ops)
+        finally:
+            self._evaluating = False
+        if losses is not None and self.stage.is_last and target is not None:
+            losses.extend(self._raw_losses[i] for i in range(self.microbatches))
+        return merge([self._outputs[i] for i in range(self.microbatches)]) if self.stage.is_last else None
+
+    def _prepare(self, args: tuple, kwargs: dict, target: torch.Tensor | None, need_target: bool) -> None:
+        st = self.stage
+        # A refusal here reaches every rank through handshake.agree, so every rank raises it.
+        chunks, targets, error = step_inputs(st, args, kwargs, target if st.is_last else None, self.microbatches,
+                                             self.args_chunk_spec, self.kwargs_chunk_spec, need_target)  # fmt: skip
         boundaries = agree(st, chunks, self.timeout, error, self._known, self._shapes)
         sizes = next(iter(boundaries.values())).sizes
         self._weights = [n / sum(sizes) if self.loss_reduction == "mean" else 1.0 for n in sizes]
@@ -140,47 +163,25 @@ class PipelineExecutor:
         self.memory = Ledger() if self.track_memory else None
         self._transport.start(boundaries, self._hold if self.track_memory else None)
         self.timeline = []
-        self._losses: list[torch.Tensor] = []
-        self._produced: dict[Action, Value | None] = {}  # what an action sends, until its SEND
-        self._messages: dict[Action, Value | None] = {}  # received, until its consumer runs
-        in_flight: dict[Action, list] = {}  # sending action -> its works; a work holds the tensor
-        received: dict[Action, object] = {}  # consuming action -> its posted receive
-        batch: list[Comm] = []
-        start = self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
-        for op in (*self.ops, None):
-            if isinstance(op, Comm) and op.kind in (SEND, RECV):
-                batch.append(op)  # a run of SEND and RECV ops is one batch of point-to-point calls
-                continue
-            if batch:
-                posted = self._transport.post_ops(batch, self._produced)
-                in_flight.update(posted.sending)
-                received.update(posted.receiving)
-                batch = []
-            if op is None:
-                break
-            if isinstance(op, Comm):  # WAIT on an earlier send or receive
-                if op.of == SEND:
-                    self._finish(op.message.sent_by, in_flight.pop(op.message.sent_by, []))
-                elif op.message.taken_by in received:
-                    self._messages[op.message.taken_by] = received.pop(op.message.taken_by).wait(self.timeout)
-                continue
-            self._run_action(op, st, start)
-        self._stash.clear()
-        return torch.stack(self._losses).sum() if st.is_last else None
+        self._raw_losses: dict[int, torch.Tensor] = {}
 
-    def _run_action(self, action: Action, st: RankStages, start: float) -> None:
-        message = self._messages.pop(action, None)
+    def _run_ops(self, ops) -> None:
+        self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
+        run_lowered(ops, self._transport, self.timeout, self._run_action, self._finish)
+
+    def _run_action(self, action: Action, message: Value | None) -> Value | None:
+        st = self.stage
         self._drop("recv", action)
-        began = time.perf_counter() - start
+        began = time.perf_counter() - self.started_at
         produced = HANDLERS[action.kind](self, action, message)
         if self.measure and st.device.type == "cuda":
             torch.cuda.current_stream(st.device).synchronize()  # compute intervals, not launch times
-        self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - start))
-        for s, i in self._freed[action]:  # activations the schedule's liveness frees after this action
-            self._release(s, i, self._stash.pop((s, i)))
+        self.timeline.append(Timed(st.rank, action, began, time.perf_counter() - self.started_at))
+        for s, i in self._freed.get(action, ()):  # activations the schedule's liveness frees after this action
+            self._live[s] -= self._stash.pop((s, i)).nbytes
+            self._drop("stash", Action(s, FORWARD, i))
         self._transport.hand_over(action, produced)
-        if action in self._sending:
-            self._produced[action] = produced
+        return produced
 
     # -- memory accounting ----------------------------------------------------------------------
     def _hold(self, kind: str, action: Action, tensors=(), storages=None) -> None:
@@ -206,8 +207,10 @@ class PipelineExecutor:
             else:
                 y = self.stage.modules[s](x)
         loss = None
-        if s == self.stage.num_stages - 1:
-            loss = self.loss_fn(y, self._targets[i]) * self._weights[i]
+        if s == self.stage.num_stages - 1 and self._targets is not None:
+            raw = self.loss_fn(y, self._targets[i])
+            self._raw_losses[i] = raw.detach()  # keyed: a checkpoint's recomputation gives it again
+            loss = raw * self._weights[i]
         return y, loss, layers
 
     def _saved(self, s: int, x: Value):
@@ -225,6 +228,10 @@ class PipelineExecutor:
             x = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
             x = detached(x, grad=True)  # its floating elements' gradients go back to stage s - 1
+        if self._evaluating:  # forward only: the last stage's output is kept for eval_step
+            y, last = self._run(s, i, x)[0], s == self.stage.num_stages - 1
+            self._outputs.update({i: y} if last else {})
+            return None if last else y
         if recomputes(self.checkpoint, i, self.microbatches):
             rng = rng_state(self.stage.device)
             with torch.no_grad():
@@ -237,10 +244,7 @@ class PipelineExecutor:
             stash = Stashed(x, None, y, loss, layers)
             storages = saved.tensors
         self._keep(s, i, stash, storages)
-        if loss is not None:
-            self._losses.append(loss.detach())
-            return None
-        return detached(y, grad=False)
+        return None if loss is not None else detached(y, grad=False)
 
     def _keep(self, s: int, i: int, stash: Stashed, storages: dict) -> None:
         self._stash[(s, i)] = stash
@@ -254,8 +258,10 @@ class PipelineExecutor:
 
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:
         s, i = action.stage, action.microbatch
-        if action.kind == WEIGHT_GRAD:
-            weight_grad(self._stash[(s, i)].layers)
+        if action.kind == WEIGHT_GRAD:  # outputs None: the weights-only half of a split backward
+            with self.stage.backward_context(s, self._last_backward[s] == action, None):
+                if action not in self._fused:
+                    weight_grad(self._stash[(s, i)].layers)
             return None
         stash = self._stash[(s, i)]
         if stash.rng is not None:  # recompute the forward with the RNG state of the first run (dropout)
@@ -269,18 +275,16 @@ class PipelineExecutor:
             grad = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
         sends = s > 0 and bool(floats(stash.x))  # a gradient goes back for each floating input
-        if action.kind == INPUT_GRAD:
-            out = input_grad(stash.layers, grad, stash.loss)
+        if action.kind == INPUT_GRAD:  # never a stage's last backward: its W comes after it
+            with self.stage.backward_context(s, False, None):
+                run = full_grad if action.at(s, WEIGHT_GRAD) in self._fused else input_grad
+                out = run(stash.layers, grad, stash.loss)
             return (out or tuple(torch.zeros_like(t) for t in floats(stash.x))) if sends else None
         roots, grads = ([stash.loss], None) if stash.loss is not None else pairs(stash.y, grad)
         with self.stage.backward_context(s, self._last_backward[s] == action, roots):
             if roots and all(r.requires_grad for r in roots):
                 torch.autograd.backward(roots, grad_tensors=grads)
         return leaf_grads(stash.x) if sends else None
-
-    def _release(self, s: int, i: int, stash: Stashed) -> None:
-        self._live[s] -= stash.nbytes
-        self._drop("stash", Action(s, FORWARD, i))
 
 
 # What each action kind runs: (executor, action, its incoming message) -> what it sends, or None.

@@ -1,4 +1,4 @@
-"""The per-step shape handshake between stages, with micro-batch splitting and message tags.
+"""The per-step shape handshake between stages, and message tags.
 
 Activations and gradients travel as plain tensors over torch.distributed point-to-point ops
 (Gloo on CPU, NCCL on GPU), so a receiver must allocate the right buffer before the data arrives.
@@ -16,48 +16,13 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from commlab.pipeline.schedule.actions import FORWARD, Action
 from commlab.pipeline.runtime.stages import RankStages
-from commlab.pipeline.runtime.values import MAX_PARTS, Value, check_output, flat, rebuild
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """What crosses from one stage to the next: micro-batch sizes, and per element of the value
-    (one tensor, or each of a tuple's: ``packed``) its per-sample shape and dtype."""
-
-    sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    packed: bool = False
-
-    @classmethod
-    def of(cls, sizes: tuple[int, ...], value: Value) -> Boundary:
-        parts = flat(value)
-        return cls(sizes, tuple(tuple(t.shape[1:]) for t in parts), tuple(t.dtype for t in parts), isinstance(value, tuple))
-
-    def buffers(self, microbatch: int, device: torch.device, grads: bool = False) -> list[torch.Tensor]:
-        """Receive buffers for the value (``grads``: for its gradient, the floating elements only)."""
-        return [torch.empty((self.sizes[microbatch], *shape), dtype=dtype, device=device)
-                for shape, dtype in zip(self.shapes, self.dtypes) if not grads or dtype.is_floating_point]  # fmt: skip
-
-    def sample(self, device: torch.device) -> Value:
-        """A one-sample zero value of this boundary's layout."""
-        zeros = [torch.zeros((1, *shape), dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes)]
-        return rebuild(zeros, self.packed)
-
-
-def split_batch(batch: torch.Tensor, microbatches: int, what: str = "batch") -> tuple[torch.Tensor, ...]:
-    """``microbatches`` slices along dim 0, sizes differing by at most one (torch.tensor_split)."""
-    if batch.dim() == 0 or batch.shape[0] < microbatches:
-        size = batch.shape[0] if batch.dim() else 0
-        raise ValueError(f"{what} of {size} samples cannot be split into {microbatches} micro-batches")
-    return torch.tensor_split(batch, microbatches, dim=0)
+from commlab.pipeline.runtime.values import MAX_PARTS, Boundary, check_output, flat
 
 
 def tag(action: Action, microbatches: int, part: int = 0) -> int:
@@ -90,7 +55,7 @@ def handshake(stage: RankStages, first: tuple[torch.Tensor, ...] | None, timeout
     inputs: dict[int, Boundary | str] = {}
     for s in sorted(stage.modules):
         if s == 0:
-            inputs[s] = Boundary.of(tuple(int(t.shape[0]) for t in first), first[0])
+            inputs[s] = Boundary.of(_sizes(first), first[0])
         elif s not in inputs:
             inputs[s] = _recv_object(stage, stage.global_rank_of(s - 1), s, timeout)
         if s + 1 < stage.num_stages:
@@ -132,18 +97,24 @@ def agree(stage: RankStages, first: tuple[torch.Tensor, ...] | None, timeout: da
     2 (stages - 1) sequential message round trips per step, which at 3 ranks on 2 cores was about
     10% of a 1F1B step; the gather is one collective.
     """
-    mine = (error, None if error or first is None else Boundary.of(tuple(int(t.shape[0]) for t in first), first[0]))
+    mine = (error, None if error or first is None else Boundary.of(_sizes(first), first[0]))
     found = _all_gather_object(stage, mine, timeout)
     refused = [e for e, _ in found if e]
     if refused:
         raise HandshakeError(error or refused[0])
     b0 = next(b for _, b in found if b is not None)
     if b0 not in known:
-        boundaries = handshake(stage, first, timeout, cache)
+        # A traced model's boundaries are static and known to every rank: no chain of messages.
+        boundaries = stage.boundaries(b0.sizes) or handshake(stage, first, timeout, cache)
         if len(known) >= KNOWN_INPUTS:
             known.pop(next(iter(known)))  # oldest first: the same on every rank
         known[b0] = boundaries
     return known[b0]
+
+
+def _sizes(first) -> tuple[int, ...]:
+    """Micro-batch sizes: the first dimension of each micro-batch's first tensor."""
+    return tuple(int(flat(t)[0].shape[0]) for t in first)
 
 
 def _all_gather_object(stage: RankStages, obj, timeout: datetime.timedelta) -> list:

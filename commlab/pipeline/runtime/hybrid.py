@@ -10,15 +10,23 @@ the reducer too early. We therefore do what torch.distributed.pipelining's stage
 ``no_sync()``; just before the last backward we arm the reducer ourselves
 (``reducer.prepare_for_backward``). Its buckets are then all-reduced while the rest of that last
 backward runs, and the end of backward waits for them, averaging the accumulated gradients.
+
+Zero-bubble schedules split a stage's backward into I and W, and W may be several backward calls
+(one per layer) while DDP's reducer is armed for one. So a split stage runs all of them under
+``no_sync()`` and, right after its last W, all-reduces its accumulated gradients itself (one
+flattened all-reduce over the data-parallel group, averaged as DDP averages). ``no_sync()`` on
+the stages accumulates gradients over several steps, reducing nothing until the first step
+outside it (DDP's ``no_sync`` across a pipeline step; torch's pipeline stage has the same switch).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from commlab.ddp import DistributedDataParallel
@@ -29,26 +37,28 @@ from commlab.runtime.topology import Topology
 class DataParallelStage(RankStages):
     """This rank's stages in a pp x dp grid, each wrapped in DDP over ``topology.dp_group``.
 
+    The model is cut as :class:`RankStages` cuts it: ``balance`` for an nn.Sequential, or
+    ``split_points`` with ``example_args`` / ``example_kwargs`` for any module (keywords).
     ``ddp_options`` go to :class:`commlab.DistributedDataParallel` (e.g. ``bucket_cap_mb``).
     """
 
-    # DDP's reducer is armed for one backward call; a split I/W backward is two calls per
-    # micro-batch, so zero-bubble schedules are refused here (PipelineExecutor raises).
-    supports_split_backward = False
-
     def __init__(
         self,
-        model: nn.Sequential,
-        balance: Sequence[int],
-        topology: Topology,
+        model: nn.Module,
+        balance: Sequence[int] | None = None,
+        topology: Topology | None = None,
         *,
         placement: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        split_points: Sequence[str] | None = None,
+        example_args: tuple | None = None,
+        example_kwargs: dict | None = None,
         **ddp_options: Any,
     ):
-        if topology.pp_group is None or topology.dp_group is None:
+        if topology is None or topology.pp_group is None or topology.dp_group is None:
             raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
-        super().__init__(model, balance, placement, group=topology.pp_group, device=device)
+        super().__init__(model, balance, placement, split_points=split_points, example_args=example_args,
+                         example_kwargs=example_kwargs, group=topology.pp_group, device=device)  # fmt: skip
         self.topology = topology
         # Wrap in stage order: DDP's constructor is collective over the data-parallel group. A stage
         # without trainable parameters (an activation, Dropout) has nothing to synchronise: it
@@ -57,20 +67,46 @@ class DataParallelStage(RankStages):
             s: DistributedDataParallel(m, process_group=topology.dp_group, **ddp_options) if _trainable(m) else m
             for s, m in sorted(self.modules.items())
         }
+        self._accumulating = False
+        self.reductions = {s: 0 for s in self.modules}  # gradient all-reduces after a split stage's last W
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside accumulate gradients locally; the first step after it reduces them all."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     def forward_context(self, stage: int) -> ContextManager:
         ddp = self.modules[stage]
         return ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext()
 
-    def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor]) -> ContextManager:
+    def backward_context(self, stage: int, last: bool, outputs: Sequence[torch.Tensor] | None) -> ContextManager:
         ddp = self.modules[stage]
         if not isinstance(ddp, DistributedDataParallel):
             return contextlib.nullcontext()
-        if not last:
+        if outputs is None and last and not self._accumulating:  # a split stage's last W
+            return self._reduce_after(stage, ddp)
+        if not last or outputs is None or self._accumulating:
             return ddp.no_sync()
         ddp.reducer.start_iteration()
         ddp.reducer.prepare_for_backward(list(outputs))
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _reduce_after(self, stage: int, ddp: DistributedDataParallel) -> Iterator[None]:
+        with ddp.no_sync():
+            yield
+        grads = [p.grad for p in ddp.module.parameters() if p.requires_grad and p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.topology.dp_group)
+            flat /= dist.get_world_size(self.topology.dp_group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        self.reductions[stage] += 1
 
 
 def _trainable(module: nn.Module) -> bool:

@@ -117,3 +117,37 @@ class Transport:
 
     def take_local(self, action: Action) -> Value | None:
         return self.local.pop(action, None)
+
+
+def run_lowered(ops: Sequence, transport: Transport, timeout: datetime.timedelta,
+                compute: Callable[[Action, Value | None], Value | None],
+                sent: Callable[[Action, list], None]) -> None:  # fmt: skip
+    """Run one rank's lowered list: each run of SEND and RECV ops is one batch of point-to-point
+    calls, a WAIT waits on an earlier send (``sent(action, works)``) or receive, and a compute
+    action runs as ``compute(action, its incoming message)``, which returns what it sends."""
+    sending = {op.message.sent_by for op in ops if isinstance(op, Comm) and op.kind == SEND}
+    produced: dict[Action, Value | None] = {}  # what an action sends, until its SEND
+    messages: dict[Action, Value | None] = {}  # received, until its consumer runs
+    in_flight: dict[Action, list] = {}  # sending action -> its works; a work holds the tensor
+    received: dict[Action, Posted] = {}  # consuming action -> its posted receive
+    batch: list[Comm] = []
+    for op in (*ops, None):
+        if isinstance(op, Comm) and op.kind in (SEND, RECV):
+            batch.append(op)
+            continue
+        if batch:
+            posted = transport.post_ops(batch, produced)
+            in_flight.update(posted.sending)
+            received.update(posted.receiving)
+            batch = []
+        if op is None:
+            break
+        if isinstance(op, Comm):  # WAIT on an earlier send or receive
+            if op.of == SEND:
+                sent(op.message.sent_by, in_flight.pop(op.message.sent_by, []))
+            elif op.message.taken_by in received:
+                messages[op.message.taken_by] = received.pop(op.message.taken_by).wait(timeout)
+            continue
+        out = compute(op, messages.pop(op, None))
+        if op in sending:
+            produced[op] = out

@@ -11,11 +11,41 @@ value, in order (:func:`floats`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 Value = torch.Tensor | tuple  # a tensor, or a tuple of tensors
 MAX_PARTS = 16  # elements of a tuple crossing a boundary (each needs its own message tag)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses from one stage to the next: micro-batch sizes, and per element of the value
+    (one tensor, or each of a tuple's: ``packed``) its per-sample shape and dtype (``whole``: its
+    whole shape, the same for every micro-batch, as a traced model's static shapes are)."""
+
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    packed: bool = False
+    whole: bool = False
+
+    @classmethod
+    def of(cls, sizes: tuple[int, ...], value: Value) -> Boundary:
+        parts = flat(value)
+        return cls(sizes, tuple(tuple(t.shape[1:]) for t in parts), tuple(t.dtype for t in parts), isinstance(value, tuple))
+
+    def buffers(self, microbatch: int, device: torch.device, grads: bool = False) -> list[torch.Tensor]:
+        """Receive buffers for the value (``grads``: for its gradient, the floating elements only)."""
+        lead = () if self.whole else (self.sizes[microbatch],)
+        return [torch.empty((*lead, *shape), dtype=dtype, device=device)
+                for shape, dtype in zip(self.shapes, self.dtypes) if not grads or dtype.is_floating_point]  # fmt: skip
+
+    def sample(self, device: torch.device) -> Value:
+        """A one-sample zero value of this boundary's layout."""
+        zeros = [torch.zeros((1, *shape), dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes)]
+        return rebuild(zeros, self.packed)
 
 
 def flat(value: Value | None) -> tuple[torch.Tensor, ...]:

@@ -6,8 +6,9 @@ process group, so every schedule is tested as literal lists. :data:`REGISTRY` is
 schedule is declared (:class:`ScheduleSpec`: builder, placement, action kinds, what it accepts);
 the executor, the CLI, the validator and the benchmark all read it.
 
-gpipe, 1f1b and interleaved use the looping placement (stage s on rank s % p); the zero-bubble
-schedules are in :mod:`commlab.pipeline.schedule.zero_bubble`.
+gpipe, 1f1b, interleaved and looped-bfs use the looping placement (stage s on rank s % p); the
+zero-bubble schedules (zb-h1, zb-v, interleaved-zb, dualpipev) are in
+:mod:`commlab.pipeline.schedule.zero_bubble`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from commlab.pipeline.schedule.actions import (
     num_stages,
     v_shape,
 )
-from commlab.pipeline.schedule.zero_bubble import zb_h1, zb_v
+from commlab.pipeline.schedule.zero_bubble import deferred_weights, dualpipev, zb_h1, zb_v
 
 __all__ = ["Action", "Actions", "REGISTRY", "ScheduleSpec", "build", "format_actions", "num_stages", "register"]
 
@@ -116,13 +117,29 @@ def _interleaved_rank(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     return tuple(warm + steady + cool)
 
 
+def looped_bfs(ranks: int, microbatches: int, virtual: int = 2) -> Actions:
+    """Looped breadth-first (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023; torch's
+    ScheduleLoopedBFS): each rank runs every micro-batch's forward through its first stage, then
+    its next stage, ...; then the backwards, last stage first, micro-batches in reverse order (as
+    torch does). Looping placement; all m micro-batches stay alive on every stage, as in GPipe."""
+    _check(ranks, microbatches, virtual)
+    return tuple(_looped_bfs_rank(r, ranks, microbatches, virtual) for r in range(ranks))
+
+
+def _looped_bfs_rank(r: int, p: int, m: int, v: int) -> tuple[Action, ...]:
+    stages = [k * p + r for k in range(v)]
+    forward = [Action(s, FORWARD, i) for s in stages for i in range(m)]
+    return tuple(forward + [Action(s, BACKWARD, i) for s in reversed(stages) for i in reversed(range(m))])
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A registered schedule: everything the executor, CLI, validator and benchmark need to know.
 
     ``build(ranks, microbatches, virtual)`` returns the actions; ``placement(ranks, stages)`` the
     rank of each stage; ``kinds`` the action kinds it uses; ``virtual`` the stages per rank it
-    accepts (None: any); ``multiple``: micro-batches must be a multiple of the ranks; ``torch``:
+    accepts (None: any); ``multiple``: micro-batches must be a multiple of the ranks; ``fill``: at
+    least as many micro-batches as stages; ``torch``:
     the torch.distributed.pipelining class running the same order (for the benchmark), or None.
     """
 
@@ -132,6 +149,7 @@ class ScheduleSpec:
     kinds: frozenset[str] = frozenset({FORWARD, BACKWARD})
     virtual: tuple[int, ...] | None = (1,)
     multiple: bool = False
+    fill: bool = False
     torch: str | None = None
     doc: str = ""
 
@@ -145,6 +163,9 @@ class ScheduleSpec:
         if self.multiple and microbatches % ranks:
             raise ValueError(f"schedule {self.name!r} needs micro-batches to be a multiple of the ranks: "
                              f"{microbatches} micro-batches, {ranks} ranks")  # fmt: skip
+        if self.fill and microbatches < ranks * virtual:
+            raise ValueError(f"schedule {self.name!r} needs at least as many micro-batches as stages: "
+                             f"{microbatches} micro-batches, {ranks * virtual} stages")  # fmt: skip
 
 
 REGISTRY: dict[str, ScheduleSpec] = {}
@@ -165,6 +186,14 @@ register(ScheduleSpec("zb-h1", lambda p, m, v: zb_h1(p, m), kinds=frozenset({FOR
 register(ScheduleSpec("zb-v", lambda p, m, v: zb_v(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
                       kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleZBVZeroBubble",
                       doc="zero bubble V, two stages per rank"))  # fmt: skip
+register(ScheduleSpec("looped-bfs", looped_bfs, virtual=None, torch="ScheduleLoopedBFS",
+                      doc="looped breadth-first, looping placement"))  # fmt: skip
+register(ScheduleSpec("interleaved-zb", lambda p, m, v: deferred_weights(interleaved(p, m, v)), virtual=None,
+                      multiple=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}),
+                      doc="interleaved 1F1B, backward split, weights deferred"))  # fmt: skip
+register(ScheduleSpec("dualpipev", lambda p, m, v: dualpipev(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
+                      fill=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleDualPipeV",
+                      doc="DualPipe on the V placement, m >= 2p"))  # fmt: skip
 SCHEDULES = tuple(REGISTRY)  # the built-in names; REGISTRY also holds any registered later
 
 

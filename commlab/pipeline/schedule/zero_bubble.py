@@ -11,6 +11,16 @@ on rank 0: "ZB-H1 ... the same peak memory as 1F1B", section 3.1). The deferred 
 cool-down, where 1F1B's ranks idle waiting for gradients. Bubble about (p-1)(F+I-W) instead of
 (p-1)(F+I+W).
 
+``deferred_weights``: any order's backward split into I then W, rank r holding back r weight
+gradients as ZB-H1 does; applied to interleaved 1F1B it is the ``interleaved-zb`` schedule (the
+interleaved zero-bubble family of torch's ScheduleInterleavedZeroBubble, not its exact order).
+
+``dualpipev``: DeepSeek-V3's DualPipe folded onto the V placement (DeepSeek-AI, "DeepSeek-V3
+Technical Report", 2024, section 3.2.1; torch's ScheduleDualPipeV), in eight phases per rank
+(:func:`dualpipev`). Its steady state pairs the forward of one micro-batch on one of the rank's
+stages with the backward of another on the other stage; torch's runtime runs such an
+OVERLAP_F_B pair as its forward then its backward, and so does this list, as two actions.
+
 ``zb_v``: two stages per rank in the V placement [0, 1, ..., p-1, p-1, ..., 0] (section 6), built
 by a greedy list scheduler on equal-time actions in which a message between ranks takes one
 action to arrive: a free rank runs a ready I first (it unblocks a peer), then a ready F (the
@@ -21,7 +31,7 @@ the list fill it with other work instead of counting on free messages (see ``LAT
 
 from __future__ import annotations
 
-from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
 from commlab.pipeline.schedule.kinds import dependencies
 
 
@@ -43,6 +53,86 @@ def _zb_h1_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
             out.append(Action(r, WEIGHT_GRAD, done_w))
             done_w += 1
     out += [Action(r, WEIGHT_GRAD, i) for i in range(done_w, m)]
+    return tuple(out)
+
+
+def deferred_weights(actions: Actions) -> Actions:
+    """Each B split into I, and its W run after rank r's next r input gradients (the rest at the
+    end). A W needs only its own I, on its own rank, so any valid order stays valid."""
+    out = []
+    for r, rank in enumerate(actions):
+        lst: list[Action] = []
+        pending: list[Action] = []
+        for a in rank:
+            if a.kind != BACKWARD:
+                lst.append(a)
+                continue
+            lst.append(a.at(a.stage, INPUT_GRAD))
+            pending.append(a.at(a.stage, WEIGHT_GRAD))
+            if len(pending) > r:
+                lst.append(pending.pop(0))
+        out.append(tuple(lst + pending))
+    return tuple(out)
+
+
+def dualpipev(ranks: int, microbatches: int) -> Actions:
+    """DualPipeV's order (module docstring); m >= 2p. Every stage runs I and W: where DualPipeV
+    runs a full backward, the list has its I then at once its W, the same computation."""
+    p, m = ranks, microbatches
+    if m < 2 * p:
+        raise ValueError(f"schedule 'dualpipev' needs at least as many micro-batches as stages: "
+                         f"{m} micro-batches, {2 * p} stages")  # fmt: skip
+    return tuple(_dualpipev_rank(r, p, m) for r in range(p))
+
+
+def _dualpipev_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
+    down, up = r, 2 * p - 1 - r  # the rank's stage on the way down the V, and on the way up
+    out: list[Action] = []
+    fwd, bwd = {down: 0, up: 0}, {down: 0, up: 0}  # next micro-batch per stage
+    weights: list[Action] = []  # W's held back after a split backward's I, run where there is room
+
+    def forward(stage: int) -> None:
+        out.append(Action(stage, FORWARD, fwd[stage]))
+        fwd[stage] += 1
+
+    def grad(stage: int, split: bool) -> None:  # split: W held back; else a full backward, I then W
+        out.append(Action(stage, INPUT_GRAD, bwd[stage]))
+        (weights if split else out).append(Action(stage, WEIGHT_GRAD, bwd[stage]))
+        bwd[stage] += 1
+
+    def weight() -> None:
+        if weights:
+            out.append(weights.pop(0))
+
+    for _ in range(2 * (p - r - 1)):  # 1. forwards down the V fill the pipeline
+        forward(down)
+    for _ in range(r + 1):  # 2. both stages' forwards
+        forward(down)
+        forward(up)
+    for _ in range(p - r - 1):  # 3. zero-bubble steps on the way up: I, a held-back W, F
+        grad(up, True)
+        weight()
+        forward(up)
+    for _ in range(m - 2 * p + r + 1):  # 4. steady state: (F down, B up), then (F up, B down)
+        forward(down)
+        grad(up, False)
+        forward(up)
+        grad(down, False)
+    for _ in range(p - r - 1):  # 5. B up, then (F up, B down)
+        grad(up, False)
+        forward(up)
+        grad(down, False)
+    split = False
+    for k in range(r + 1):  # 6. the last backwards; the second half of them split into I and W
+        split = split or (k == (r + 1) // 2 and r % 2 == 1)
+        grad(up, split)
+        split = split or (k == (r + 1) // 2 and r % 2 == 0)
+        grad(down, split)
+    for _ in range(p - r - 1):  # 7. a held-back W, then B down
+        weight()
+        grad(down, split)
+    while weights:  # 8. the remaining W's
+        weight()
     return tuple(out)
 
 
