@@ -11,7 +11,7 @@ import pandas as pd
 from click.testing import CliRunner
 
 from commlab._atomic import write_text
-from commlab._interrupt import keep_partial
+from commlab.runtime.interrupt import keep_partial
 
 
 def _command(interrupt, rows_before):

@@ -34,7 +34,7 @@ import torch
 
 import commlab
 from commlab.bench.alpha_beta import format_size
-from commlab._interrupt import keep_partial
+from commlab.runtime.interrupt import keep_partial
 from commlab.bench.collectives_plugins import Collective, collective_names, get_collective
 from commlab.bench.collectives_ratio import ratio_lines
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, write_outputs

@@ -27,7 +27,7 @@ import click
 
 import commlab
 from commlab._atomic import write_text
-from commlab._interrupt import keep_partial
+from commlab.runtime.interrupt import keep_partial
 from commlab.runtime.orphans import private_tempdir
 
 

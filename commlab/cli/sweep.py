@@ -58,7 +58,7 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     same keys, e.g. sweeps/reference.yaml).
     """
     import commlab
-    from commlab._interrupt import keep_partial
+    from commlab.runtime.interrupt import keep_partial
     from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
     from commlab.sweep import runner, store
     from commlab.sweep.spec import grid_change, grid_signature, grid_union
