@@ -282,3 +282,16 @@ def run_world3() -> dict:
         cases[f"s{stage}-units"] = against_ddp(stage, units=True, prefetch=2)
         cases[f"s{stage}-no_sync"] = against_ddp(stage, "adamw", micro=2)
     return {"cases": cases, "fully_shard": against_fully_shard(), "state": {3: state_dicts(3)}}
+
+
+def run_ring() -> dict:
+    """Stages 1-3 on commlab's ring reduce-scatter, all-gather and all-reduce (algorithm="ring")."""
+    warnings.simplefilter("ignore", FutureWarning)
+    cases = {}
+    for stage in (1, 2, 3):
+        cases[f"s{stage}-split"] = against_ddp(stage, bucket_cap_mb=SPLIT_MB, algorithm="ring")
+        cases[f"s{stage}-units"] = against_ddp(stage, "sgd", units=True, prefetch=2, algorithm="ring")
+    cases["s2-no_sync"] = against_ddp(2, "adamw", micro=2, algorithm="ring")
+    cases["s3-no-reshard"] = against_ddp(3, "adamw", bucket_cap_mb=SPLIT_MB, reshard_after_forward=False,
+                                         algorithm="ring")
+    return {"cases": cases}

@@ -191,7 +191,10 @@ def test_bad_prefetch_bucket_cap_reshard_and_algorithm_are_refused():
     assert "prefetch" in _error(prefetch=1.5)
     assert "bucket_cap_mb" in _error(bucket_cap_mb=0)
     assert "reshard_after_forward" in _error(reshard_after_forward="yes")
-    assert "native" in _error(algorithm="ring")
+    for algorithm in ("tree", "halving_doubling", "carrier-pigeon"):
+        message = _error(algorithm=algorithm)
+        assert f"algorithm={algorithm!r}" in message and "native, ring" in message
+    assert "all-reduce only" in _error(algorithm="tree")
 
 
 def test_bad_units_are_refused():

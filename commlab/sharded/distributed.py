@@ -25,7 +25,9 @@ Contract, and what is not supported:
 - The module's buffers are not broadcast after construction (torch's fully_shard does not either).
 - ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
-- ``algorithm`` accepts only "native" (the backend's reduce-scatter, all-gather and all-reduce).
+- ``algorithm``: "native" (the backend's reduce-scatter, all-gather and all-reduce) or a p2p
+  algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring");
+  others are refused with a ValueError naming those that do (commlab/sharded/comm.py).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class ShardedDataParallel(nn.Module):
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
         buckets = [
-            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group)
+            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm)
             for i, idx in enumerate(plan.buckets)
         ]
         self.shards = nn.ParameterList([b.shard for b in buckets])
