@@ -71,7 +71,11 @@ def against_ddp(
     ours = ShardedDataParallel(base, stage=stage, **kw)
     opt_o, opt_t = OPTIMIZERS[opt](ours.parameters()), OPTIMIZERS[opt](theirs.parameters())
     memory = {}
-    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, lambda: memory.update(_memory(ours, opt_o)))
+    def at_end_of_step():
+        memory.update(_memory(ours, opt_o))
+        memory["gathers_in_flight"] = len(ours._engine.gathers)  # launched by the step's post-hook
+
+    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, at_end_of_step)
     _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None)
     result = _diff(ours.state_dict(), theirs.module.state_dict())
     result["buckets"] = ours.bucket_names
@@ -81,6 +85,7 @@ def against_ddp(
     result["timings"] = (len(timings), [sorted({c.kind for c in t.collectives}) for t in timings[-1:]],
                          [len(t.collectives) for t in timings[-1:]])
     result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
+    result["gathers_before_forward"] = sum(c.kind == "all_gather" and c.launched < 0 for c in timings[-1].collectives)
     result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, MODELS[model](frozen))
     result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
     return result

@@ -11,8 +11,8 @@ Every implementation runs in a launch of its own (fresh processes), and launches
 (A B, then B A, ...): two models in one process share one heap, and whichever allocates second
 page-faults into memory the first one freed, which would decide the ratio (see
 :func:`commlab.bench.ddp_bench.keep_freed_memory`). A launch times ``iters`` steps (zero_grad,
-forward, backward, step) after ``warmup``; a step's time is the slowest rank's, and a launch
-gives its median. The command prints, per implementation, the median over launches of those
+forward, backward, step) after ``warmup``, back to back (each from its start to the next one's);
+a step's time is the slowest rank's, and a launch gives its median. The command prints, per implementation, the median over launches of those
 medians, and per comparison their ratio with the spread of the per-launch ratios (launch i of
 one against launch i of the other: p10 / median / p90 and min-max):
 
@@ -88,18 +88,22 @@ def _bench_rank(cfg: dict) -> dict:
     gen = torch.Generator().manual_seed(1 + rt.rank)
     batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
     fresh = fresh_memory_counter(rt.device)
-    times, cpu, faults = [], [], []
-    for i in range(cfg["warmup"] + cfg["iters"]):
+    stamps = []  # (wall, cpu, faults) at the start of each step, and after the last
+    steps = cfg["warmup"] + cfg["iters"]
+    dist.barrier()
+    for i in range(steps + 1):
+        stamps.append((time.perf_counter(), time.process_time(), fresh()))
+        if i == steps:
+            break
         x, y = batches[i % len(batches)]
-        dist.barrier()
-        start_faults, start, start_cpu = fresh(), time.perf_counter(), time.process_time()
         opt.zero_grad()
         work.loss_fn(model(x), y).backward()
         opt.step()
-        if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-            faults.append(fresh() - start_faults)
+    # A step is timed from its start to the next step's start, with no barrier between: work that
+    # an implementation leaves in flight after its step (an all-gather launched by the optimizer
+    # step) is waited for inside the next step, not hidden in a barrier.
+    timed = list(zip(stamps[cfg["warmup"] :], stamps[cfg["warmup"] + 1 :]))
+    times, cpu, faults = ([b[k] - a[k] for a, b in timed] for k in range(3))
     return {"times": times, "cpu": cpu, "faults": faults, "params": params, "kept": kept}
 
 
