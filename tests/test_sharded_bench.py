@@ -21,9 +21,11 @@ def test_the_ratio_of_medians_and_the_spread_of_per_launch_ratios_over_launches_
     assert s["range"] == (1.0, 2.0) and s["spread"] == pytest.approx((1.1, 1.5, 1.9))
 
 
-@pytest.mark.parametrize("args, message", [(["--compare", "deepspeed"], "--compare"), (["--compare", ","], "--compare"),
-                                           (["--launches", "0"], "--launches"), (["--prefetch", "-1"], "--prefetch"),
-                                           (["--bucket-mb", "0"], "--bucket-mb")])
+BAD = [(["--compare", "deepspeed"], "--compare"), (["--compare", ","], "--compare"), (["--launches", "0"], "--launches"),
+       (["--prefetch", "-1"], "--prefetch"), (["--bucket-mb", "0"], "--bucket-mb"), (["--algorithm", "tree"], "--algorithm")]
+
+
+@pytest.mark.parametrize("args, message", BAD)
 def test_bad_options_fail_before_any_rank_starts(args, message):
     result = CliRunner().invoke(bench_sharded, args)
     assert result.exit_code == 2 and message in result.output
@@ -31,11 +33,11 @@ def test_bad_options_fail_before_any_rank_starts(args, message):
 
 def test_a_tiny_run_prints_both_comparisons_with_their_rows():
     args = ["--depth", "2", "--width", "32", "--batch", "4", "--iters", "2", "--warmup", "1", "--launches", "1",
-            "--timeout", "120"]
+            "--algorithm", "ring", "--timeout", "120"]
     result = CliRunner().invoke(bench_sharded, args)
     assert result.exit_code == 0, result.output
     lines = [line.strip() for line in result.output.splitlines()]
-    assert "world 2, gloo" in result.output and "1 launches each" in result.output
+    assert "world 2, gloo, commlab's collectives ring" in result.output and "1 launches each" in result.output
     for label in ("commlab stage 3", "torch fully_shard", "commlab stage 2", "commlab DDP"):
         row = next(line for line in lines if line.startswith(label) and " vs " not in line)
         assert len(row[len(label):].split()) == 3 and all(float(v) >= 0 for v in row[len(label):].split())

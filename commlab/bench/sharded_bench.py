@@ -7,6 +7,11 @@ Two comparisons, each a pair of implementations on the same MLP, the same batche
 - ``ddp``: commlab's stage 2 against commlab's DistributedDataParallel, the same bucket cap
   (stage 2 moves the bytes DDP's all-reduce moves, as a reduce-scatter plus an all-gather).
 
+``--algorithm`` picks the collectives of commlab's three (torch's fully_shard always runs the
+backend's): on Gloo the backend's reduce-scatter and all-gather cost more CPU time than its
+all-reduce of the same bytes, commlab's ring ones do not, so ``--algorithm ring`` compares
+stage 2 and DDP on collectives of one kind.
+
 Every implementation runs in a launch of its own (fresh processes), and launches alternate
 (A B, then B A, ...): two models in one process share one heap, and whichever allocates second
 page-faults into memory the first one freed, which would decide the ratio (see
@@ -18,6 +23,7 @@ one against launch i of the other: p10 / median / p90 and min-max):
 
     commlab bench sharded                                  # 8 x 1024 MLP, 6 launches each
     commlab bench sharded --compare fully_shard --launches 10 --no-reshard
+    commlab bench sharded --compare ddp --algorithm ring   # commlab's ring collectives in both
     commlab bench sharded --depth 4 --width 2048 --batch 8
 
 The options are declared in :mod:`commlab.cli.bench`; this module is the run.
@@ -54,11 +60,11 @@ def wrap(impl: str, model, cfg: dict):
     units = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if impl == "stage3":
         return ShardedDataParallel(model, stage=3, units=units, prefetch=cfg["prefetch"],
-                                   reshard_after_forward=cfg["reshard"])
+                                   reshard_after_forward=cfg["reshard"], algorithm=cfg["algorithm"])
     if impl == "stage2":
-        return ShardedDataParallel(model, stage=2, bucket_cap_mb=cfg["bucket_mb"])
+        return ShardedDataParallel(model, stage=2, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
     if impl == "ddp":
-        return commlab.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"])
+        return commlab.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
     if impl == "fully_shard":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -155,7 +161,7 @@ def _report(done: dict[str, list[dict]], facts: dict, cfg: dict, comparisons: li
     reshard = "reshard after forward" if cfg["reshard"] else "no reshard after forward"
     click.echo(
         f"model mlp ({cfg['depth']} x {cfg['width']}), {facts['params'] / 1e6:.1f} M params, batch {cfg['batch']}/rank, "
-        f"world {world_size}, {backend}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
+        f"world {world_size}, {backend}, commlab's collectives {cfg['algorithm']}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
         "slowest rank per step, median per launch"
     )
     heap = "fixed glibc trim/mmap thresholds" if facts["kept"] else "the allocator's default heap trimming"

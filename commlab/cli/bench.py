@@ -7,7 +7,7 @@ commands, so ``--help`` and bad input answer in a fraction of a second.
 
 \b
     commlab bench ddp --bucket-mb 5 --algorithm ring
-    commlab bench sharded --compare fully_shard,ddp --launches 6
+    commlab bench sharded --compare fully_shard,ddp --launches 6 --algorithm ring
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
 """
 
@@ -175,14 +175,16 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 @click.option("--prefetch", default=1, show_default=True, type=click.IntRange(min=0), help="commlab stage 3's prefetch")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="bucket_cap_mb (MiB) of stage 2 and of commlab DDP")
+@click.option("--algorithm", default="native", show_default=True,
+              help="collectives of commlab's stages and DDP: native (the backend's) or ring (commlab's p2p)")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
 @click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
               help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, as bench ddp)")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds before a launch is abandoned")
 @_OVERSUBSCRIBE
-def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, reshard, prefetch, bucket_mb, world_size,
-                  glibc_trim, timeout, oversubscribe):
+def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, reshard, prefetch, bucket_mb, algorithm,
+                  world_size, glibc_trim, timeout, oversubscribe):
     """commlab sharded DP vs torch fully_shard and commlab DDP, alternating separate launches (Gloo, CPU)."""
     # Inside the command: the module itself imports no torch (its ranks do), but is not needed for --help.
     from commlab.bench import sharded_bench
@@ -192,9 +194,14 @@ def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, res
     if not names or unknown:
         raise click.BadParameter(f"unknown comparison(s) {', '.join(unknown) or repr(comparisons)}: choose from "
                                  f"{', '.join(sharded_bench.COMPARISONS)}", param_hint="--compare")
+    from commlab.sharded.comm import ALGORITHMS  # imports torch: after --help
+
+    if algorithm not in ALGORITHMS:
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(ALGORITHMS)} (the algorithms with a "
+                                 "reduce-scatter and an all-gather)", param_hint="--algorithm")
     params = depth * width * (width + 1) + 10 * (width + 1)
     # fp32 parameters, gradients and the gathered or bucketed copies of both: about 4 copies a rank
     _check_capacity(world_size, 4 * 4 * params, oversubscribe)
     sharded_bench.run(dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, reshard=reshard,
-                           prefetch=prefetch, bucket_mb=bucket_mb, keep_freed=not glibc_trim),
+                           prefetch=prefetch, bucket_mb=bucket_mb, algorithm=algorithm, keep_freed=not glibc_trim),
                       comparisons=names, launches=launches, world_size=world_size, backend="gloo", timeout=timeout)
