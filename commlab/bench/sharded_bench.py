@@ -17,9 +17,10 @@ Every implementation runs in a launch of its own (fresh processes), and launches
 page-faults into memory the first one freed, which would decide the ratio (see
 :func:`commlab.bench.ddp_bench.keep_freed_memory`). A launch times ``iters`` steps (zero_grad,
 forward, backward, step) after ``warmup``, back to back (each from its start to the next one's);
-a step's time is the slowest rank's, and a launch gives its median. The command prints, per implementation, the median over launches of those
-medians, and per comparison their ratio with the spread of the per-launch ratios (launch i of
-one against launch i of the other: p10 / median / p90 and min-max):
+a step's time is the slowest rank's, and a launch gives its median. The command prints, per
+implementation, the median over launches of those medians, and per comparison their ratio with
+the spread of the per-launch ratios (launch i of one against launch i of the other: p10 /
+median / p90 and min-max), in wall time and in process CPU time (steadier on a busy machine):
 
     commlab bench sharded                                  # 8 x 1024 MLP, 6 launches each
     commlab bench sharded --compare fully_shard --launches 10 --no-reshard
