@@ -66,6 +66,11 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group, algorithm: st
     """The sum over ranks of ``full``'s rank-r block into rank r's ``shard``. A p2p algorithm
     reduces in place (``full`` ends holding partial sums elsewhere) and copies the block out."""
     if algorithm == "native":
+        if dist.get_backend(group) == "gloo":
+            # Gloo's list reduce-scatter is its own algorithm; its flat-tensor one cost 1.5x the CPU
+            # time here (33 against 22 ms for 32 MiB at world size 2, under load; 2026-11-25).
+            chunks = list(full.chunk(dist.get_world_size(group)))
+            return dist.reduce_scatter(shard, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     body, own = _P2P[algorithm][0], _block(full, group)
 
