@@ -71,7 +71,11 @@ def against_ddp(
     ours = ShardedDataParallel(base, stage=stage, **kw)
     opt_o, opt_t = OPTIMIZERS[opt](ours.parameters()), OPTIMIZERS[opt](theirs.parameters())
     memory = {}
-    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, lambda: memory.update(_memory(ours, opt_o)))
+    def at_end_of_step():
+        memory.update(_memory(ours, opt_o))
+        memory["gathers_in_flight"] = len(ours._engine.gathers)  # launched by the step's post-hook
+
+    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, at_end_of_step)
     _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None)
     result = _diff(ours.state_dict(), theirs.module.state_dict())
     result["buckets"] = ours.bucket_names
@@ -81,6 +85,7 @@ def against_ddp(
     result["timings"] = (len(timings), [sorted({c.kind for c in t.collectives}) for t in timings[-1:]],
                          [len(t.collectives) for t in timings[-1:]])
     result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
+    result["gathers_before_forward"] = sum(c.kind == "all_gather" and c.launched < 0 for c in timings[-1].collectives)
     result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, MODELS[model](frozen))
     result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
     return result
@@ -282,3 +287,16 @@ def run_world3() -> dict:
         cases[f"s{stage}-units"] = against_ddp(stage, units=True, prefetch=2)
         cases[f"s{stage}-no_sync"] = against_ddp(stage, "adamw", micro=2)
     return {"cases": cases, "fully_shard": against_fully_shard(), "state": {3: state_dicts(3)}}
+
+
+def run_ring() -> dict:
+    """Stages 1-3 on commlab's ring reduce-scatter, all-gather and all-reduce (algorithm="ring")."""
+    warnings.simplefilter("ignore", FutureWarning)
+    cases = {}
+    for stage in (1, 2, 3):
+        cases[f"s{stage}-split"] = against_ddp(stage, bucket_cap_mb=SPLIT_MB, algorithm="ring")
+        cases[f"s{stage}-units"] = against_ddp(stage, "sgd", units=True, prefetch=2, algorithm="ring")
+    cases["s2-no_sync"] = against_ddp(2, "adamw", micro=2, algorithm="ring")
+    cases["s3-no-reshard"] = against_ddp(3, "adamw", bucket_cap_mb=SPLIT_MB, reshard_after_forward=False,
+                                         algorithm="ring")
+    return {"cases": cases}

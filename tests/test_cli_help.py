@@ -41,7 +41,8 @@ except SystemExit:
     pass
 print("TORCH", "torch" in sys.modules)
 """
-OWN_COMMANDS = [["sweep"], ["figures"], ["trace"], ["bench"], ["bench", "ddp"], ["bench", "collectives"]]
+OWN_COMMANDS = [["sweep"], ["figures"], ["trace"], ["bench"], ["bench", "ddp"], ["bench", "sharded"],
+                ["bench", "collectives"]]
 
 
 def test_each_command_help_imports_no_torch_and_names_nothing_private():

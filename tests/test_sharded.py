@@ -138,9 +138,15 @@ def test_timings_count_each_collective_of_an_iteration(world2):
     for name, r in cases.items():
         assert r["finite_times"], name
         assert r["timings"][0] == 5, name  # one per synchronised backward
-    # Four buckets: stages 1-2 gather each once (lazily, after the step) and reduce each once.
+    # Four buckets: stages 1-2 gather each once (launched by the optimizer step before the
+    # forward, which waits for them) and reduce each once.
     assert cases["s1-units"]["timings"][1:] == ([["all_gather", "all_reduce"]], [8])
     assert cases["s2-units"]["timings"][1:] == ([["all_gather", "reduce_scatter"]], [8])
+    for stage in (1, 2):
+        assert cases[f"s{stage}-units"]["gathers_before_forward"] == 4
+        assert cases[f"s{stage}-units"]["memory"]["gathers_in_flight"] == 4
+    assert cases["s3-units-p1-r1"]["gathers_before_forward"] == 0
+    assert cases["s3-units-p1-r1"]["memory"]["gathers_in_flight"] == 0
     # Stage 3 gathers again in backward every bucket freed after forward (all but the root's).
     assert cases["s3-units-p1-r1"]["timings"][1:] == ([["all_gather", "reduce_scatter"]], [4 + 3 + 4])
     assert cases["s3-units-p1-r0"]["timings"][1:] == ([["all_gather", "reduce_scatter"]], [4 + 4])
@@ -191,7 +197,10 @@ def test_bad_prefetch_bucket_cap_reshard_and_algorithm_are_refused():
     assert "prefetch" in _error(prefetch=1.5)
     assert "bucket_cap_mb" in _error(bucket_cap_mb=0)
     assert "reshard_after_forward" in _error(reshard_after_forward="yes")
-    assert "native" in _error(algorithm="ring")
+    for algorithm in ("tree", "halving_doubling", "carrier-pigeon"):
+        message = _error(algorithm=algorithm)
+        assert f"algorithm={algorithm!r}" in message and "native, ring" in message
+    assert "all-reduce only" in _error(algorithm="tree")
 
 
 def test_bad_units_are_refused():

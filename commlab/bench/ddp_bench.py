@@ -40,7 +40,7 @@ def _bench_rank(cfg: dict) -> dict:
     from commlab.models import build_workload
 
     rt = commlab.Runtime.current()
-    kept = _keep_freed_memory() if cfg.get("keep_freed", False) else False
+    kept = keep_freed_memory() if cfg.get("keep_freed", False) else False
     torch.manual_seed(0)
     sizes = {"depth": cfg["depth"], "width": cfg["width"]} if cfg["model"] == "mlp" else {}
     work = build_workload(cfg["model"], **sizes)
@@ -55,7 +55,7 @@ def _bench_rank(cfg: dict) -> dict:
     batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
     batches = [(x.to(rt.device), y.to(rt.device)) for x, y in batches]
     sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
-    fresh = _fresh_memory_counter(rt.device)
+    fresh = fresh_memory_counter(rt.device)
     times: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     faults: dict[str, list[int]] = {name: [] for name in models}
@@ -82,7 +82,7 @@ def _bench_rank(cfg: dict) -> dict:
     return result
 
 
-def _keep_freed_memory() -> bool:
+def keep_freed_memory() -> bool:
     """glibc only: keep freed heap memory in the process instead of returning it to the system.
 
     Both DDPs get fresh gradients from autograd every iteration (``zero_grad()`` sets them to
@@ -104,7 +104,7 @@ def _keep_freed_memory() -> bool:
         return False
 
 
-def _fresh_memory_counter(device):
+def fresh_memory_counter(device):
     """A counter of fresh memory taken from the system: on CPU the process's minor page faults
     (every thread's: the comm worker's too), on CUDA the caching allocator's cudaMalloc calls
     (``segment.all.allocated``), which stay flat once its pool serves every request."""

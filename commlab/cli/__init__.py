@@ -1,7 +1,8 @@
 """The `commlab` command line: one click group whose subcommands load only when used.
 
 One module per command group: :mod:`commlab.cli.sweep` (sweep, figures, trace) and
-:mod:`commlab.cli.bench` (bench ddp, bench collectives) hold click declarations only and import
+:mod:`commlab.cli.bench` (bench ddp, bench sharded, bench collectives) hold click declarations
+only and import
 torch inside the commands, so every ``--help`` answers without it.
 """
 
@@ -24,6 +25,7 @@ _COMMANDS = {
 }
 _BENCH_COMMANDS = {
     "ddp": ("commlab.cli.bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),
+    "sharded": ("commlab.cli.bench:bench_sharded", "commlab sharded DP vs fully_shard and DDP, separate launches."),
     "collectives": (
         "commlab.cli.bench:bench_collectives",
         "nccl-tests-style benchmark of collectives and their algorithms.",

@@ -1,12 +1,13 @@
-"""The `commlab bench` commands' options: `bench ddp` and `bench collectives`.
+"""The `commlab bench` commands' options: `bench ddp`, `bench sharded` and `bench collectives`.
 
-Click declarations and input checks only; the runs live in :mod:`commlab.bench.ddp_bench` and
-:mod:`commlab.bench.collectives_bench`. Everything that imports torch (those modules,
-commlab.models, commlab.collectives) is imported inside the commands, so ``--help`` and bad
-input answer in a fraction of a second.
+Click declarations and input checks only; the runs live in :mod:`commlab.bench.ddp_bench`,
+:mod:`commlab.bench.sharded_bench` and :mod:`commlab.bench.collectives_bench`. Everything that
+imports torch (those modules, commlab.models, commlab.collectives) is imported inside the
+commands, so ``--help`` and bad input answer in a fraction of a second.
 
 \b
     commlab bench ddp --bucket-mb 5 --algorithm ring
+    commlab bench sharded --compare fully_shard,ddp --launches 6 --algorithm ring
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
 """
 
@@ -157,3 +158,50 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
     ddp_bench.run(dict(model=model, depth=depth, width=width, batch=batch, bucket_mb=bucket_mb, iters=iters,
                        warmup=warmup, algorithm=algorithm, keep_freed=not glibc_trim),
                   world_size=world_size, backend=backend, timeout=timeout)
+
+
+@click.command("sharded")
+@click.option("--compare", "comparisons", default="fully_shard,ddp", show_default=True,
+              help="Comma list: fully_shard (commlab stage 3 vs torch's fully_shard), ddp (stage 2 vs commlab DDP).")
+@click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP layers")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--batch", default=16, show_default=True, type=click.IntRange(min=1),
+              help="per-rank batch size (small: the parameters outweigh the activations)")
+@click.option("--launches", default=6, show_default=True, type=click.IntRange(min=1), help="launches of each implementation")
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed steps per launch")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed steps per launch")
+@click.option("--reshard/--no-reshard", default=True, show_default=True,
+              help="reshard_after_forward of both stage-3 implementations")
+@click.option("--prefetch", default=1, show_default=True, type=click.IntRange(min=0), help="commlab stage 3's prefetch")
+@click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="bucket_cap_mb (MiB) of stage 2 and of commlab DDP")
+@click.option("--algorithm", default="native", show_default=True,
+              help="collectives of commlab's stages and DDP: native (the backend's) or ring (commlab's p2p)")
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
+@click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
+              help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, as bench ddp)")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds before a launch is abandoned")
+@_OVERSUBSCRIBE
+def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, reshard, prefetch, bucket_mb, algorithm,
+                  world_size, glibc_trim, timeout, oversubscribe):
+    """commlab sharded DP vs torch fully_shard and commlab DDP, alternating separate launches (Gloo, CPU)."""
+    # Inside the command: the module itself imports no torch (its ranks do), but is not needed for --help.
+    from commlab.bench import sharded_bench
+
+    names = list(dict.fromkeys(c.strip() for c in comparisons.split(",") if c.strip()))
+    unknown = [c for c in names if c not in sharded_bench.COMPARISONS]
+    if not names or unknown:
+        raise click.BadParameter(f"unknown comparison(s) {', '.join(unknown) or repr(comparisons)}: choose from "
+                                 f"{', '.join(sharded_bench.COMPARISONS)}", param_hint="--compare")
+    from commlab.sharded.comm import ALGORITHMS  # imports torch: after --help
+
+    if algorithm not in ALGORITHMS:
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(ALGORITHMS)} (the algorithms with a "
+                                 "reduce-scatter and an all-gather)", param_hint="--algorithm")
+    params = depth * width * (width + 1) + 10 * (width + 1)
+    # fp32 parameters, gradients and the gathered or bucketed copies of both: about 4 copies a rank
+    _check_capacity(world_size, 4 * 4 * params, oversubscribe)
+    sharded_bench.run(dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, reshard=reshard,
+                           prefetch=prefetch, bucket_mb=bucket_mb, algorithm=algorithm, keep_freed=not glibc_trim),
+                      comparisons=names, launches=launches, world_size=world_size, backend="gloo", timeout=timeout)

@@ -25,7 +25,9 @@ Contract, and what is not supported:
 - The module's buffers are not broadcast after construction (torch's fully_shard does not either).
 - ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
-- ``algorithm`` accepts only "native" (the backend's reduce-scatter, all-gather and all-reduce).
+- ``algorithm``: "native" (the backend's reduce-scatter, all-gather and all-reduce) or a p2p
+  algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring");
+  others are refused with a ValueError naming those that do (commlab/sharded/comm.py).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.sharded import comm, state, validate
 from commlab.sharded.buckets import plan_buckets, trainable
-from commlab.sharded.engine import ShardedEngine
+from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
 from commlab.sharded.flat_bucket import FlatBucket
 from commlab.sharded.layout import ShardLayout
 from commlab.sharded.memory import ShardedMemory, measure
@@ -87,7 +90,7 @@ class ShardedDataParallel(nn.Module):
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
         buckets = [
-            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group)
+            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm)
             for i, idx in enumerate(plan.buckets)
         ]
         self.shards = nn.ParameterList([b.shard for b in buckets])
@@ -101,6 +104,11 @@ class ShardedDataParallel(nn.Module):
         # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
         guard = validate.optimizer_guard(self, sharded, {id(s) for s in self.shards})
         weakref.finalize(self, guard.remove)  # the global step pre-hook goes with the wrapper
+        if stage < 3:  # the updated shards' all-gathers start at the end of the optimizer step
+            post = register_optimizer_step_post_hook(
+                gather_after_step_hook(weakref.ref(self), {id(s) for s in self.shards})
+            )
+            weakref.finalize(self, post.remove)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._engine.before_forward()

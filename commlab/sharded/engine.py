@@ -3,8 +3,8 @@
 One iteration, bucket by bucket (buckets in forward order 0..n-1):
 
 1. Forward start (the wrapper's forward). Stage 1 drops the full gradients of the last synchronised
-   backward. Stages 1-2, after an optimizer step: every bucket's all-gather is launched at once
-   (the shards changed; the replica is refreshed lazily, here).
+   backward. Stages 1-2, if the shards changed since the last gather and step 6 did not gather
+   them: every bucket's all-gather is launched at once.
 2. A forward pre-hook on each module that uses bucket b (its unit, or the modules holding its
    parameters) waits for b's all-gather. Stage 3 first launches the all-gathers of b and of the
    ``prefetch`` buckets after it that are not gathered, into storage allocated again for them.
@@ -20,7 +20,12 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each shard its gradient (``shard.grad``, accumulated if present).
-6. The user's optimizer steps the shards. Nothing else happens until the next forward (step 1).
+6. The user's optimizer steps the shards. Stages 1-2: a step post-hook of an optimizer that holds
+   every shard launches every bucket's all-gather at once, so that it overlaps whatever the
+   training loop does before the next forward (zero_grad, the next batch); each module waits for
+   its own bucket in step 2. The values sent are the stepped shards; a shard changed after the
+   step in place (not through an optimizer step) reaches the other ranks only with the next
+   step's gather. Stage 3 gathers nothing here (its forward does).
 
 Inside ``no_sync()`` step 4 only counts: gradients accumulate, full size, in the module's
 parameters' .grad, and the next synchronised backward reduces the sum.
@@ -130,10 +135,23 @@ class ShardedEngine:
             for bucket in self.buckets:
                 bucket.drop_full_gradients()
         self.synced_grads = False
-        self.recorder.start()
+        # Gathers launched after the optimizer step belong to this iteration (their stamps precede it).
+        self.recorder.start(carry=[entry for _, entry in self.gathers.values()])
         self.peak_gathered = self.gathered_bytes()
         self._refresh()
         self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
+
+    def after_step(self) -> None:
+        """Stages 1-2, an optimizer holding every shard has stepped: gather the new values now."""
+        if self.stage < 3:
+            self.settle()  # a gather still in flight sent the values before this step
+            self.stale = True
+            self._refresh()
+
+    def settle(self) -> None:
+        """Wait for every all-gather in flight (before anything writes the gathered buffers)."""
+        for b in list(self.gathers):
+            self._wait_gather(b)
 
     def _refresh(self) -> None:
         """Stages 1-2 after a step: launch every bucket's all-gather (each module waits for its own)."""
@@ -144,8 +162,7 @@ class ShardedEngine:
 
     def after_forward(self) -> None:
         self.recorder.forward_end = time.perf_counter()
-        for b in list(self.gathers):
-            self._wait_gather(b)
+        self.settle()
         if self.stage == 3 and not torch.is_grad_enabled():
             self.free(range(len(self.buckets)))  # no backward follows: nothing stays gathered
 
@@ -235,3 +252,17 @@ class ShardedEngine:
             self.stale = self.stage < 3
             self.synced_grads = True
             self.recorder.end(backward_end)
+
+
+def gather_after_step_hook(owner_ref, shards: set[int]):
+    """An optimizer step post-hook (global, torch.optim.optimizer.register_optimizer_step_post_hook)
+    that calls ``after_step`` of the wrapper ``owner_ref`` (a weak reference) when the optimizer
+    holds every one of its ``shards`` (ids); a partial optimizer leaves the gather to the forward,
+    since another may still step the other shards."""
+
+    def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        owner = owner_ref()
+        if owner is not None and shards <= {id(p) for group in optimizer.param_groups for p in group["params"]}:
+            owner._engine.after_step()
+
+    return hook

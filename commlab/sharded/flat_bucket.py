@@ -25,8 +25,12 @@ from commlab.sharded.layout import shard_layout
 class FlatBucket:
     """The parameters of one bucket, flattened, padded and sharded over the group's ranks."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group):
+    def __init__(
+        self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group,
+        algorithm: str = "native",
+    ):
         self.index, self.params, self.rank, self.stage, self.group = index, params, rank, stage, group
+        self.algorithm = algorithm  # the collectives' (commlab/sharded/comm.py)
         self.world_size = world_size
         self.layout = shard_layout([p.numel() for p in params], world_size)
         self.lo, self.hi = self.layout.shard_range(rank)
@@ -61,9 +65,11 @@ class FlatBucket:
         if not self.gathered:
             self.full.untyped_storage().resize_(self.full_nbytes)
         self.gathered = True
-        # Stages 1-2 gather into the buffer the shard lives in: send a copy, not an alias.
-        source = self.shard.detach() if self.stage == 3 else self.shard.detach().clone()
-        return comm.all_gather(self.full, source, self.group)
+        # Stages 1-2 gather into the buffer the shard lives in: the backend's all-gather gets a
+        # copy, not an alias; a p2p algorithm gathers in place, its own block untouched.
+        inplace = self.stage == 3 or self.algorithm != "native"
+        source = self.shard.detach() if inplace else self.shard.detach().clone()
+        return comm.all_gather(self.full, source, self.group, self.algorithm)
 
     # --- gradients -----------------------------------------------------------------------
     def add_gradient(self, slot: int) -> None:
@@ -83,9 +89,9 @@ class FlatBucket:
         assert self.grad_buffer is not None
         if self.stage == 1:
             self.reduced = self.grad_buffer[self.lo : self.hi]
-            return comm.all_reduce(self.grad_buffer, self.group)
+            return comm.all_reduce(self.grad_buffer, self.group, self.algorithm)
         self.reduced = torch.empty(self.hi - self.lo, dtype=self.full.dtype, device=self.full.device)
-        return comm.reduce_scatter(self.reduced, self.grad_buffer, self.group)
+        return comm.reduce_scatter(self.reduced, self.grad_buffer, self.group, self.algorithm)
 
     def finish_reduction(self) -> None:
         """After the reduction's wait: the shard's gradient (accumulated, as torch's .grad is);

@@ -35,7 +35,7 @@ def full_optimizer_state_dict(module: nn.Module, buckets: list[FlatBucket], opti
             value = mine[key]
             if isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape:
                 full = torch.empty(bucket.layout.padded, dtype=value.dtype, device=value.device)
-                comm.all_gather(full, value.detach().contiguous(), bucket.group).wait()
+                comm.all_gather(full, value.detach().contiguous(), bucket.group, bucket.algorithm).wait()
                 for slot, (p, offset) in enumerate(zip(bucket.params, bucket.layout.offsets)):
                     per_param[slot][key] = full[offset : offset + p.numel()].view(p.shape).clone()
             else:

@@ -41,6 +41,7 @@ def check_keys(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Non
 
 def load_full_state_dict(module: nn.Module, engine: ShardedEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
     check_keys(module, state_dict)
+    engine.settle()  # no gather may write the buffers after the loaded values
     sharded = {id(p) for bucket in engine.buckets for p in bucket.params}
     name_of = {}
     with torch.no_grad():

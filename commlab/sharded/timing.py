@@ -7,7 +7,8 @@ Per collective (one all-gather or reduction of one bucket):
 
 - ``kind``: "all_gather", "reduce_scatter" (stages 2-3) or "all_reduce" (stage 1);
 - ``ready``: a reduction's bucket got its last gradient; for an all-gather, when it was asked for
-  (its use, or a prefetch ahead of it);
+  (its use, a prefetch ahead of it, or, stages 1-2, the optimizer step before the forward, whose
+  stamps are then negative);
 - ``launched``: the asynchronous call was issued to the backend;
 - ``done``: commlab's wait on it returned. Gloo's reduce-scatter and all-gather handles give no
   completion callback, so this is an upper bound of completion; for a prefetched all-gather it is
@@ -57,10 +58,11 @@ class Recorder:
         self.iterations: deque[ShardedIterationTiming] = deque(maxlen=MAX_ITERATIONS)
         self.start()
 
-    def start(self) -> None:
+    def start(self, carry: list[CollectiveTiming] = ()) -> None:
+        """A new iteration; ``carry``: collectives launched before it that belong to it."""
         self.t0 = time.perf_counter()
         self.forward_end = self.t0
-        self.collectives: list[CollectiveTiming] = []
+        self.collectives: list[CollectiveTiming] = list(carry)
         self.waited_gather = 0.0
         self.waited_reduction = 0.0
 

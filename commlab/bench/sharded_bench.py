@@ -1,0 +1,186 @@
+"""`commlab bench sharded`: commlab's sharded data parallelism against torch's, in alternating launches.
+
+Two comparisons, each a pair of implementations on the same MLP, the same batches and an SGD step:
+
+- ``fully_shard``: commlab's ShardedDataParallel stage 3 against torch's ``fully_shard`` (FSDP2),
+  both with one unit per Linear layer and the same ``reshard_after_forward``;
+- ``ddp``: commlab's stage 2 against commlab's DistributedDataParallel, the same bucket cap
+  (stage 2 moves the bytes DDP's all-reduce moves, as a reduce-scatter plus an all-gather).
+
+``--algorithm`` picks the collectives of commlab's three (torch's fully_shard always runs the
+backend's). On Gloo the backend's reduce-scatter plus all-gather cost more than twice the CPU
+time of its all-reduce of the same bytes (about 22 + 27 ms against 18-21 ms for 32 MiB at world
+size 2, 2026-11-25), commlab's ring pair about what an all-reduce costs (14 + 11 ms), so the
+native stage 2 / DDP ratio measures Gloo's collectives and ``--algorithm ring`` compares stage 2
+and DDP on collectives of one kind.
+
+Every implementation runs in a launch of its own (fresh processes), and launches alternate
+(A B, then B A, ...): two models in one process share one heap, and whichever allocates second
+page-faults into memory the first one freed, which would decide the ratio (see
+:func:`commlab.bench.ddp_bench.keep_freed_memory`). A launch times ``iters`` steps (zero_grad,
+forward, backward, step) after ``warmup``, back to back (each from its start to the next one's);
+a step's time is the slowest rank's, and a launch gives its median. The command prints, per
+implementation, the median over launches of those medians, and per comparison their ratio with
+the spread of the per-launch ratios (launch i of one against launch i of the other: p10 /
+median / p90 and min-max), in wall time and in process CPU time (steadier on a busy machine):
+
+    commlab bench sharded                                  # 8 x 1024 MLP, 6 launches each
+    commlab bench sharded --compare fully_shard --launches 10 --no-reshard
+    commlab bench sharded --compare ddp --algorithm ring   # commlab's ring collectives in both
+    commlab bench sharded --depth 4 --width 2048 --batch 8
+
+The options are declared in :mod:`commlab.cli.bench`; this module is the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import click
+
+import commlab
+from commlab._interrupt import keep_partial
+from commlab.bench.ddp_bench import fresh_memory_counter, keep_freed_memory, spread
+
+# implementation -> its label in the table
+LABELS = {
+    "stage3": "commlab stage 3",
+    "fully_shard": "torch fully_shard",
+    "stage2": "commlab stage 2",
+    "ddp": "commlab DDP",
+}
+# --compare name -> (commlab's sharded implementation, the one it is measured against)
+COMPARISONS = {"fully_shard": ("stage3", "fully_shard"), "ddp": ("stage2", "ddp")}
+
+
+def wrap(impl: str, model, cfg: dict):
+    """``model`` wrapped by ``impl``; units (stage 3 and fully_shard) are its Linear layers."""
+    import torch  # torch and what imports it: in the ranks only, so the CLI answers without them
+
+    from commlab.sharded import ShardedDataParallel
+
+    units = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if impl == "stage3":
+        return ShardedDataParallel(model, stage=3, units=units, prefetch=cfg["prefetch"],
+                                   reshard_after_forward=cfg["reshard"], algorithm=cfg["algorithm"])
+    if impl == "stage2":
+        return ShardedDataParallel(model, stage=2, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
+    if impl == "ddp":
+        return commlab.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
+    if impl == "fully_shard":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=cfg["reshard"])
+        return fully_shard(model, mesh=mesh, reshard_after_forward=cfg["reshard"])
+    raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(LABELS)}")
+
+
+def _bench_rank(cfg: dict) -> dict:
+    """One launch of one implementation: per timed step its wall time, CPU time and fresh memory."""
+    import torch
+    import torch.distributed as dist
+
+    from commlab.models import build_workload
+
+    rt = commlab.Runtime.current()
+    kept = keep_freed_memory() if cfg["keep_freed"] else False
+    torch.manual_seed(0)  # fully_shard does not broadcast: every rank builds the same values
+    work = build_workload("mlp", depth=cfg["depth"], width=cfg["width"])
+    params = sum(p.numel() for p in work.model.parameters())
+    model = wrap(cfg["impl"], work.model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1 + rt.rank)
+    batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
+    fresh = fresh_memory_counter(rt.device)
+    stamps = []  # (wall, cpu, faults) at the start of each step, and after the last
+    steps = cfg["warmup"] + cfg["iters"]
+    dist.barrier()
+    for i in range(steps + 1):
+        stamps.append((time.perf_counter(), time.process_time(), fresh()))
+        if i == steps:
+            break
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        work.loss_fn(model(x), y).backward()
+        opt.step()
+    # A step is timed from its start to the next step's start, with no barrier between: work that
+    # an implementation leaves in flight after its step (an all-gather launched by the optimizer
+    # step) is waited for inside the next step, not hidden in a barrier.
+    timed = list(zip(stamps[cfg["warmup"] :], stamps[cfg["warmup"] + 1 :]))
+    times, cpu, faults = ([b[k] - a[k] for a, b in timed] for k in range(3))
+    return {"times": times, "cpu": cpu, "faults": faults, "params": params, "kept": kept}
+
+
+def launch_summary(per_rank: list[dict]) -> dict:
+    """One launch: per step the slowest rank's wall and CPU time and the most faults; their medians."""
+    return {key: statistics.median(max(values) for values in zip(*(r[key] for r in per_rank)))
+            for key in ("times", "cpu", "faults")}
+
+
+def compare(launches: dict[str, list[dict]], ours: str, theirs: str, key: str = "times") -> dict:
+    """``ours`` against ``theirs`` over the launches both finished: each one's median of its launch
+    medians, their ratio, and (p10, median, p90) and (min, max) of the per-launch ratios."""
+    n = min(len(launches[ours]), len(launches[theirs]))
+    a = [s[key] for s in launches[ours][:n]]
+    b = [s[key] for s in launches[theirs][:n]]
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"launches": n, "ours": statistics.median(a), "theirs": statistics.median(b),
+            "ratio": statistics.median(a) / statistics.median(b), "spread": spread(ratios),
+            "range": (min(ratios), max(ratios))}
+
+
+def run(cfg: dict, *, comparisons: list[str], launches: int, world_size: int, backend: str, timeout: float) -> None:
+    """Run every comparison's pair ``launches`` times each, alternating, and print the table (options
+    checked by the CLI). Interrupted, it prints the table of the launch pairs that finished."""
+    done: dict[str, list[dict]] = {impl: [] for c in comparisons for impl in COMPARISONS[c]}
+    facts: dict = {}
+
+    def save_partial() -> str | None:
+        finished = min(len(v) for v in done.values())
+        if not finished:
+            return None
+        _report(done, facts, cfg, comparisons, world_size, backend)
+        return f"the table above ({finished} of {launches} launches each)"
+
+    with keep_partial(save_partial):
+        for i in range(launches):
+            for c in comparisons:
+                pair = COMPARISONS[c]
+                for impl in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
+                    per_rank = commlab.launch(_bench_rank, {**cfg, "impl": impl}, world_size=world_size,
+                                              backend=backend, timeout=timeout)
+                    facts = {"params": per_rank[0]["params"], "kept": per_rank[0]["kept"]}
+                    done[impl].append(launch_summary(per_rank))
+    _report(done, facts, cfg, comparisons, world_size, backend)
+
+
+def _report(done: dict[str, list[dict]], facts: dict, cfg: dict, comparisons: list[str], world_size: int,
+            backend: str) -> None:
+    reshard = "reshard after forward" if cfg["reshard"] else "no reshard after forward"
+    click.echo(
+        f"model mlp ({cfg['depth']} x {cfg['width']}), {facts['params'] / 1e6:.1f} M params, batch {cfg['batch']}/rank, "
+        f"world {world_size}, {backend}, commlab's collectives {cfg['algorithm']}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
+        "slowest rank per step, median per launch"
+    )
+    heap = "fixed glibc trim/mmap thresholds" if facts["kept"] else "the allocator's default heap trimming"
+    click.echo(f"memory: {heap}")
+    for c in comparisons:
+        ours, theirs = COMPARISONS[c]
+        s, cpu = compare(done, ours, theirs), compare(done, ours, theirs, "cpu")
+        setting = (f"units: each Linear, {reshard}, commlab prefetch {cfg['prefetch']}" if c == "fully_shard"
+                   else f"{cfg['bucket_mb']:g} MB buckets")
+        click.echo(f"{LABELS[ours]} vs {LABELS[theirs]} ({setting}), {s['launches']} launches each, alternating")
+        click.echo("                       wall ms/step   cpu ms/step   faults/step   (medians over launches)")
+        for impl, key in ((ours, "ours"), (theirs, "theirs")):
+            f = statistics.median(x["faults"] for x in done[impl][: s["launches"]])
+            click.echo(f"  {LABELS[impl]:<19}  {s[key] * 1e3:12.2f}  {cpu[key] * 1e3:12.2f}  {f:12.0f}")
+        p10, med, p90 = s["spread"]
+        lo, hi = s["range"]
+        click.echo(f"  ratio {LABELS[ours]}/{LABELS[theirs]}: {s['ratio']:.3f} "
+                   f"(per launch p10 / median / p90 {p10:.3f} / {med:.3f} / {p90:.3f}, min-max {lo:.3f}-{hi:.3f})")
+        click.echo(f"  cpu-time ratio: {cpu['ratio']:.3f} (per launch min-max {cpu['range'][0]:.3f}-{cpu['range'][1]:.3f})")
