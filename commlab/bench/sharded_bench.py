@@ -40,7 +40,7 @@ import time
 import click
 
 import commlab
-from commlab._interrupt import keep_partial
+from commlab.runtime.interrupt import keep_partial
 from commlab.bench.ddp_bench import fresh_memory_counter, keep_freed_memory, spread
 
 # implementation -> its label in the table
