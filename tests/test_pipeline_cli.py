@@ -99,3 +99,11 @@ def test_interrupted_bench_keeps_the_rows_measured_and_exits_130(tmp_path, monke
     summary = pd.read_csv(tmp_path / "r" / "summary.csv")
     assert summary["config"].tolist() == ["gpipe-m2-time-never"] and (summary["commlab_s"] > 0).all()
     assert not (tmp_path / "r" / ".partial").exists() and not list((tmp_path / "r").glob(".*.tmp"))
+
+
+def test_simulate_skips_default_schedules_m_cannot_fill_but_refuses_named_ones():
+    out = _run("simulate", "-p", "4", "-m", "4")  # dualpipev needs m >= its 8 stages
+    assert out.exit_code == 0, out.output
+    assert "skipped dualpipev at m=4" in out.output and "\ninterleaved-zb " in out.output
+    named = CliRunner().invoke(main, ["pipeline", "simulate", "-p", "4", "-m", "4", "--schedules", "dualpipev"])
+    assert named.exit_code == 2 and "at least as many micro-batches" in named.output

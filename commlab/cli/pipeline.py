@@ -109,16 +109,29 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 
     Interleaved stages each do 1/v of a rank's work, so all schedules compare on the same model.
     """
-    panels = []
-    click.echo(f"{'schedule':<12} {'m':>4} {'step':>9} {'bubble':>8} {'formula':>8}  peak in flight per stage")
+    panels, skipped = [], []
+    # Named schedules must all run; the default list skips those this m cannot fill (dualpipev
+    # needs at least as many micro-batches as stages) and says so, rather than failing.
+    named = click.get_current_context().get_parameter_source("schedules") != click.core.ParameterSource.DEFAULT
+    width = max(len("schedule"), *(len(n) for n in REGISTRY))
+    click.echo(f"{'schedule':<{width}} {'m':>4} {'step':>9} {'bubble':>8} {'formula':>8}  peak in flight per stage")
     for m in _ints(microbatches, "--microbatches"):
         for name in _names(schedules, tuple(REGISTRY), "--schedules"):
             v = _virtual(name, virtual)
-            sim = run_simulation(_actions(name, ranks, m, v), forward / v, backward / v, comm)
+            try:
+                actions = _actions(name, ranks, m, v)
+            except click.UsageError as err:
+                if named:
+                    raise
+                skipped.append(f"{name} at m={m}: {err.message}")
+                continue
+            sim = run_simulation(actions, forward / v, backward / v, comm)
             # The closed form is GPipe's / 1F1B's / interleaved's; a split backward has none here.
             formula = f"{bubble_formula(ranks, m, v):8.3f}" if "I" not in REGISTRY[name].kinds else f"{'-':>8}"
-            click.echo(f"{name:<12} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
+            click.echo(f"{name:<{width}} {m:>4} {sim.step_time:>9.3f} {sim.bubble:>8.3f} {formula}  {list(sim.peak_in_flight)}")
             panels.append((f"{name}, p={ranks}, m={m}" + (f", v={v}" if v > 1 else ""), sim.timeline, sim.messages))
+    for line in skipped:
+        click.echo(f"skipped {line}")
     if figure:
         from commlab.pipeline.schedule.render import gantt_figure  # matplotlib: only when drawing
 
