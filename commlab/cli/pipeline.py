@@ -252,7 +252,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     import os
 
     from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp
-    from commlab.costmodel.plan_calibrate import Calibration, calibrate as measure_costs
+    from commlab.costmodel.plan_calibrate import calibrate as measure_costs, measured
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -262,12 +262,12 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if check and ranks < 2:
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
     profiles = profile_mlp(depth, width, batch, ms, ranks)
-    costs = Calibration()
+    costs = measured()
     if calibrate and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
         costs = measure_costs(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout)
-        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overhead * 1e6:.0f} us/action, message "
-                   f"{costs.alpha * 1e6:.0f} us + {costs.beta * 1e9:.3f} ns/byte")  # fmt: skip
+        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overheads.action_s * 1e6:.0f} us/action, message "
+                   f"{costs.p2p.alpha_s * 1e6:.0f} us + {costs.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count())
     budget = budget_mb * 2**20

@@ -18,13 +18,13 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from commlab.pipeline.partition import best_per_layer, partition, profile_times
-from commlab.costmodel.plan_calibrate import Calibration
-from commlab.costmodel.pipeline import Costs, checkpointed_microbatches, predict
+from commlab.costmodel.costs import StageProfile, SystemCosts
+from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
 from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
@@ -47,23 +47,25 @@ class LayerProfile:
     input_grad: Sequence[float] = ()
     weight_grad: Sequence[float] = ()
 
-    def costs(self, balance: Sequence[int], split: bool, calibration: Calibration = Calibration()) -> Costs:
-        """Per-stage action costs under ``balance``; ``split``: the schedule runs I and W;
-        ``calibration``: the per-message and per-action terms, priced at this split's boundaries."""
-        compute = self._compute(balance, split)
-        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
-        return replace(compute, message_bytes=[float(self.output[e]) for e in ends], alpha=calibration.alpha,
-                       beta=calibration.beta, overhead=calibration.overhead)  # fmt: skip
+    # Each layer's parameter sizes in module order, for data-parallel buckets; empty: one tensor per layer.
+    param_sizes: Sequence[Sequence[int]] = ()
 
-    def _compute(self, balance: Sequence[int], split: bool) -> Costs:
+    def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:
+        """What each stage computes under ``balance`` (``split``: the schedule runs I and W), what it
+        sends (the boundary after it: its last layer's output) and its parameters' sizes."""
         total = _stage_sums(self.seconds, balance)
+        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
+        sizes = self.param_sizes or [[int(p)] if p else [] for p in self.params]
+        starts = [sum(balance[:s]) for s in range(len(balance))]
+        extra = dict(message_bytes=tuple(float(self.output[e]) for e in ends),
+                     param_nbytes=tuple(tuple(int(n) for layer in sizes[a : a + k] for n in layer) for a, k in zip(starts, balance)))
         if not self.forward:
-            return Costs([t / 3 for t in total], [t * 2 / 3 for t in total])
-        fwd = _stage_sums(self.forward, balance)
+            return StageProfile(tuple(t / 3 for t in total), tuple(t * 2 / 3 for t in total), **extra)
+        fwd = tuple(_stage_sums(self.forward, balance))
         if split and self.input_grad:
             i, w = _stage_sums(self.input_grad, balance), _stage_sums(self.weight_grad, balance)
-            return Costs(fwd, [a + b for a, b in zip(i, w)], sum(w) / max(sum(i) + sum(w), 1e-12))
-        return Costs(fwd, [max(t - f, 0.0) for t, f in zip(total, fwd)])
+            return StageProfile(fwd, tuple(a + b for a, b in zip(i, w)), sum(w) / max(sum(i) + sum(w), 1e-12), **extra)
+        return StageProfile(fwd, tuple(max(t - f, 0.0) for t, f in zip(total, fwd)), **extra)
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,15 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
 
 
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
-               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration(),
-               cores: int | None = None) -> list[Plan]:  # fmt: skip
+               schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
+               cores: int | None = None, dp: DataParallel | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
-    ``calibration``: the per-message and per-action costs (zero: compute alone); ``cores``: the
-    host's, for the sharing of cores among more ranks (:func:`commlab.costmodel.pipeline.sharing`).
+    ``system``: the per-message and per-action costs (default zero: compute alone), and with
+    ``dp`` its all-reduce table; ``cores``: the host's, for the sharing of cores among more ranks
+    (:func:`commlab.costmodel.pipeline.sharing`); ``dp``: every stage replicated that many
+    times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`).
     """
     plans = []
     for m, profile in sorted(profiles.items()):
@@ -125,12 +129,12 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
-                costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
-                # Stage s > 0 receives the boundary that costs.message_bytes[s - 1] prices.
-                inputs = [profile.input_bytes, *costs.message_bytes]
+                stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
+                # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
+                inputs = [profile.input_bytes, *stage.message_bytes]
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, costs, placement, recomputed, cores).step_time
+                    step = predict(actions, system, stage, placement, recomputed, cores, dp=dp).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
@@ -176,7 +180,7 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
     runs them (:mod:`commlab.pipeline.runtime.compute`)."""
     # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
     seconds = profile_times(model, sample, repeat=repeat)
-    saved, output, params = [], [], []
+    saved, output, params, sizes = [], [], [], []
     sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
 
     def now() -> float:
@@ -212,7 +216,8 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
         saved.append(float(counted.nbytes))
         output.append(float(y.numel() * y.element_size()))
         params.append(float(sum(p.numel() * p.element_size() for p in weights)))
+        sizes.append([p.numel() * p.element_size() for p in weights if p.requires_grad])
         x = y
     model.zero_grad(set_to_none=True)
     return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
-                        forward, input_grad, weight_grad)  # fmt: skip
+                        forward, input_grad, weight_grad, sizes)  # fmt: skip

@@ -11,7 +11,10 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
 - the per-byte cost ``beta``: the slope of a ping-pong between ranks 0 and 1 at the plans' real
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
-Both then enter :class:`commlab.costmodel.pipeline.Costs` exactly as the bench's do.
+Both then enter the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (its
+point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
+(``--dp``), :func:`allreduce_table` adds the all-reduce table at the data-parallel world size:
+``dist.all_reduce`` timed on that many Gloo ranks at the plans' bucket sizes.
 """
 
 from __future__ import annotations
@@ -21,23 +24,18 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from commlab.bench.alpha_beta import least_squares_line
-from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
+from commlab.costmodel.costs import Overheads, PointToPoint, SystemCosts
 from commlab.costmodel.pipeline import shared
+from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
 
-from commlab.bench.alpha_beta import least_squares_line
 
-
-@dataclass(frozen=True)
-class Calibration:
-    """Seconds per message (``alpha``), per byte (``beta``), and per executor action (``overhead``)."""
-
-    alpha: float = 0.0
-    beta: float = 0.0
-    overhead: float = 0.0
+def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
+    """The costs this calibration measures: seconds per message (``alpha``), per byte (``beta``)
+    and per executor action (``overhead``); zero: compute alone."""
+    return SystemCosts(p2p=PointToPoint(alpha, beta), overheads=Overheads(action_s=overhead))
 
 
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -94,16 +92,16 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rt.rank, "pingpong": pingpong, **calibration}
 
 
-def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> Calibration:
-    """Measure :class:`Calibration` on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
+def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> SystemCosts:
+    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
-        return Calibration()
+        return measured()
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
     per_rank = commlab.launch(measure_rank, sizes, {"repeats": repeats, "steps": steps, "timeout": timeout},
                               world_size=ranks, backend="gloo", timeout=timeout)  # fmt: skip
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
-    return Calibration(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
+    return measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
