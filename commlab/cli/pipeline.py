@@ -6,6 +6,7 @@
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
+    commlab pipeline plan --ranks 2 --dp 2 --budget-mb 64                  ... as one of 2 data-parallel replicas
 
 Only the pure schedule modules load with this one; torch, pandas and the runtime load in the commands.
 """
@@ -235,6 +236,9 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="data-parallel degree: every stage on this many replicas, its DDP buckets all-reduced after its last backward")
+@click.option("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), help="--dp: DDP's bucket cap [DDP's default]")
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
@@ -242,17 +246,22 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top, calibrate, check, iters, warmup,
-         timeout) -> None:  # fmt: skip
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, dp, bucket_cap_mb, top, calibrate,
+         check, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
-    simulator core with its peak memory per rank. ``--validate`` then measures the grid.
+    simulator core with its peak memory per rank. ``--validate`` then measures the grid. With
+    ``--dp N`` each plan is one of N pipeline replicas (``--batch`` per replica) whose stages'
+    gradients are all-reduced in DDP buckets; the all-reduce table is measured on N Gloo ranks
+    (or, with ``--no-calibrate``, the line of a ``commlab calibrate`` profile at world size N).
     """
     import os
 
+    from commlab.costmodel.pipeline import DataParallel
+
     from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp
-    from commlab.costmodel.plan_calibrate import calibrate as measure_costs, measured
+    from commlab.costmodel.plan_calibrate import calibrate as measure_costs, measured, profile_line, with_allreduce
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -261,15 +270,28 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
     if check and ranks < 2:
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
-    profiles = profile_mlp(depth, width, batch, ms, ranks)
+    if check and dp > 1:
+        raise click.BadParameter("--validate measures pipeline-only plans: use --dp 1", param_hint="--dp")
+    if dp > 1 and not calibrate and profile_line(dp) is None:
+        raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine "
+                               f"(commlab calibrate ... --world-size {dp}); or drop --no-calibrate to measure the all-reduce")  # fmt: skip
+    profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
     costs = measured()
     if calibrate and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
         costs = measure_costs(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout)
         click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overheads.action_s * 1e6:.0f} us/action, message "
                    f"{costs.p2p.alpha_s * 1e6:.0f} us + {costs.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
+    parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
+    if parallel is not None:
+        total = int(sum(next(iter(profiles.values())).params))
+        costs, source = with_allreduce(costs, dp, total, measure=calibrate, timeout=timeout)
+        click.echo(f"all-reduce {source}: {costs.collective('allreduce', 'native', dp)(total) * 1e3:.2f} ms for all "
+                   f"{total / 2**20:.2f} MiB of gradients")  # fmt: skip
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
-    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count())
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel)
+    if not plans:
+        raise click.UsageError("no schedule applies (with --dp, zero-bubble schedules are not supported by the hybrid runtime)")
     budget = budget_mb * 2**20
     chosen = best(plans, budget)
     click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")

@@ -81,7 +81,7 @@ def lower(
     waits: bool = True,
     contention: bool = True,
     after: Mapping[Action, Sequence[Action]] | None = None,
-    cores: int | None = None,
+    cores: float | None = None,
     durations: Mapping[Action, float] | None = None,
 ) -> list[Task]:
     """The tasks of one step. ``checkpointed``: micro-batches whose forward is recomputed.
@@ -155,7 +155,7 @@ class Prediction:
 
 
 def predict(actions: Actions, system: SystemCosts, profile: StageProfile, placement: Sequence[int] | None = None,
-            checkpointed: Sequence[int] = (), cores: int | None = None, lookahead: bool = True,
+            checkpointed: Sequence[int] = (), cores: float | None = None, lookahead: bool = True,
             dp: DataParallel | None = None) -> Prediction:  # fmt: skip
     """Predicted step time of ``actions`` under ``system`` and ``profile`` on the shared core
     (``cores``, ``lookahead``, ``dp``: see :func:`lower`; the default is Gloo's receive posting)."""
@@ -164,16 +164,17 @@ def predict(actions: Actions, system: SystemCosts, profile: StageProfile, placem
     return Prediction(result.makespan, result)
 
 
-def shared(ranks: int, cores: int | None) -> bool:
+def shared(ranks: int, cores: float | None) -> bool:
     """Whether ``ranks`` processes on ``cores`` cores slow each other's compute down."""
     return cores is not None and ranks > cores
 
 
-def sharing(cores: int):
+def sharing(cores: float):
     """The core's rate function for compute tasks on ``cores`` cores: n running tasks each get
-    min(1, cores / n) (the OS shares cores fairly among runnable single-threaded ranks)."""
-    if cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
+    min(1, cores / n) (the OS shares cores fairly among runnable single-threaded ranks). A
+    fraction is a share of a host that other processes (data-parallel replicas) use too."""
+    if not cores > 0:
+        raise ValueError(f"cores must be > 0, got {cores}")
     return lambda task, others: min(1.0, cores / (1 + len(others)))
 
 

@@ -88,8 +88,9 @@ def _stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
 
 
 def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float], inputs: Sequence[float],
-               params: Sequence[float], checkpointed: Sequence[int]) -> tuple[float, ...]:  # fmt: skip
-    """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per micro-batch."""
+               params: Sequence[float], checkpointed: Sequence[int], param_copies: float = 2.0) -> tuple[float, ...]:  # fmt: skip
+    """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per
+    micro-batch. ``param_copies``: bytes held per parameter byte (:func:`param_copies`)."""
     out = []
     for r, lives in enumerate(liveness(actions, checkpointed)):
         local = [s for s, p in enumerate(placement) if p == r]
@@ -97,8 +98,15 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
         # unless checkpointed and not yet recomputed (:func:`liveness`).
         peak = max((sum(inputs[s] + (saved[s] if full else 0.0) for (s, _), full in live.alive.items()) for live in lives), default=0.0)
         buffers = sum(2 * inputs[s] for s in local if s > 0) + sum(2 * inputs[s + 1] for s in local if s + 1 < len(placement))
-        out.append(2 * sum(params[s] for s in local) + peak + buffers)
+        out.append(param_copies * sum(params[s] for s in local) + peak + buffers)
     return tuple(out)
+
+
+def param_copies(dp: int = 1) -> float:
+    """Bytes a rank holds per byte of its parameters: the parameters and their gradients, and with
+    data parallelism (``dp`` > 1) the DDP reducer's flat bucket buffers, one more copy (commlab's
+    DDP, as torch's, copies gradients into them unless ``gradient_as_bucket_view``)."""
+    return 2.0 + (1.0 if dp > 1 else 0.0)
 
 
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
@@ -112,11 +120,16 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     (:func:`commlab.costmodel.pipeline.sharing`); ``dp``: every stage replicated that many
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`).
     """
+    world = dp.world if dp is not None else 1
+    if world > 1 and cores is not None:
+        cores = cores / world  # every replica's pipeline computes at once: each gets its share of the host
     plans = []
     for m, profile in sorted(profiles.items()):
         layers = len(profile.seconds)
         for name in schedules or tuple(REGISTRY):
             spec = REGISTRY[name]
+            if world > 1 and INPUT_GRAD in spec.kinds:
+                continue  # DDP's reducer arms for one backward call, not I and W (commlab/pipeline/runtime/hybrid.py)
             for v in virtuals if spec.virtual is None else spec.virtual:
                 stages = ranks * v
                 try:
@@ -135,7 +148,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
                     step = predict(actions, system, stage, placement, recomputed, cores, dp=dp).step_time
-                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
+                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, param_copies(world))
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
 
