@@ -93,3 +93,25 @@ def test_plan_dp_takes_the_calibration_profile_line(tmp_path, monkeypatch):
     assert "zb-" not in result.output.split("all-reduce")[1]
     result = CliRunner().invoke(main, ["pipeline", "plan", "--dp", "2", "--validate"])
     assert result.exit_code != 0 and "--validate measures pipeline-only plans" in result.output
+
+
+def test_predictions_written_before_a_run_meet_the_bench_rows(tmp_path):
+    import csv
+
+    from commlab.costmodel.plan_check import against_bench, errors, write_predictions
+
+    layer = LayerProfile(seconds=[3.0] * 4, saved=[0.0] * 4, output=[10.0] * 4, params=[0.0] * 4, input_bytes=0.0)
+    plans = candidates({2: layer, 4: layer}, 2, [1], ["never", "always"], ["gpipe", "1f1b"], balance_mode="uniform")
+    path = tmp_path / "pred.csv"
+    assert write_predictions(path, plans) == len(plans) == 8
+    predicted = list(csv.DictReader(path.open()))
+    one = next(p for p in plans if (p.schedule, p.microbatches, p.checkpoint) == ("1f1b", 4, "always"))
+    # A bench summary row (as read back from summary.csv: strings), measured 10% slower than predicted.
+    bench = [{"schedule": "1f1b", "microbatches": "4", "virtual": "1", "checkpoint": "always", "balance": "2-2",
+              "commlab_s": str(one.step_time * 1.1)},
+             {"schedule": "gpipe", "microbatches": "8", "virtual": "1", "checkpoint": "never", "balance": "2-2", "commlab_s": "1.0"}]
+    rows = against_bench(predicted, bench)
+    assert rows[0]["predicted_s"] == pytest.approx(one.step_time) and rows[0]["error"] == pytest.approx(1 / 1.1 - 1)
+    summary = errors(rows)
+    assert summary["configurations"] == 1 and summary["unmatched"] == 1  # m=8 was never predicted
+    assert summary["median_abs"] == summary["worst_abs"] == pytest.approx(1 - 1 / 1.1)

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from commlab.cli import main
 from commlab.pipeline import build, simulate
-from commlab.costmodel.plan import LayerProfile, best, candidates, peak_bytes
+from commlab.costmodel.plan import LayerProfile, best, candidates, param_copies, peak_bytes, temporaries
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, lower, predict
 from commlab.costmodel.plan_calibrate import measured as calibration
@@ -72,6 +72,22 @@ def test_peak_bytes_follow_the_schedule():
     assert peak_bytes(g, *args, ()) == (8 + 2, 8 + 2)  # 4 micro-batches x 2 bytes + boundary buffers
     assert peak_bytes(f, *args, ()) == (4 + 2, 2 + 2)  # 1F1B: p - r micro-batches
     assert peak_bytes(g, *args, range(4))[0] == 4 + 1 + 2  # inputs only, one recomputed at a time
+
+
+def test_memory_model_counts_optimizer_state_and_bucket_buffers():
+    assert param_copies() == 2.0  # parameters and gradients
+    assert param_copies(optimizer="momentum") == 3.0 and param_copies(optimizer="adam") == 4.0
+    assert param_copies(dp=2, optimizer="adam") == 5.0  # DDP's flat bucket buffers
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        param_copies(optimizer="lion")
+    layer = LayerProfile(seconds=[1.0] * 4, saved=[0.0] * 4, output=[0.0] * 4, params=[100.0] * 4, input_bytes=0.0)
+    (plain,) = candidates({2: layer}, 2, [1], ["never"], ["1f1b"])
+    (adam,) = candidates({2: layer}, 2, [1], ["never"], ["1f1b"], optimizer="adam")
+    assert [a - p for a, p in zip(adam.peak_bytes, plain.peak_bytes)] == [2 * 200.0, 2 * 200.0]  # two states per byte
+    # Equal layer counts, as the bench's --balance uniform, even where the times are not equal.
+    skewed = LayerProfile(seconds=[1.0, 1.0, 1.0, 9.0], saved=[0.0] * 4, output=[0.0] * 4, params=[0.0] * 4, input_bytes=0.0)
+    assert candidates({2: skewed}, 2, [1], ["never"], ["1f1b"])[0].balance == (3, 1)
+    assert candidates({2: skewed}, 2, [1], ["never"], ["1f1b"], balance_mode="uniform")[0].balance == (2, 2)
 
 
 def test_planner_picks_the_fastest_plan_that_fits():
@@ -167,9 +183,12 @@ def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
     costs = Costs([2.0, 2.0], [4.0, 4.0], message_bytes=[400.0], alpha=0.1, beta=0.001, overhead=0.05)
     assert plan.step_time == pytest.approx(predict(build("gpipe", 2, 4), *costs, checkpointed=range(4)).step_time)
     # Memory sees the same boundary: stage 1 stashes 4 checkpointed inputs of 400 bytes, and each
-    # side of the boundary holds a receive and a send buffer of it.
-    assert plan.peak_bytes == peak_bytes(build("gpipe", 2, 4), (0, 1), [0.0, 0.0], [0.0, 400.0], [0.0, 0.0], range(4))
-    assert plan.peak_bytes == (800.0, 4 * 400.0 + 800.0)
+    # side of the boundary holds a receive and a send buffer of it; the backward's temporaries are
+    # a layer's input and output gradients at once: 100 + 400 on stage 0 (layer 1), 400 + 100 on stage 1 (layer 2).
+    assert temporaries([100.0, 400.0, 100.0, 7.0], 0.0, [2, 2]) == [500.0, 500.0]
+    args = (build("gpipe", 2, 4), (0, 1), [0.0, 0.0], [0.0, 400.0], [0.0, 0.0], range(4))
+    assert plan.peak_bytes == peak_bytes(*args, temporary=[500.0, 500.0])
+    assert peak_bytes(*args) == (800.0, 4 * 400.0 + 800.0) and plan.peak_bytes == (800.0 + 500.0, 4 * 400.0 + 800.0 + 500.0)
     assert fit_line([0, 100, 200], [1.0, 2.0, 3.0]) == pytest.approx((1.0, 0.01))
     assert fit_line([0, 100], [2.0, 1.0]) == (pytest.approx(1.5), 0.0)  # noise: no negative slope
 

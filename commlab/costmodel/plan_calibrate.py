@@ -173,4 +173,5 @@ def with_allreduce(system: SystemCosts, world: int, total_bytes: int, *, measure
         if cost is None:
             raise ValueError(f"no DDP calibration at world size {world} on this machine")
         source = f"from the alpha-beta line of the DDP calibration profile at world size {world}"
+    source += f": {cost(total_bytes) * 1e3:.2f} ms for all {total_bytes / 2**20:.2f} MiB of gradients"
     return replace(system, collectives={**system.collectives, ("allreduce", "native", world): cost}), source
