@@ -115,3 +115,10 @@ def test_predictions_written_before_a_run_meet_the_bench_rows(tmp_path):
     summary = errors(rows)
     assert summary["configurations"] == 1 and summary["unmatched"] == 1  # m=8 was never predicted
     assert summary["median_abs"] == summary["worst_abs"] == pytest.approx(1 - 1 / 1.1)
+
+
+def test_plan_command_offers_the_optimizers_the_memory_model_knows():
+    from commlab.cli.pipeline import OPTIMIZERS
+    from commlab.costmodel.plan import OPTIMIZER_STATE
+
+    assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
