@@ -256,17 +256,15 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
-    simulator core with its peak memory per rank. ``--validate`` then measures the grid. With
-    ``--dp N`` each plan is one of N pipeline replicas (``--batch`` per replica) whose stages'
-    gradients are all-reduced in DDP buckets; the all-reduce table is measured on N Gloo ranks
-    (or, with ``--no-calibrate``, the line of a ``commlab calibrate`` profile at world size N).
+    simulator core with its peak memory per rank. ``--validate`` then measures the grid. ``--dp N``:
+    each plan is one of N replicas (``--batch`` each), its stages' DDP buckets all-reduced.
     """
     import os
 
     from commlab.costmodel.pipeline import DataParallel
 
     from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp, table
-    from commlab.costmodel.plan_calibrate import calibrate as measure_costs, measured, profile_line, with_allreduce
+    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -281,16 +279,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
     profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
-    costs = measured()
-    if calibrate and ranks > 1:
-        # Every boundary a plan can have is some layer's output at some micro-batch size.
-        costs = measure_costs(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout)
-        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overheads.action_s * 1e6:.0f} us/action, message "
-                   f"{costs.p2p.alpha_s * 1e6:.0f} us + {costs.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    if parallel is not None:
-        costs, source = with_allreduce(costs, dp, int(sum(next(iter(profiles.values())).params)), measure=calibrate, timeout=timeout)
-        click.echo(f"all-reduce {source}")
+    costs = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
                        balance_mode=balance_mode, optimizer=optimizer)  # fmt: skip
@@ -313,11 +303,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
-    import commlab
-    from commlab.costmodel.plan_check import measure_rank, report, summarise
+    from commlab.costmodel.plan_check import measure_grid
 
     click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
-    specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
-    per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
-    click.echo("\n".join(report(summarise(fitting, chosen, per_rank))))
+    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common)))

@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,24 @@ def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
     return measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
+
+
+def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
+               echo: Callable[[str], None] = lambda _l: None) -> SystemCosts:  # fmt: skip
+    """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
+    one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
+    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what."""
+    profiles = list(profiles)
+    system = measured()
+    if measure and ranks > 1:
+        # Every boundary a plan can have is some layer's output at some micro-batch size.
+        system = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout)
+        echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
+             f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
+    if dp > 1:
+        system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
+        echo(f"all-reduce {source}")
+    return system
 
 
 def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,15 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     return {"rank": rt.rank, "times": times, "peaks": peaks}
 
 
+def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any]) -> list[str]:
+    """Measure every plan of ``fitting`` on ``ranks`` Gloo ranks (:func:`measure_rank`); the report's lines."""
+    import commlab  # commlab.launch imports torch: loaded only when measuring
+
+    specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
+    per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
+    return report(summarise(fitting, chosen, per_rank))
+
+
 def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per plan: predicted and measured step (slowest rank, median and spread), peaks."""
     rows = []
