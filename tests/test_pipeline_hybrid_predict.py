@@ -122,3 +122,16 @@ def test_plan_command_offers_the_optimizers_the_memory_model_knows():
     from commlab.costmodel.plan import OPTIMIZER_STATE
 
     assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
+
+
+def test_plan_writes_every_prediction_before_any_run(tmp_path):
+    import csv
+
+    path = tmp_path / "pred.csv"
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "-m", "2,4",
+                                       "--schedules", "gpipe,1f1b", "--checkpoint", "never,always", "--balance", "uniform",
+                                       "--no-calibrate", "--top", "1", "--predictions", str(path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(path.open()))
+    assert f"wrote {len(rows)} predictions" in result.output and len(rows) == 2 * 2 * 2  # not only the --top listed
+    assert {r["balance"] for r in rows} == {"2-3"} and all(float(r["predicted_s"]) > 0 for r in rows)
