@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlab.pipeline import KINDS, Kind, as_actions, liveness, lower_comm, register_kind, simulate, validate
-from commlab.costmodel.pipeline import Costs, predict
+from commlab.costmodel.costs import PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.pipeline import predict
 from commlab.pipeline.runtime.executor import HANDLERS, PipelineExecutor
 from commlab.pipeline.runtime.stages import RankStages
 from commlab.pipeline.schedule.validate import problems
@@ -43,7 +44,7 @@ def test_a_registered_kind_is_validated_simulated_and_priced(note_kind):
     assert any("before 1F0 (F before N)" in p for p in problems(as_actions([["0F0", "0B0"], ["1N0", "1F0", "1B0"]])))
     # F0 (1) -> F1 (1) -> N1 (0.25 of F) -> B1 (2) -> B0 (2): the chain, its cost from the registry.
     assert simulate(gpipe, 1.0, 2.0).step_time == pytest.approx(6.25)
-    assert predict(gpipe, Costs([1.0, 1.0], [2.0, 2.0], alpha=0.5)).step_time == pytest.approx(7.25)
+    assert predict(gpipe, SystemCosts(p2p=PointToPoint(0.5)), StageProfile((1.0, 1.0), (2.0, 2.0))).step_time == pytest.approx(7.25)
     # It sends nothing and keeps nothing alive of its own.
     assert [str(op) for op in lower_comm(gpipe)[1]] == ["RECV 0F0>1F0", "WAIT RECV 0F0>1F0", "1F0", "1N0", "1B0", "SEND 1B0>0B0",
                                                     "WAIT SEND 1B0>0B0"]  # awaited at the end of the step

@@ -6,6 +6,7 @@
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
+    commlab pipeline plan --ranks 2 --dp 2 --budget-mb 64                  ... as one of 2 data-parallel replicas
 
 Only the pure schedule modules load with this one; torch, pandas and the runtime load in the commands.
 """
@@ -27,6 +28,7 @@ from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, val
 
 SCHEDULE_NAMES = tuple(REGISTRY)  # the registry is the one list of schedules
 BALANCE_MODES = ("uniform", "time", "size")
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")  # commlab.costmodel.plan.OPTIMIZER_STATE (that module imports torch)
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -248,6 +250,13 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="data-parallel degree: every stage on this many replicas, its DDP buckets all-reduced after its last backward")
+@click.option("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), help="--dp: DDP's bucket cap [DDP's default]")
+@click.option("--balance", "balance_mode", default="time", show_default=True, type=click.Choice(["time", "uniform"]),
+              help="split layers by profiled time, or in equal counts (as pipeline bench --balance uniform)")
+@click.option("--optimizer", default="none", show_default=True, type=click.Choice(OPTIMIZERS), help="whose state the memory model counts")
+@click.option("--predictions", type=click.Path(dir_okay=False, path_type=Path), help="write every plan's prediction here (CSV)")
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
@@ -255,17 +264,20 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, top, calibrate, check, iters, warmup,
-         timeout) -> None:  # fmt: skip
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, dp, bucket_cap_mb, balance_mode,
+         optimizer, predictions, top, calibrate, check, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
-    simulator core with its peak memory per rank. ``--validate`` then measures the grid.
+    simulator core with its peak memory per rank. ``--validate`` then measures the grid. ``--dp N``:
+    each plan is one of N replicas (``--batch`` each), its stages' DDP buckets all-reduced.
     """
     import os
 
-    from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp
-    from commlab.costmodel.plan_calibrate import Calibration, calibrate as measure_costs
+    from commlab.costmodel.pipeline import DataParallel
+
+    from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp, table
+    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -274,22 +286,26 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
     if check and ranks < 2:
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
-    profiles = profile_mlp(depth, width, batch, ms, ranks)
-    costs = Calibration()
-    if calibrate and ranks > 1:
-        # Every boundary a plan can have is some layer's output at some micro-batch size.
-        costs = measure_costs(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout)
-        click.echo(f"calibrated on {ranks} Gloo ranks: executor overhead {costs.overhead * 1e6:.0f} us/action, message "
-                   f"{costs.alpha * 1e6:.0f} us + {costs.beta * 1e9:.3f} ns/byte")  # fmt: skip
+    if check and dp > 1:
+        raise click.BadParameter("--validate measures pipeline-only plans: use --dp 1", param_hint="--dp")
+    if dp > 1 and not calibrate and profile_line(dp) is None:
+        raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
+                               "drop --no-calibrate to measure the all-reduce")  # fmt: skip
+    profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
+    parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
+    costs = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
-    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count())
+    plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
+                       balance_mode=balance_mode, optimizer=optimizer)  # fmt: skip
+    if not plans:
+        raise click.UsageError("no schedule applies (with --dp, zero-bubble schedules are not supported by the hybrid runtime)")
     budget = budget_mb * 2**20
     chosen = best(plans, budget)
-    click.echo(f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance")
-    for p in plans[:top]:
-        mark = "" if max(p.peak_bytes) <= budget else "  over budget"
-        click.echo(f"{p.schedule:<12} {p.microbatches:>3} {p.virtual:>2} {p.checkpoint:<12} {p.step_time * 1e3:8.2f} "
-                   f"{max(p.peak_bytes) / 2**20:14.2f}  {list(p.balance)}{mark}")  # fmt: skip
+    click.echo("\n".join(table(plans[:top], budget)))
+    if predictions is not None:
+        from commlab.costmodel.plan_check import write_predictions
+
+        click.echo(f"wrote {write_predictions(predictions, plans)} predictions to {predictions}")
     if chosen is None:
         raise click.ClickException(no_fit(plans, budget_mb))
     click.echo(f"plan: {chosen.schedule}, m={chosen.microbatches}, v={chosen.virtual}, checkpoint {chosen.checkpoint}, "
@@ -300,11 +316,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
-    import commlab
-    from commlab.costmodel.plan_check import measure_rank, report, summarise
+    from commlab.costmodel.plan_check import measure_grid
 
     click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
-    specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
-    per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
-    click.echo("\n".join(report(summarise(fitting, chosen, per_rank))))
+    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common)))

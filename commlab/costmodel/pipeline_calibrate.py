@@ -13,7 +13,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from commlab.costmodel.pipeline import Costs, predict, shared
+from commlab.costmodel.costs import Overheads, PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.pipeline import predict, shared
 from commlab.pipeline.schedule.actions import Action
 from commlab.pipeline.schedule.kinds import dependencies
 from commlab.pipeline.schedule.registry import REGISTRY
@@ -106,14 +107,14 @@ def _work(lo: float, hi: float, spans: list[tuple[float, float]], cores: int, ex
     return work
 
 
-def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None):
-    """The predictor's :class:`commlab.costmodel.pipeline.Costs` from the calibration steps' timelines.
+def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | None = None) -> tuple[SystemCosts, StageProfile]:
+    """The predictor's costs (:class:`SystemCosts`, :class:`StageProfile`) from the calibration steps' timelines.
 
     Per-action compute: each stage's median measured F, B (or I and W; a checkpointed B already
     includes its recomputation); per message: the median measured producer-to-consumer delay
-    (``alpha``: the message cost at this run's one boundary size, so no ``beta`` term); per
-    action: :func:`executor_overhead`. The planner fills the same fields from a profile and a
-    plan-time micro-benchmark (:mod:`commlab.costmodel.plan_calibrate`). With more ranks than
+    (the point-to-point ``alpha``: the message cost at this run's one boundary size, so no
+    ``beta`` term); per action: :func:`executor_overhead`. The planner fills the same fields from
+    a profile and a plan-time micro-benchmark (:mod:`commlab.costmodel.plan_calibrate`). With more ranks than
     ``cores``, compute is the work at full speed (:func:`nominal`): the predictor slows it again.
     """
     compute = nominal(per_rank, cores) if shared(len(per_rank), cores) else per_rank
@@ -125,8 +126,9 @@ def calibrated_costs(per_rank: list[dict[str, Any]], stages: int, cores: int | N
             w = sum(b - a for _, kind, _, a, b in timeline if kind == "W")
             if i + w > 0:
                 shares.append(w / (i + w))
-    return Costs(fwd, bwd, statistics.median(shares) if shares else 0.5, alpha=comm_latency(per_rank, stages),
-                 overhead=executor_overhead(per_rank, stages, cores if shared(len(per_rank), cores) else None))  # fmt: skip
+    overhead = executor_overhead(per_rank, stages, cores if shared(len(per_rank), cores) else None)
+    system = SystemCosts(p2p=PointToPoint(comm_latency(per_rank, stages)), overheads=Overheads(action_s=overhead))
+    return system, StageProfile(tuple(fwd), tuple(bwd), statistics.median(shares) if shares else 0.5)
 
 
 def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions, world: int, stages: int, cores: int | None = None,
@@ -135,7 +137,7 @@ def predicted_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]], actions,
     (:func:`calibrated_costs`); the executor's receive posting (``lookahead``: Gloo's, False on
     NCCL) and send waits are modelled by :func:`commlab.costmodel.pipeline.lower`, as for the planner."""
     placement = REGISTRY[cfg["schedule"]].placement(world, stages)
-    return predict(actions, calibrated_costs(per_rank, stages, cores), placement, cores=cores, lookahead=lookahead).step_time
+    return predict(actions, *calibrated_costs(per_rank, stages, cores), placement, cores=cores, lookahead=lookahead).step_time
 
 
 def stage_times(per_rank: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

@@ -6,10 +6,16 @@ bench predictor's lowering and cost terms: per-action compute from the profile, 
 per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
 sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
 are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`, a few seconds). Its peak
-memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters and their
-gradients, what each stashed micro-batch keeps (everything its forward saved, or only the stage
-input when checkpointed, plus one micro-batch being recomputed), and one receive buffer and one
-send per boundary. Candidates over the budget are dropped; the fastest survivor is the plan.
+memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters, their
+gradients and the optimizer's state (:func:`param_copies`), what each stashed micro-batch keeps
+(everything its forward saved, or only the stage input when checkpointed, plus one micro-batch
+being recomputed), one receive buffer and one send per boundary, and the backward's temporaries
+(:func:`temporaries`). Candidates over the budget are dropped; the fastest survivor is the plan.
+
+Nothing of a configuration is run to predict it: the per-layer profile is taken once per
+micro-batch size and the communication terms once per plan, so every schedule x micro-batches x
+checkpointing of a model is predicted before any of them runs (``pipeline plan --predictions``
+writes them all; :mod:`commlab.costmodel.plan_check` compares them with a ``pipeline bench`` run).
 """
 
 from __future__ import annotations
@@ -18,13 +24,13 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from commlab.pipeline.partition import best_per_layer, partition, profile_times
-from commlab.costmodel.plan_calibrate import Calibration
-from commlab.costmodel.pipeline import Costs, checkpointed_microbatches, predict
+from commlab.costmodel.costs import StageProfile, SystemCosts
+from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
 from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
@@ -47,23 +53,25 @@ class LayerProfile:
     input_grad: Sequence[float] = ()
     weight_grad: Sequence[float] = ()
 
-    def costs(self, balance: Sequence[int], split: bool, calibration: Calibration = Calibration()) -> Costs:
-        """Per-stage action costs under ``balance``; ``split``: the schedule runs I and W;
-        ``calibration``: the per-message and per-action terms, priced at this split's boundaries."""
-        compute = self._compute(balance, split)
-        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
-        return replace(compute, message_bytes=[float(self.output[e]) for e in ends], alpha=calibration.alpha,
-                       beta=calibration.beta, overhead=calibration.overhead)  # fmt: skip
+    # Each layer's parameter sizes in module order, for data-parallel buckets; empty: one tensor per layer.
+    param_sizes: Sequence[Sequence[int]] = ()
 
-    def _compute(self, balance: Sequence[int], split: bool) -> Costs:
+    def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:
+        """What each stage computes under ``balance`` (``split``: the schedule runs I and W), what it
+        sends (the boundary after it: its last layer's output) and its parameters' sizes."""
         total = _stage_sums(self.seconds, balance)
+        ends = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
+        sizes = self.param_sizes or [[int(p)] if p else [] for p in self.params]
+        starts = _starts(balance)
+        extra = dict(message_bytes=tuple(float(self.output[e]) for e in ends),
+                     param_nbytes=tuple(tuple(int(n) for layer in sizes[a : a + k] for n in layer) for a, k in zip(starts, balance)))
         if not self.forward:
-            return Costs([t / 3 for t in total], [t * 2 / 3 for t in total])
-        fwd = _stage_sums(self.forward, balance)
+            return StageProfile(tuple(t / 3 for t in total), tuple(t * 2 / 3 for t in total), **extra)
+        fwd = tuple(_stage_sums(self.forward, balance))
         if split and self.input_grad:
             i, w = _stage_sums(self.input_grad, balance), _stage_sums(self.weight_grad, balance)
-            return Costs(fwd, [a + b for a, b in zip(i, w)], sum(w) / max(sum(i) + sum(w), 1e-12))
-        return Costs(fwd, [max(t - f, 0.0) for t, f in zip(total, fwd)])
+            return StageProfile(fwd, tuple(a + b for a, b in zip(i, w)), sum(w) / max(sum(i) + sum(w), 1e-12), **extra)
+        return StageProfile(fwd, tuple(max(t - f, 0.0) for t, f in zip(total, fwd)), **extra)
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,12 @@ def _stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
 
 
 def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float], inputs: Sequence[float],
-               params: Sequence[float], checkpointed: Sequence[int]) -> tuple[float, ...]:  # fmt: skip
-    """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per micro-batch."""
+               params: Sequence[float], checkpointed: Sequence[int], param_copies: float = 2.0,
+               temporary: Sequence[float] = ()) -> tuple[float, ...]:  # fmt: skip
+    """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per
+    micro-batch. ``param_copies``: bytes held per parameter byte (:func:`param_copies`);
+    ``temporary``: per stage, what its backward allocates on top (:func:`temporaries`): one
+    backward runs at a time on a rank, so the largest of its stages' counts once."""
     out = []
     for r, lives in enumerate(liveness(actions, checkpointed)):
         local = [s for s, p in enumerate(placement) if p == r]
@@ -95,24 +107,67 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
         # unless checkpointed and not yet recomputed (:func:`liveness`).
         peak = max((sum(inputs[s] + (saved[s] if full else 0.0) for (s, _), full in live.alive.items()) for live in lives), default=0.0)
         buffers = sum(2 * inputs[s] for s in local if s > 0) + sum(2 * inputs[s + 1] for s in local if s + 1 < len(placement))
-        out.append(2 * sum(params[s] for s in local) + peak + buffers)
+        extra = max((temporary[s] for s in local), default=0.0) if temporary else 0.0
+        out.append(param_copies * sum(params[s] for s in local) + peak + buffers + extra)
     return tuple(out)
 
 
+# Optimizer state per parameter byte: torch.optim.SGD keeps a momentum buffer only with momentum
+# (torch/optim/sgd.py), Adam and AdamW exp_avg and exp_avg_sq (torch/optim/adam.py).
+OPTIMIZER_STATE = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+
+def param_copies(dp: int = 1, optimizer: str = "none") -> float:
+    """Bytes a rank holds per byte of its parameters: the parameters and their gradients, the
+    optimizer's state (:data:`OPTIMIZER_STATE`; "none": no optimizer step, as ``--validate``
+    measures), and with data parallelism (``dp`` > 1) the DDP reducer's flat bucket buffers, one
+    more copy (commlab's DDP, as torch's, copies gradients into them unless ``gradient_as_bucket_view``)."""
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose from {', '.join(OPTIMIZER_STATE)}")
+    return 2.0 + OPTIMIZER_STATE[optimizer] + (1.0 if dp > 1 else 0.0)
+
+
+def temporaries(output: Sequence[float], input_bytes: float, balance: Sequence[int]) -> list[float]:
+    """Per stage, the bytes its backward allocates beyond the stash and the boundary buffers: while
+    layer l's backward runs, the gradient of its output and the new gradient of its input are
+    both alive (autograd frees the first once the second is made), so the largest
+    ``input[l] + output[l]`` over the stage's layers. Weight gradients accumulate in ``.grad``,
+    counted with the parameters."""
+    inputs = [input_bytes, *output[:-1]]
+    return [max(inputs[l] + output[l] for l in range(a, a + n)) for a, n in zip(_starts(balance), balance)]
+
+
+def _starts(balance: Sequence[int]) -> list[int]:
+    return [sum(balance[:s]) for s in range(len(balance))]
+
+
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
-               schedules: Sequence[str] | None = None, calibration: Calibration = Calibration(),
-               cores: int | None = None) -> list[Plan]:  # fmt: skip
+               schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
+               cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
+               optimizer: str = "none") -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
-    ``calibration``: the per-message and per-action costs (zero: compute alone); ``cores``: the
-    host's, for the sharing of cores among more ranks (:func:`commlab.costmodel.pipeline.sharing`).
+    ``system``: the per-message and per-action costs (default zero: compute alone), and with
+    ``dp`` its all-reduce table; ``cores``: the host's, for the sharing of cores among more ranks
+    (:func:`commlab.costmodel.pipeline.sharing`); ``dp``: every stage replicated that many
+    times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
+    ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
+    ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts.
     """
+    if balance_mode not in ("time", "uniform"):
+        raise ValueError(f"balance_mode must be 'time' or 'uniform', got {balance_mode!r}")
+    world = dp.world if dp is not None else 1
+    copies = param_copies(world, optimizer)
+    if world > 1 and cores is not None:
+        cores = cores / world  # every replica's pipeline computes at once: each gets its share of the host
     plans = []
     for m, profile in sorted(profiles.items()):
         layers = len(profile.seconds)
         for name in schedules or tuple(REGISTRY):
             spec = REGISTRY[name]
+            if world > 1 and INPUT_GRAD in spec.kinds:
+                continue  # DDP's reducer arms for one backward call, not I and W (commlab/pipeline/runtime/hybrid.py)
             for v in virtuals if spec.virtual is None else spec.virtual:
                 stages = ranks * v
                 try:
@@ -121,17 +176,18 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 if stages > layers:
                     continue
-                balance = partition(profile.seconds, stages)
+                balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, stages)
+                temporary = temporaries(profile.output, profile.input_bytes, balance)
                 saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
-                costs = profile.costs(balance, INPUT_GRAD in spec.kinds, calibration)
-                # Stage s > 0 receives the boundary that costs.message_bytes[s - 1] prices.
-                inputs = [profile.input_bytes, *costs.message_bytes]
+                stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
+                # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
+                inputs = [profile.input_bytes, *stage.message_bytes]
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, costs, placement, recomputed, cores).step_time
-                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed)
+                    step = predict(actions, system, stage, placement, recomputed, cores, dp=dp).step_time
+                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
 
@@ -139,6 +195,16 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
 def best(plans: Sequence[Plan], budget: float) -> Plan | None:
     """The fastest plan whose every rank's predicted peak fits ``budget`` bytes."""
     return next((p for p in plans if max(p.peak_bytes) <= budget), None)
+
+
+def table(plans: Sequence[Plan], budget: float) -> list[str]:
+    """The console table of ``plans``, each marked when over ``budget`` bytes per rank."""
+    lines = [f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'peak MiB/rank':>14}  balance"]
+    for p in plans:
+        mark = "" if max(p.peak_bytes) <= budget else "  over budget"
+        lines.append(f"{p.schedule:<12} {p.microbatches:>3} {p.virtual:>2} {p.checkpoint:<12} {p.step_time * 1e3:8.2f} "
+                     f"{max(p.peak_bytes) / 2**20:14.2f}  {list(p.balance)}{mark}")  # fmt: skip
+    return lines
 
 
 def no_fit(plans: Sequence[Plan], budget_mb: float) -> str:
@@ -176,7 +242,7 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
     runs them (:mod:`commlab.pipeline.runtime.compute`)."""
     # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
     seconds = profile_times(model, sample, repeat=repeat)
-    saved, output, params = [], [], []
+    saved, output, params, sizes = [], [], [], []
     sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
 
     def now() -> float:
@@ -212,7 +278,8 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
         saved.append(float(counted.nbytes))
         output.append(float(y.numel() * y.element_size()))
         params.append(float(sum(p.numel() * p.element_size() for p in weights)))
+        sizes.append([p.numel() * p.element_size() for p in weights if p.requires_grad])
         x = y
     model.zero_grad(set_to_none=True)
     return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
-                        forward, input_grad, weight_grad)  # fmt: skip
+                        forward, input_grad, weight_grad, sizes)  # fmt: skip

@@ -11,7 +11,12 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
 - the per-byte cost ``beta``: the slope of a ping-pong between ranks 0 and 1 at the plans' real
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
-Both then enter :class:`commlab.costmodel.pipeline.Costs` exactly as the bench's do.
+Both then enter the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (its
+point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
+(``--dp``), :func:`allreduce_table` measures the all-reduce table at the data-parallel world
+size (``dist.all_reduce`` on that many Gloo ranks at the plans' bucket sizes, what commlab's DDP
+runs with its default ``algorithm="native"``); without calibration, :func:`profile_line` takes
+the alpha-beta line of a DDP calibration (``commlab calibrate``) of this machine at that world size.
 """
 
 from __future__ import annotations
@@ -20,24 +25,23 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from commlab.bench.alpha_beta import least_squares_line
-from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
+from commlab.costmodel import profile as prof
+from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
+from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
+from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
 
-from commlab.bench.alpha_beta import least_squares_line
 
-
-@dataclass(frozen=True)
-class Calibration:
-    """Seconds per message (``alpha``), per byte (``beta``), and per executor action (``overhead``)."""
-
-    alpha: float = 0.0
-    beta: float = 0.0
-    overhead: float = 0.0
+def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
+    """The costs this calibration measures: seconds per message (``alpha``), per byte (``beta``)
+    and per executor action (``overhead``); zero: compute alone."""
+    return SystemCosts(p2p=PointToPoint(alpha, beta), overheads=Overheads(action_s=overhead))
 
 
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -94,16 +98,98 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rt.rank, "pingpong": pingpong, **calibration}
 
 
-def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> Calibration:
-    """Measure :class:`Calibration` on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
+def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> SystemCosts:
+    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
-        return Calibration()
+        return measured()
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
     per_rank = commlab.launch(measure_rank, sizes, {"repeats": repeats, "steps": steps, "timeout": timeout},
                               world_size=ranks, backend="gloo", timeout=timeout)  # fmt: skip
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
-    return Calibration(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
+    return measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
+
+
+def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
+               echo: Callable[[str], None] = lambda _l: None) -> SystemCosts:  # fmt: skip
+    """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
+    one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
+    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what."""
+    profiles = list(profiles)
+    system = measured()
+    if measure and ranks > 1:
+        # Every boundary a plan can have is some layer's output at some micro-batch size.
+        system = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout)
+        echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
+             f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
+    if dp > 1:
+        system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
+        echo(f"all-reduce {source}")
+    return system
+
+
+def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
+    """On every rank (commlab.launch): ``dist.all_reduce`` seconds per size, one per repeat, each from a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    times: dict[int, list[float]] = {}
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+        for k in range(common["repeats"] + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            if k:  # the first round allocates and connects
+                times.setdefault(size, []).append(time.perf_counter() - start)
+    return {"times": times}
+
+
+def allreduce_table(world: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 120.0) -> CollectiveCost:
+    """The all-reduce table of ``world`` Gloo ranks at ``sizes`` bytes (a few seconds): per size,
+    the median over repeats of the slowest rank's time (a collective ends when its last rank does)."""
+    import commlab  # commlab.launch imports torch: loaded only when calibrating
+
+    sizes = sorted({int(s) for s in sizes if s > 0})
+    if len(sizes) < 2:
+        sizes = sorted({*sizes, 4, 1 << 20})
+    per_rank = commlab.launch(allreduce_rank, sizes, {"repeats": repeats}, world_size=world, backend="gloo", timeout=timeout)
+    seconds = [statistics.median(max(ts) for ts in zip(*(r["times"][s] for r in per_rank))) for s in sizes]
+    return cost_from_entry(fit_table(sizes, seconds))
+
+
+def profile_line(world: int, algorithm: str = "native", path: Path | None = None) -> CollectiveCost | None:
+    """The alpha-beta line of the newest DDP calibration (``commlab calibrate``) of this machine with
+    Gloo at ``world`` ranks that measured ``algorithm``; None when the profile has none."""
+    try:
+        entries = prof.read_file(path or DEFAULT_PROFILE).values()
+    except (OSError, ValueError):
+        return None
+    found = [e for e in entries if e["key"].get("machine") == prof.machine_id() and e["key"].get("backend") == "gloo"
+             and e["key"].get("world_size") == world and algorithm in e.get("collectives", {})]  # fmt: skip
+    for entry in sorted(found, key=lambda e: e.get("created", 0.0), reverse=True):
+        line = entry["collectives"][algorithm]
+        alpha, beta = float(line.get("alpha_s", math.nan)), float(line.get("beta_bytes_per_s", math.nan))
+        if math.isfinite(alpha) and math.isfinite(beta) and beta > 0:
+            return CollectiveCost.line(max(alpha, 0.0), beta)
+    return None
+
+
+def with_allreduce(system: SystemCosts, world: int, total_bytes: int, *, measure: bool = True,
+                   timeout: float = 120.0) -> tuple[SystemCosts, str]:  # fmt: skip
+    """``system`` with an all-reduce table at ``world`` ranks, and where it came from: measured
+    (:func:`allreduce_table` at the bucket sizes that can occur up to ``total_bytes``), or with
+    ``measure=False`` the DDP calibration profile's line (:func:`profile_line`; ValueError if none)."""
+    if measure:
+        cost = allreduce_table(world, table_sizes(total_bytes), timeout=timeout)
+        source = f"measured on {world} Gloo ranks ({len(cost.sizes)} sizes)"
+    else:
+        cost = profile_line(world)
+        if cost is None:
+            raise ValueError(f"no DDP calibration at world size {world} on this machine")
+        source = f"from the alpha-beta line of the DDP calibration profile at world size {world}"
+    source += f": {cost(total_bytes) * 1e3:.2f} ms for all {total_bytes / 2**20:.2f} MiB of gradients"
+    return replace(system, collectives={**system.collectives, ("allreduce", "native", world): cost}), source

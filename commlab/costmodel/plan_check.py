@@ -12,11 +12,13 @@ rank's parameters and their gradients, the terms :func:`commlab.costmodel.plan.p
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from commlab._atomic import write_text
 from commlab.costmodel.plan import Plan
 
 from commlab.pipeline.schedule.registry import REGISTRY
@@ -70,6 +72,15 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     return {"rank": rt.rank, "times": times, "peaks": peaks}
 
 
+def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any]) -> list[str]:
+    """Measure every plan of ``fitting`` on ``ranks`` Gloo ranks (:func:`measure_rank`); the report's lines."""
+    import commlab  # commlab.launch imports torch: loaded only when measuring
+
+    specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
+    per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
+    return report(summarise(fitting, chosen, per_rank))
+
+
 def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per plan: predicted and measured step (slowest rank, median and spread), peaks."""
     rows = []
@@ -107,3 +118,46 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
                  f"v={b['virtual']} {b['checkpoint']}); predicted peak bounds measured on every plan and rank: "
                  f"{'yes' if v['peaks_bounded'] else 'NO'}")  # fmt: skip
     return lines
+
+
+# Predicted before run: ``pipeline plan --predictions`` writes every plan's prediction, a later
+# ``pipeline bench`` (same model, --balance uniform or time) measures some of them.
+KEY = ("schedule", "microbatches", "virtual", "checkpoint", "balance")
+
+
+def prediction_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
+    """One row per plan, keyed as the bench's summary.csv (:data:`KEY`)."""
+    return [dict(schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual, checkpoint=p.checkpoint,
+                 balance="-".join(map(str, p.balance)), predicted_s=p.step_time, predicted_peak=max(p.peak_bytes))
+            for p in plans]  # fmt: skip
+
+
+def write_predictions(path, plans: Sequence[Plan]) -> int:
+    """:func:`prediction_rows` as a CSV at ``path`` (atomically); returns how many rows."""
+    rows = prediction_rows(plans)
+    lines = [",".join(KEY + ("predicted_s", "predicted_peak")), *(",".join(str(v) for v in r.values()) for r in rows)]
+    write_text(path, "\n".join(lines) + "\n")
+    return len(rows)
+
+
+def against_bench(predictions: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every bench row (its ``commlab_s``: the median step) beside the prediction of the same
+    configuration, with ``error`` = predicted / measured - 1; a row no prediction matches gets NaN."""
+    def key(row):
+        return tuple(str(row[k]) for k in KEY)
+
+    predicted = {key(p): float(p["predicted_s"]) for p in predictions}
+    out = []
+    for row in summary:
+        p, measured = predicted.get(key(row), math.nan), float(row["commlab_s"])
+        out.append({**{k: row[k] for k in KEY}, "predicted_s": p, "measured_s": measured, "error": p / measured - 1.0})
+    return out
+
+
+def errors(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst absolute relative error over the rows with a prediction, and how many lacked one."""
+    found = [abs(r["error"]) for r in rows if not math.isnan(r["error"])]
+    worst = max(rows, key=lambda r: -1.0 if math.isnan(r["error"]) else abs(r["error"]), default=None)
+    return {"configurations": len(found), "unmatched": len(rows) - len(found),
+            "median_abs": statistics.median(found) if found else math.nan, "worst_abs": max(found, default=math.nan),
+            "worst": worst}  # fmt: skip
