@@ -33,7 +33,7 @@ def test_gantt_axes_have_units_and_a_legend(tmp_path, monkeypatch):
 def test_bench_figures_label_microbatches_as_integers_and_peaks_in_words(tmp_path, monkeypatch):
     import pandas as pd
 
-    from commlab.pipeline import figures
+    from commlab.bench import pipeline_figures as figures
 
     summary = pd.DataFrame({"schedule": ["gpipe"] * 3, "microbatches": [2, 4, 8], "checkpoint": "never", "balance_mode": "time",
                             "commlab_samples_per_s": [10.0, 12.0, 13.0], "torch_samples_per_s": [9.0, 11.0, 12.0]})  # fmt: skip

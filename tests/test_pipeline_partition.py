@@ -9,7 +9,7 @@ from torch import nn
 
 from commlab.pipeline import balance_by_size, balance_by_time, partition, split
 from commlab.pipeline.runtime.memory import SavedBytes
-from commlab.pipeline.partition import profile_sizes
+from commlab.pipeline.runtime.partition import profile_sizes
 
 
 def _brute_force(costs, parts):

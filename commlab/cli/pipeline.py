@@ -165,7 +165,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
 
     Ctrl-C keeps the rows of every configuration already measured (exit status 130).
     """
-    from commlab.pipeline.bench import balance
+    from commlab.bench.pipeline_bench import balance
     from commlab.runtime import resolve_backend
 
     try:
@@ -205,8 +205,8 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
     import shutil
 
     import commlab  # commlab.launch and the runtime load torch: only when a run starts
-    from commlab.pipeline import bench_results
-    from commlab.pipeline.bench import finished, measure_rank
+    from commlab.bench import pipeline_results as bench_results
+    from commlab.bench.pipeline_bench import finished, measure_rank
     from commlab.runtime.launch import sigterm_as_interrupt
     from commlab.runtime.metadata import command_line, environment
 
@@ -234,7 +234,7 @@ def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, back
     bench_results.write(run_dir, summary, stages, timeline, meta)
     click.echo("\n".join(bench_results.table(summary, stages)))
     if not no_figures:
-        from commlab.pipeline.figures import draw_all
+        from commlab.bench.pipeline_figures import draw_all
 
         for path in draw_all(run_dir):
             click.echo(f"wrote {path}")

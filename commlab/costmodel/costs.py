@@ -10,7 +10,7 @@ states (commlab/costmodel/hardware.py); nothing here touches torch.
 - A collective's time over the sizes that occur is the measured table, interpolated linearly in
   size between neighbouring points (and extrapolated from the last two points above the table):
   on this machine one alpha-beta line misses small sizes by up to 31% (measured 2026-11), the
-  table does not. The alpha-beta fit (:func:`commlab.bench.alpha_beta.fit_alpha_beta`) is kept
+  table does not. The alpha-beta fit (:func:`commlab.costmodel.alpha_beta.fit_alpha_beta`) is kept
   beside it, with its residuals, to say how far the straight line is from what was measured.
 - Contention: while compute and communication run at once on one host, compute advances at
   1 / (1 + kc) and communication at 1 / (1 + km) (on a CPU they share cores and memory
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commlab.bench.alpha_beta import fit_alpha_beta
+from commlab.costmodel.alpha_beta import fit_alpha_beta
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commlab.pipeline.partition import best_per_layer, partition, profile_times
+from commlab.pipeline.runtime.partition import best_per_layer, partition, profile_times
 from commlab.costmodel.costs import StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
 from commlab.pipeline.runtime.memory import SavedBytes
@@ -40,7 +40,7 @@ from commlab.pipeline.schedule.registry import REGISTRY
 @dataclass(frozen=True)
 class LayerProfile:
     """Per layer at one micro-batch: forward + backward seconds, bytes saved for backward, output
-    bytes, parameter bytes (from :func:`commlab.pipeline.partition.profile_times` and friends)."""
+    bytes, parameter bytes (from :func:`commlab.pipeline.runtime.partition.profile_times` and friends)."""
 
     seconds: Sequence[float]
     saved: Sequence[float]

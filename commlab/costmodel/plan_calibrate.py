@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from commlab.bench.alpha_beta import least_squares_line
+from commlab.costmodel.alpha_beta import least_squares_line
 from commlab.costmodel import profile as prof
 from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table

@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from commlab.pipeline.partition import balance_by_size, balance_by_time, partition, split
+from commlab.pipeline.runtime.partition import balance_by_size, balance_by_time, partition, split
 from commlab.pipeline.schedule.actions import Action, as_actions, format_actions, from_csv, looping, placement_of, to_csv, v_shape
 from commlab.pipeline.schedule.clock import DeadlockError
 from commlab.pipeline.schedule.comm import lower_comm, message_order, send_waits

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab.pipeline.partition import split
+from commlab.pipeline.runtime.partition import split
 from commlab.pipeline.runtime.values import Boundary
 from commlab.pipeline.runtime.traced import Traced, trace_stages
 from commlab.pipeline.schedule.actions import check_placement, looping

@@ -59,7 +59,7 @@ def balance(mode: str, depth: int, width: int, batch: int, stages: int, world_si
     import torch  # loaded here: the CLI imports this module for its help text
 
     from commlab.models import mlp
-    from commlab.pipeline.partition import balance_by_size, balance_by_time, partition
+    from commlab.pipeline.runtime.partition import balance_by_size, balance_by_time, partition
 
     torch.manual_seed(0)
     model = mlp(depth, width)
@@ -162,7 +162,7 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
 
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    from commlab.pipeline.partition import split
+    from commlab.pipeline.runtime.partition import split
 
     found = REGISTRY[cfg["schedule"]]
     parts = split(net, cfg["balance"])
