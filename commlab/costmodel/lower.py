@@ -24,7 +24,7 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from commlab.costmodel.buckets import DEFAULT_POLICY, assign, bucket_tasks
@@ -37,16 +37,11 @@ COMM_KINDS = ("allreduce",)
 
 
 @dataclass(frozen=True)
-class StepCosts:
+class StepCosts(DDPProfile):
     """Every cost the lowering needs for one workload on one algorithm and world size, in seconds:
-    a :class:`~commlab.costmodel.costs.SystemCosts` and a DDPProfile bound by :func:`step_costs`."""
+    the workload's DDPProfile with the :class:`~commlab.costmodel.costs.SystemCosts` terms of that
+    algorithm and world size bound to it by :func:`step_costs`."""
 
-    forward_s: float
-    ready_s: tuple[float, ...]  # per parameter in ready order: ready time after forward's end
-    ready_order: tuple[int, ...]  # parameter indices (module order) in the order grads are ready
-    param_nbytes: tuple[int, ...]  # module order
-    optimizer_s: float
-    nosync_s: float  # one no_sync micro-batch (forward + backward)
     writeback_s_per_byte: float
     bucket_fixed_s: float
     corun: float  # compute stretch when every rank computes at once (1 on one rank)
@@ -63,8 +58,7 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
     system has no all-reduce cost for them). One rank has no co-run stretch."""
     c, o = system.contention_of(algorithm), system.overheads
     return StepCosts(
-        forward_s=profile.forward_s, ready_s=profile.ready_s, ready_order=profile.ready_order,
-        param_nbytes=profile.param_nbytes, optimizer_s=profile.optimizer_s, nosync_s=profile.nosync_s,
+        **{f.name: getattr(profile, f.name) for f in fields(DDPProfile)},
         writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
         allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain)
