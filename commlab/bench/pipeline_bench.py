@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import commlab
 from commlab._atomic import write_via
+from commlab.bench import pipeline_results as bench_results
 from commlab.pipeline.schedule.registry import REGISTRY
 
 COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtual=2)
@@ -30,8 +34,6 @@ COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtua
 
 def measure_rank(configs: list[dict[str, Any]], common: dict[str, Any]) -> list[dict[str, Any]]:
     """Run every configuration on this rank (called by commlab.launch on each rank)."""
-    import commlab
-
     rt = commlab.Runtime.current()
     out = []
     for k, cfg in enumerate(configs):
@@ -185,3 +187,39 @@ def _torch_step(net, cfg: dict[str, Any], rt, x, y):
             schedule.step(*args, return_outputs=False)
 
     return step
+
+
+def run(run_dir: Path, configs: list, common: dict, world_size: int, backend: str, no_figures: bool, command: str) -> None:
+    """Launch the benchmark and write its results; on Ctrl-C (or SIGTERM) keep every configuration
+    that every rank finished, say where, and exit 130."""
+    from commlab.runtime.launch import sigterm_as_interrupt  # torch: loaded when a run starts, as above
+    from commlab.runtime.metadata import environment
+
+    partial = run_dir / ".partial"  # each rank writes each finished configuration here
+    partial.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command, **common, "backend": backend, "world_size": world_size, "environment": environment()}
+    try:
+        with sigterm_as_interrupt():  # a batch system's SIGTERM keeps the rows like Ctrl-C
+            per_rank = commlab.launch(measure_rank, configs, {**common, "partial": str(partial)}, world_size=world_size,
+                                      backend=backend, timeout=common["timeout"])  # fmt: skip
+    except BaseException as stop:  # interrupted, or a rank failed: keep the configurations every rank finished
+        done = finished(partial, configs, world_size)
+        if done or isinstance(stop, KeyboardInterrupt):
+            bench_results.write(run_dir, *bench_results.rows(configs, done, world_size, common["batch"], backend),
+                                {**meta, "interrupted": True, "configurations_measured": len(done)})  # fmt: skip
+        shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(stop, KeyboardInterrupt):
+            raise
+        print(f"interrupted: {len(done)} of {len(configs)} configurations measured, their rows kept in {run_dir}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(getattr(stop, "exit_code", 130)) from None
+    shutil.rmtree(partial, ignore_errors=True)
+    per_config = [[r[k] for r in per_rank] for k in range(len(configs))]
+    summary, stages, timeline = bench_results.rows(configs, per_config, world_size, common["batch"], backend)
+    bench_results.write(run_dir, summary, stages, timeline, meta)
+    print("\n".join(bench_results.table(summary, stages)))
+    if not no_figures:
+        from commlab.bench.pipeline_figures import draw_all  # matplotlib: only when drawing
+
+        for path in draw_all(run_dir):
+            print(f"wrote {path}")

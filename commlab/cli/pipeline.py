@@ -197,47 +197,10 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
     run_dir = out / (name or time.strftime("pipeline-%Y%m%d-%H%M%S"))
     click.echo(f"{len(configs)} configurations, world {world_size}, {backend}, MLP {depth} x {width}, batch {batch}; "
                f"{iters} timed steps each after {warmup}, commlab and torch alternating -> {run_dir}")  # fmt: skip
-    _bench_run(run_dir, configs, common, world_size, backend, no_figures)
+    from commlab.bench.pipeline_bench import run  # torch: only when a run starts
+    from commlab.runtime.metadata import command_line
 
-
-def _bench_run(run_dir: Path, configs: list, common: dict, world_size: int, backend: str, no_figures: bool) -> None:
-    """Launch the benchmark; on Ctrl-C (or SIGTERM) keep every configuration already measured."""
-    import shutil
-
-    import commlab  # commlab.launch and the runtime load torch: only when a run starts
-    from commlab.bench import pipeline_results as bench_results
-    from commlab.bench.pipeline_bench import finished, measure_rank
-    from commlab.runtime.launch import sigterm_as_interrupt
-    from commlab.runtime.metadata import command_line, environment
-
-    partial = run_dir / ".partial"  # each rank writes each finished configuration here
-    partial.mkdir(parents=True, exist_ok=True)
-    meta = {"command": command_line(click.get_current_context()), **common, "backend": backend, "world_size": world_size,
-            "environment": environment()}  # fmt: skip
-    try:
-        with sigterm_as_interrupt():  # a batch system's SIGTERM keeps the rows like Ctrl-C
-            per_rank = commlab.launch(measure_rank, configs, {**common, "partial": str(partial)}, world_size=world_size,
-                                      backend=backend, timeout=common["timeout"])  # fmt: skip
-    except BaseException as stop:  # interrupted, or a rank failed: keep the configurations every rank finished
-        done = finished(partial, configs, world_size)
-        if done or isinstance(stop, KeyboardInterrupt):
-            bench_results.write(run_dir, *bench_results.rows(configs, done, world_size, common["batch"], backend),
-                                {**meta, "interrupted": True, "configurations_measured": len(done)})  # fmt: skip
-        shutil.rmtree(partial, ignore_errors=True)
-        if not isinstance(stop, KeyboardInterrupt):
-            raise
-        click.echo(f"interrupted: {len(done)} of {len(configs)} configurations measured, their rows kept in {run_dir}", err=True)
-        click.get_current_context().exit(getattr(stop, "exit_code", 130))
-    shutil.rmtree(partial, ignore_errors=True)
-    per_config = [[r[k] for r in per_rank] for k in range(len(configs))]
-    summary, stages, timeline = bench_results.rows(configs, per_config, world_size, common["batch"], backend)
-    bench_results.write(run_dir, summary, stages, timeline, meta)
-    click.echo("\n".join(bench_results.table(summary, stages)))
-    if not no_figures:
-        from commlab.bench.pipeline_figures import draw_all
-
-        for path in draw_all(run_dir):
-            click.echo(f"wrote {path}")
+    run(run_dir, configs, common, world_size, backend, no_figures, command_line(click.get_current_context()))
 
 
 @pipeline.command()
