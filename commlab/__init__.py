@@ -11,33 +11,24 @@ Public API (everything else is internal):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from commlab._lazy import lazy_getattr
 
 __version__ = "0.3.0.dev0"
 
 # Everything loads on first use, so that `import commlab` (and `commlab --help`) does not import
 # torch, which costs seconds.
-_LAZY = {
-    "LaunchError": ("commlab.runtime.launch", "LaunchError"),
-    "Runtime": ("commlab.runtime.context", "Runtime"),
-    "init_from_env": ("commlab.runtime.context", "init_from_env"),
-    "launch": ("commlab.runtime.launch", "launch"),
-    "DistributedDataParallel": ("commlab.ddp", "DistributedDataParallel"),
-    "ShardedDataParallel": ("commlab.sharded", "ShardedDataParallel"),
-    "Topology": ("commlab.runtime.topology", "Topology"),
-    "collectives": ("commlab.collectives", None),
-    "pipeline": ("commlab.pipeline", None),
-    "tune": ("commlab.costmodel.api", "tune"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'commlab' has no attribute {name!r}")
-    module_name, attr = _LAZY[name]
-    module = importlib.import_module(module_name)
-    return module if attr is None else getattr(module, attr)
+__getattr__ = lazy_getattr("commlab", {
+    "LaunchError": "commlab.runtime.launch",
+    "Runtime": "commlab.runtime.context",
+    "init_from_env": "commlab.runtime.context",
+    "launch": "commlab.runtime.launch",
+    "DistributedDataParallel": "commlab.ddp",
+    "ShardedDataParallel": "commlab.sharded",
+    "Topology": "commlab.runtime.topology",
+    "collectives": "commlab.collectives",
+    "pipeline": "commlab.pipeline",
+    "tune": "commlab.costmodel.api",
+}, submodules=("collectives", "pipeline"))
 
 
 __all__ = [

@@ -22,8 +22,7 @@ pipeline's shape (:mod:`commlab.pipeline.schedule`); the executor and what it ru
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from commlab._lazy import lazy_getattr
 
 from commlab.pipeline.runtime.partition import balance_by_size, balance_by_time, partition, split
 from commlab.pipeline.schedule.actions import Action, as_actions, format_actions, from_csv, looping, placement_of, to_csv, v_shape
@@ -50,10 +49,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'commlab.pipeline' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_getattr("commlab.pipeline", _LAZY)
 
 
 __all__ = sorted([

@@ -6,8 +6,7 @@ before it sets its parent-death signal, does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from commlab._lazy import lazy_getattr
 
 _LAZY = {
     "LaunchError": "commlab.runtime.launch",
@@ -19,10 +18,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'commlab.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_getattr("commlab.runtime", _LAZY)
 
 
 __all__ = ["LaunchError", "Runtime", "init_from_env", "launch", "resolve_backend", "under_torchrun"]
