@@ -116,8 +116,24 @@ def _collect(procs, q, results: dict[int, Any], deadline: float, timeout: float)
                     raise LaunchError(exit_reason(rank, p.exitcode), rank)
             continue
         if not ok:
-            raise LaunchError(f"rank {rank} failed", rank, payload)
+            raise _cause(procs, rank, payload)
         results[rank] = pickle.loads(payload)
+
+
+def _cause(procs, rank: int, payload: str, grace: float = 0.2) -> LaunchError:
+    """The error for a rank that reported a failure, unless a peer died without a word: a peer's
+    hard exit (os._exit, a signal) breaks the others' rendezvous or collectives ("connection
+    closed by peer"), and the rank that reports first is then only the symptom. The dead peer's
+    exit code is visible at once, so a short look suffices."""
+    end = time.monotonic() + grace
+    while True:
+        for other, p in enumerate(procs):
+            if other != rank and p.exitcode not in (None, 0):
+                symptom = payload.strip().splitlines()[-1] if payload.strip() else "failed"
+                return LaunchError(f"{exit_reason(other, p.exitcode)} (then rank {rank}: {symptom})", other)
+        if time.monotonic() >= end:
+            return LaunchError(f"rank {rank} failed", rank, payload)
+        time.sleep(0.02)
 
 
 def exit_reason(rank: int, exitcode: int | None) -> str:
