@@ -36,14 +36,18 @@ def torch_csv(name: str, ranks: int, microbatches: int, stage_indices: list[int]
 
 def torch_dualpipev(ranks: int, microbatches: int, rank: int) -> list[str]:
     """Rank ``rank``'s ScheduleDualPipeV order from torch's own per-rank calculation (which needs
-    only the group size and micro-batches), each OVERLAP_F_B pair written as its forward then its
-    backward (the order torch's runtime runs them) and a full backward as ``I`` then ``W``."""
+    only the group size and micro-batches), each OVERLAP_F_B pair written as commlab writes its O
+    action ("0F2+3B0") and any other full backward as ``I`` then ``W``."""
     sched = object.__new__(torch_schedules.ScheduleDualPipeV)
     sched.pp_group_size, sched._n_microbatches = ranks, microbatches
     kinds = {torch_schedules.FORWARD: ["F"], torch_schedules.FULL_BACKWARD: ["I", "W"],
              torch_schedules.BACKWARD_INPUT: ["I"], torch_schedules.BACKWARD_WEIGHT: ["W"]}  # fmt: skip
     out = []
     for action in sched._calculate_single_rank_operations(rank):
-        for a in action.sub_actions or (action,):
-            out += [f"{a.stage_index}{k}{a.microbatch_index}" for k in kinds[a.computation_type]]
+        if action.computation_type == torch_schedules.OVERLAP_F_B:
+            f, b = action.sub_actions
+            assert b.computation_type == torch_schedules.FULL_BACKWARD
+            out.append(f"{f.stage_index}F{f.microbatch_index}+{b.stage_index}B{b.microbatch_index}")
+            continue
+        out += [f"{action.stage_index}{k}{action.microbatch_index}" for k in kinds[action.computation_type]]
     return out

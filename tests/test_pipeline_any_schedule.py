@@ -114,6 +114,35 @@ def test_dualpipev_is_torchs_order_on_the_v():
         build("dualpipev", 2, 3, 2)
 
 
+def test_dualpipev_overlap_action_validates_simulates_and_round_trips():
+    from commlab.pipeline.schedule.actions import flatten, overlap
+    from commlab.pipeline.schedule.liveness import peak_in_flight
+    from commlab.pipeline.schedule.render import grid
+
+    for p, m in [(2, 4), (2, 6), (2, 9)]:  # world 2: torch's order, O actions where torch overlaps
+        ours = build("dualpipev", p, m, 2)
+        assert [[str(a) for a in rank] for rank in ours] == [torch_dualpipev(p, m, r) for r in range(p)]
+    acts = build("dualpipev", 2, 6, 2)
+    pairs = [a for rank in acts for a in rank if a.kind == "O"]
+    assert pairs and str(pairs[0]) == "0F3+3B1" and pairs[0].parts == tuple(map(Action.parse, ("0F3", "3I1", "3W1")))
+    assert all(Action.parse(str(a)) == a for a in pairs) and from_csv(to_csv(acts)) == acts
+    with pytest.raises(ValueError, match="another stage"):
+        overlap(Action(0, "F", 1), 0, 0)  # a pair is two chunks of one rank
+    validate(acts, microbatches=6, stages=4, placement=v_shape(2))
+    assert peak_in_flight(acts) == peak_in_flight(flatten(acts)) and grid(acts) == grid(flatten(acts))
+    # Simulated: the pair's parts run back to back on the rank (both computes), and the forward's
+    # message is in flight while the backward computes.
+    sim = simulate(acts, forward=1.0, backward=2.0, comm=0.5)
+    when = {t.action: t for t in sim.timeline}
+    sent = {msg.sent_by: (start, end) for msg, start, end in sim.messages}
+    assert all(when[a.parts[2]].end - when[a.parts[0]].start >= 3.0 for a in pairs)
+    hidden = [a for a in pairs if a.parts[0] in sent and when[a.parts[1]].start < sent[a.parts[0]][1]]
+    assert hidden and all(sent[a.parts[0]][0] == when[a.parts[0]].end for a in hidden)
+    bad = [list(rank) for rank in acts]
+    bad[0][bad[0].index(pairs[0])] = overlap(Action(0, "F", 3), 3, 2)  # backward of the wrong micro-batch
+    assert any("appears twice" in p or "missing" in p for p in problems(as_actions(bad), 6, 4, v_shape(2)))
+
+
 def test_zb_h1_literal_lists_and_memory():
     assert format_actions(build("zb-h1", 3, 4)) == [
         "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",  # rank 0 holds back no W

@@ -32,7 +32,7 @@ from typing import Any
 
 from commlab.costmodel.buckets import DEFAULT_POLICY, assign, bucket_tasks
 from commlab.costmodel.costs import StageProfile, SystemCosts
-from commlab.pipeline.schedule.actions import Action, Actions, num_microbatches, placement_of
+from commlab.pipeline.schedule.actions import Action, Actions, flatten, num_microbatches, placement_of
 from commlab.pipeline.schedule.comm import Message, lower_comm
 from commlab.pipeline.schedule.kinds import KINDS
 from commlab.pipeline.schedule.tasks import tasks
@@ -134,7 +134,7 @@ def step_tail(actions: Actions, system: SystemCosts, profile: StageProfile, dp: 
                          f"{len(profile.forward)} stages")  # fmt: skip
     cost = system.collective("allreduce", dp.algorithm, dp.world) if reduce_on else None
     out: list[Task] = []
-    for r, rank in enumerate(actions):
+    for r, rank in enumerate(flatten(actions)):
         last = {a.stage: str(a) for a in rank if KINDS[a.kind].stash < 0}  # the stage's last backward
         reduce: list[Task] = []
         if reduce_on:

@@ -40,7 +40,7 @@ from commlab.pipeline.runtime.memory import Ledger, NoCount, SavedBytes
 from commlab.pipeline.runtime.stages import RankStages
 from commlab.pipeline.runtime.transport import Transport, run_lowered
 from commlab.pipeline.runtime.values import Value, detached, flat, floats, leaf_grads, pairs
-from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, flatten
 from commlab.pipeline.schedule.comm import lower_comm, message_order
 from commlab.pipeline.schedule.kinds import split_stages
 from commlab.pipeline.schedule.liveness import liveness
@@ -87,7 +87,7 @@ class PipelineExecutor:
             raise ValueError(f"unknown loss_reduction {loss_reduction!r}: choose from {', '.join(LOSS_REDUCTIONS)}")
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"unknown checkpoint mode {checkpoint!r}: choose from {', '.join(CHECKPOINT_MODES)}")
-        all_actions = resolve(schedule, stage.ranks, microbatches, stage.num_stages, stage.placement)
+        all_actions = flatten(resolve(schedule, stage.ranks, microbatches, stage.num_stages, stage.placement))
         self.split = split_stages(all_actions)
         if self.split and not stage.supports_split_backward:
             raise ValueError(f"{type(stage).__name__} cannot run a split backward (I and W actions); use B")
@@ -287,7 +287,8 @@ class PipelineExecutor:
         return leaf_grads(stash.x) if sends else None
 
 
-# What each action kind runs: (executor, action, its incoming message) -> what it sends, or None.
+# What each action kind runs: (executor, action, its incoming message) -> what it sends, or None. An
+# overlap (O) runs as its parts (flattened above; lower_comm posts its forward's sends before its backward).
 HANDLERS: dict[str, Callable[[PipelineExecutor, Action, Value | None], Value | None]] = {
     FORWARD: PipelineExecutor._forward,
     BACKWARD: PipelineExecutor._backward,
@@ -295,5 +296,4 @@ HANDLERS: dict[str, Callable[[PipelineExecutor, Action, Value | None], Value | N
     WEIGHT_GRAD: PipelineExecutor._backward,
 }
 
-# The old name of the executor, kept for a release: it runs a schedule, it is not one.
-PipelineSchedule = PipelineExecutor
+PipelineSchedule = PipelineExecutor  # the old name, kept for a release: it runs a schedule, it is not one

@@ -1,8 +1,9 @@
 """Actions and placements: the data a schedule is made of, and its CSV form.
 
 An :class:`Action` names a stage, a kind and a micro-batch. The kinds (``F`` forward, ``B`` full
-backward, and the zero-bubble ``I`` and ``W``) and what each needs are in
-:mod:`commlab.pipeline.schedule.kinds`.
+backward, the zero-bubble ``I`` and ``W``, and the composite ``O`` whose ``parts`` are a forward
+and another stage's full backward, torch's OVERLAP_F_B, written "0F2+3B0") and what each needs
+are in :mod:`commlab.pipeline.schedule.kinds`; :func:`flatten` expands the composite ones.
 
 A placement lists the rank of each stage. The looping placement (stage s on rank s % p) is
 Megatron-LM's and torch's default; the V placement [0, 1, ..., p-1, p-1, ..., 0] puts the first
@@ -17,9 +18,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from commlab.pipeline.schedule.kinds import BACKWARD, FORWARD, INPUT_GRAD, KINDS, WEIGHT_GRAD
+from commlab.pipeline.schedule.kinds import BACKWARD, FORWARD, INPUT_GRAD, KINDS, OVERLAP, WEIGHT_GRAD, parts
 
-__all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "KINDS", "WEIGHT_GRAD", "Action", "Actions", "as_actions"]
+__all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "KINDS", "OVERLAP", "WEIGHT_GRAD", "Action", "Actions", "as_actions", "flatten", "overlap"]
 
 _PATTERN = re.compile(r"^(\d+)([A-Z])(\d+)$")
 # Non-compute entries torch writes into its compute-only orders; they carry no work here (commlab
@@ -31,20 +32,34 @@ Actions = tuple[tuple["Action", ...], ...]  # indexed by rank
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: run ``stage``'s ``kind`` (F, B, I or W) on micro-batch ``microbatch``."""
+    """One unit of work: run ``stage``'s ``kind`` (F, B, I or W) on micro-batch ``microbatch``.
+
+    An ``O`` action (:func:`overlap`) carries its ``parts`` (F, I, W); its stage and micro-batch
+    are its forward's."""
 
     stage: int
     kind: str
     microbatch: int
+    parts: tuple[Action, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"stage and micro-batch must be >= 0, got {self.stage}, {self.microbatch}")
+        if KINDS[self.kind].composite != bool(self.parts):
+            raise ValueError(f"only a composite kind has parts: {self.kind!r} with {len(self.parts)} parts")
+        if self.kind == OVERLAP:
+            f, i, w = self.parts
+            if (f.stage, f.kind, f.microbatch) != (self.stage, FORWARD, self.microbatch) or i.kind != INPUT_GRAD \
+                    or w != i.at(i.stage, WEIGHT_GRAD) or i.stage == f.stage:  # fmt: skip
+                raise ValueError(f"an overlap is a forward and another stage's I then W, got {self.parts}")
 
     def __str__(self) -> str:
-        # The compact form torch.distributed.pipelining prints: stage, kind, micro-batch ("1F0").
+        # The compact form torch.distributed.pipelining prints: stage, kind, micro-batch ("1F0");
+        # an overlap as its forward and its full backward ("0F2+3B0").
+        if self.kind == OVERLAP:
+            return f"{self.parts[0]}+{self.parts[1].stage}{BACKWARD}{self.parts[1].microbatch}"
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     def at(self, stage: int, kind: str) -> Action:
@@ -53,10 +68,26 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
+        if "+" in text:
+            f, b = (cls.parse(t) for t in text.split("+", 1))
+            if f.kind != FORWARD or b.kind != BACKWARD:
+                raise ValueError(f"cannot parse overlap {text!r}: expected a forward + a full backward, e.g. '0F2+3B0'")
+            return overlap(f, b.stage, b.microbatch)
         found = _PATTERN.match(text.strip())
         if not found or found[2] not in KINDS:
             raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0', '0B3', '2I1' or '2W1' (kinds: {', '.join(KINDS)})")
         return cls(int(found[1]), found[2], int(found[3]))
+
+
+def overlap(forward: Action, stage: int, microbatch: int) -> Action:
+    """The ``O`` action: ``forward`` overlapped with ``stage``'s full backward of ``microbatch``."""
+    backward = Action(stage, INPUT_GRAD, microbatch)
+    return Action(forward.stage, OVERLAP, forward.microbatch, (forward, backward, backward.at(stage, WEIGHT_GRAD)))
+
+
+def flatten(actions: Actions) -> Actions:
+    """Every composite action replaced by its parts, in order (what runs)."""
+    return tuple(tuple(p for a in rank for p in parts(a)) for rank in actions)
 
 
 def as_actions(lists: Sequence[Iterable[Action | str]]) -> Actions:
@@ -72,11 +103,11 @@ def as_actions(lists: Sequence[Iterable[Action | str]]) -> Actions:
 
 
 def num_stages(actions: Actions) -> int:
-    return 1 + max((a.stage for rank in actions for a in rank), default=-1)
+    return 1 + max((p.stage for rank in actions for a in rank for p in parts(a)), default=-1)
 
 
 def num_microbatches(actions: Actions) -> int:
-    return 1 + max((a.microbatch for rank in actions for a in rank), default=-1)
+    return 1 + max((p.microbatch for rank in actions for a in rank for p in parts(a)), default=-1)
 
 
 def looping(ranks: int, stages: int) -> tuple[int, ...]:
@@ -96,7 +127,8 @@ def placement_of(actions: Actions) -> tuple[int, ...]:
     found: dict[int, int] = {}
     for r, rank in enumerate(actions):
         for a in rank:
-            found.setdefault(a.stage, r)
+            for p in parts(a):
+                found.setdefault(p.stage, r)
     return tuple(found.get(s, -1) for s in range(num_stages(actions)))
 
 

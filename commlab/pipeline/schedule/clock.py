@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from commlab.pipeline.schedule.actions import Action, Actions, num_stages
+from commlab.pipeline.schedule.actions import Action, Actions, flatten, num_stages
 from commlab.pipeline.schedule.kinds import KINDS, dependencies, split_stages
 from commlab.sim import DeadlockError as CoreDeadlockError
 
@@ -25,6 +25,7 @@ def clock(actions: Actions, ticks: Mapping[str, int] | None = None,
           after: Mapping[Action, Sequence[Action]] | None = None) -> dict[Action, tuple[int, int]]:  # fmt: skip
     """(start, end) tick of every action; ``ticks`` overrides a kind's length. DeadlockError if
     some rank waits forever."""
+    actions = flatten(actions)  # an overlap's parts run in order, each on its own ticks
     length = {k: kind.ticks for k, kind in KINDS.items()} | dict(ticks or {})
     ranks, stages, split = len(actions), num_stages(actions), split_stages(actions)
     after = after or {}
@@ -50,6 +51,7 @@ def clock(actions: Actions, ticks: Mapping[str, int] | None = None,
 
 def walk(actions: Actions, after: Mapping[Action, Sequence[Action]] | None = None) -> list[tuple[int, Action]]:
     """The actions in an order that respects every dependency (unit ticks); DeadlockError if none exists."""
+    actions = flatten(actions)
     span = clock(actions, dict.fromkeys(KINDS, 1), after)
     rank_of = {a: r for r, rank in enumerate(actions) for a in rank}
     return sorted(((rank_of[a], a) for a in span), key=lambda ra: (span[ra[1]][0], ra[0]))

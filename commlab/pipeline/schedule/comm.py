@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
-from commlab.pipeline.schedule.actions import Action, Actions, num_stages, placement_of
+from commlab.pipeline.schedule.actions import Action, Actions, flatten, num_stages, placement_of
 from commlab.pipeline.schedule.clock import clock
 from commlab.pipeline.schedule.kinds import consumer, split_stages
 
@@ -80,6 +80,7 @@ def messages(actions: Actions, placement: Sequence[int] | None = None) -> list[t
 
 def _messages(actions: Actions, placement: Sequence[int] | None) -> list[Message]:
     placement = placement_of(actions) if placement is None else tuple(placement)
+    actions = flatten(actions)
     stages, split = num_stages(actions), split_stages(actions)
     out = []
     for r, rank in enumerate(actions):
@@ -107,7 +108,9 @@ def lower_comm(actions: Actions, placement: Sequence[int] | None = None, backend
     """The per-rank lists with explicit SEND, RECV and WAIT ops (module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
-    actions = tuple(tuple(rank) for rank in actions)
+    # An overlap (O) is lowered as its parts: its forward's sends are posted before its backward
+    # runs, so the activation travels while the backward computes (torch posts them after both).
+    actions = flatten(tuple(tuple(rank) for rank in actions))
     return _lower(actions, None if placement is None else tuple(placement), backend)
 
 
@@ -173,7 +176,7 @@ def send_waits(actions: Actions, placement: Sequence[int] | None = None) -> Mapp
 
 def message_order(actions: Actions, placement: Sequence[int] | None = None) -> list[str]:
     """Pairs of ranks whose messages would be received in a different order than sent (one sentence each)."""
-    position = {a: k for rank in actions for k, a in enumerate(rank)}
+    position = {a: k for rank in flatten(actions) for k, a in enumerate(rank)}
     pairs: dict[tuple[int, int], list[tuple[Action, Action]]] = {}
     for src, a, dst, c in messages(actions, placement):
         pairs.setdefault((src, dst), []).append((a, c))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, OVERLAP = "F", "B", "I", "W", "O"
 
 
 class Action(Protocol):
@@ -45,6 +45,7 @@ class Kind:
     ``ticks``: its length on the schedule's own clock (:mod:`commlab.pipeline.schedule.clock`).
     ``seconds(forward, backward, weight_share)``: its compute time from a stage's forward and
     backward times. ``recomputes``: a checkpointed micro-batch's forward is re-run before it.
+    ``composite``: the action is its ``parts`` run in order (``O``); readers expand it first.
     """
 
     name: str
@@ -54,6 +55,7 @@ class Kind:
     stash: int = 0
     ticks: int = 1
     recomputes: bool = False
+    composite: bool = False
     doc: str = ""
 
 
@@ -96,8 +98,27 @@ register_kind(Kind(WEIGHT_GRAD, _weight_needs, lambda f, b, w: b * w, split=True
                    doc="weight gradient (zero bubble)"))  # fmt: skip
 
 
+def parts(action: Action) -> tuple[Action, ...]:
+    """The simple actions ``action`` runs, in order: its ``parts`` if its kind is composite, else itself."""
+    return tuple(getattr(action, "parts", ())) or (action,)
+
+
+def _overlap_needs(a: Action, stages: int, split: frozenset[int]) -> tuple[Action, ...]:
+    # What the parts need from outside the pair: the forward's input and the backward's gradient.
+    inner = parts(a)
+    return tuple(d for p in inner for d in dependencies(p, stages, split) if d not in inner)
+
+
+# torch's OVERLAP_F_B: run as the forward, its sends posted, then the backward (comm.lower_comm), so
+# the forward's message travels while the backward computes (DeepSeek-V3 report, section 3.2.1).
+register_kind(Kind(OVERLAP, _overlap_needs, lambda f, b, w: f + b, ticks=3, composite=True,
+                   doc="forward of one stage overlapped with the full backward of another (DualPipeV)"))  # fmt: skip
+
+
 def runs_on(kind: str, stage: int, split: frozenset[int]) -> bool:
     """Whether ``kind`` is one of the kinds ``stage`` runs (B or I/W, by ``split``)."""
+    if KINDS[kind].composite:
+        return False  # a pair's parts are the ones that run on a stage
     wanted = KINDS[kind].split
     return wanted is None or wanted == (stage in split)
 
@@ -122,12 +143,11 @@ def consumer(action: Action, stages: int, split: frozenset[int]) -> Action | Non
     for stage in (action.stage + 1, action.stage - 1):
         if 0 <= stage < stages:
             for kind in KINDS:
-                c = action.at(stage, kind)
-                if runs_on(kind, stage, split) and producer(c, stages, split) == action:
+                if runs_on(kind, stage, split) and producer(c := action.at(stage, kind), stages, split) == action:
                     return c
     return None
 
 
 def split_stages(actions) -> frozenset[int]:
     """Stages whose backward is split into I and W (their input gradient comes from I, not B)."""
-    return frozenset(a.stage for rank in actions for a in rank if a.kind == INPUT_GRAD)
+    return frozenset(p.stage for rank in actions for a in rank for p in parts(a) if p.kind == INPUT_GRAD)

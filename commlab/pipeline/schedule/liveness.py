@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from commlab.pipeline.schedule.actions import Action, Actions, num_stages
+from commlab.pipeline.schedule.actions import Action, Actions, flatten, num_stages
 from commlab.pipeline.schedule.kinds import KINDS
 
 
@@ -31,10 +31,11 @@ class Live:
 
 
 def liveness(actions: Actions, checkpointed: Sequence[int] = ()) -> tuple[tuple[Live, ...], ...]:
-    """Per rank, per compute action in order: what is alive while it runs (see :class:`Live`)."""
+    """Per rank, per compute action in order (an overlap's parts each): what is alive while it
+    runs (see :class:`Live`)."""
     recomputed = set(checkpointed)
     out = []
-    for rank in actions:
+    for rank in flatten(actions):
         held: dict[tuple[int, int], bool] = {}
         lives = []
         for a in rank:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlab.pipeline.schedule.actions import FORWARD, Actions
+from commlab.pipeline.schedule.actions import FORWARD, Actions, flatten
 from commlab.pipeline.schedule.clock import clock
 from commlab.pipeline.schedule.comm import Message
 from commlab.pipeline.schedule.simulate import Timed
@@ -25,6 +25,7 @@ def grid(actions: Actions, backward: int | None = None) -> str:
     default 1, or 2 when the schedule splits, so I and W take a tick each); an action taking
     several ticks is written in each.
     """
+    actions = flatten(actions)  # an overlap's forward and backward each get their ticks
     if backward is None:
         backward = 2 if any(a.kind in "IW" for rank in actions for a in rank) else 1
     if any(a.kind in "IW" for rank in actions for a in rank) and backward % 2:

@@ -18,6 +18,7 @@ from commlab.pipeline.schedule.actions import (
     Actions,
     as_actions,
     check_placement,
+    flatten,
     num_microbatches,
     num_stages,
     placement_of,
@@ -69,6 +70,7 @@ def problems(
     idle = [r for r, rank in enumerate(actions) if not rank]
     if idle:
         found.append(f"ranks {idle} have no actions")
+    actions = flatten(actions)  # from here on an overlap is its parts, in order
     split = split_stages(actions)
     seen: set[Action] = set()
     for r, rank_actions in enumerate(actions):

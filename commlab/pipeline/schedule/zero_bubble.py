@@ -18,8 +18,8 @@ interleaved zero-bubble family of torch's ScheduleInterleavedZeroBubble, not its
 ``dualpipev``: DeepSeek-V3's DualPipe folded onto the V placement (DeepSeek-AI, "DeepSeek-V3
 Technical Report", 2024, section 3.2.1; torch's ScheduleDualPipeV), in eight phases per rank
 (:func:`dualpipev`). Its steady state pairs the forward of one micro-batch on one of the rank's
-stages with the backward of another on the other stage; torch's runtime runs such an
-OVERLAP_F_B pair as its forward then its backward, and so does this list, as two actions.
+stages with the full backward of another on the other stage: one ``O`` action (torch's
+OVERLAP_F_B), emitted where torch's ScheduleDualPipeV emits one.
 
 ``zb_v``: two stages per rank in the V placement [0, 1, ..., p-1, p-1, ..., 0] (section 6), built
 by a greedy list scheduler on equal-time actions in which a message between ranks takes one
@@ -31,7 +31,7 @@ the list fill it with other work instead of counting on free messages (see ``LAT
 
 from __future__ import annotations
 
-from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, v_shape
+from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, overlap, v_shape
 from commlab.pipeline.schedule.kinds import dependencies
 
 
@@ -104,6 +104,11 @@ def _dualpipev_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
         if weights:
             out.append(weights.pop(0))
 
+    def pair(forward_stage: int, backward_stage: int) -> None:  # F of one stage overlapped with B of the other
+        out.append(overlap(Action(forward_stage, FORWARD, fwd[forward_stage]), backward_stage, bwd[backward_stage]))
+        fwd[forward_stage] += 1
+        bwd[backward_stage] += 1
+
     for _ in range(2 * (p - r - 1)):  # 1. forwards down the V fill the pipeline
         forward(down)
     for _ in range(r + 1):  # 2. both stages' forwards
@@ -113,15 +118,16 @@ def _dualpipev_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
         grad(up, True)
         weight()
         forward(up)
-    for _ in range(m - 2 * p + r + 1):  # 4. steady state: (F down, B up), then (F up, B down)
-        forward(down)
-        grad(up, False)
-        forward(up)
-        grad(down, False)
+    for k in range(m - 2 * p + r + 1):  # 4. steady state: (F down, B up), then (F up, B down)
+        if k == 0 and r == p - 1:  # torch does not pair these two: a smaller bubble
+            forward(down)
+            grad(up, False)
+        else:
+            pair(down, up)
+        pair(up, down)
     for _ in range(p - r - 1):  # 5. B up, then (F up, B down)
         grad(up, False)
-        forward(up)
-        grad(down, False)
+        pair(up, down)
     split = False
     for k in range(r + 1):  # 6. the last backwards; the second half of them split into I and W
         split = split or (k == (r + 1) // 2 and r % 2 == 1)
