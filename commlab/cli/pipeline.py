@@ -7,6 +7,7 @@
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
     commlab pipeline plan --ranks 2 --dp 2 --budget-mb 64                  ... as one of 2 data-parallel replicas
+    commlab pipeline plan --model gpt --ranks 2 --budget-mb 64             ... of any model, split by name
 
 Only the pure schedule modules load with this one; torch, pandas and the runtime load in the commands.
 """
@@ -212,6 +213,8 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
 @click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True)
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
+@click.option("--model", "model_name", help="plan this model instead of the MLP: gpt, transformer or package.module:factory")
+@click.option("--split-at", help="--model: candidate split points, comma-separated names [every block of its longest ModuleList]")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
               help="data-parallel degree: every stage on this many replicas, its DDP buckets all-reduced after its last backward")
@@ -227,13 +230,14 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, batch, dp, bucket_cap_mb, balance_mode,
-         optimizer, predictions, top, calibrate, check, iters, warmup, timeout) -> None:  # fmt: skip
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, model_name, split_at, batch, dp, bucket_cap_mb,
+         balance_mode, optimizer, predictions, top, calibrate, check, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
     simulator core with its peak memory per rank. ``--validate`` then measures the grid. ``--dp N``:
     each plan is one of N replicas (``--batch`` each), its stages' DDP buckets all-reduced.
+    ``--model``: any model the splitter cuts by name, its blocks the layers, the plan's split points printed.
     """
     import os
 
@@ -254,7 +258,20 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if dp > 1 and not calibrate and profile_line(dp) is None:
         raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
-    profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
+    if model_name is not None and check:
+        raise click.BadParameter("--validate measures the MLP only", param_hint="--model")
+    if split_at is not None and model_name is None:
+        raise click.BadParameter("--split-at names split points of --model", param_hint="--split-at")
+    points = None
+    if model_name is None:
+        profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
+    else:
+        from commlab.costmodel.plan_model import profile_model, split_points
+
+        try:
+            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","))
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
     costs = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
@@ -273,6 +290,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.ClickException(no_fit(plans, budget_mb))
     click.echo(f"plan: {chosen.schedule}, m={chosen.microbatches}, v={chosen.virtual}, checkpoint {chosen.checkpoint}, "
                f"balance {list(chosen.balance)}: predicted {chosen.step_time * 1e3:.2f} ms, peak {max(chosen.peak_bytes) / 2**20:.2f} MiB per rank")  # fmt: skip
+    if points is not None:
+        click.echo(f"split points: {split_points(points, chosen.balance)}")
     if check:
         _plan_check([p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
                     dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip

@@ -1,0 +1,84 @@
+"""The planner's profile of any model: cut by name at every candidate split point, each piece a layer.
+
+``pipeline plan --model gpt`` (or any ``package.module:factory`` that :func:`commlab.models.build_workload`
+builds) traces the model with the pipeline's own splitter
+(:func:`commlab.pipeline.runtime.traced.trace_stages`) before every candidate split point, at each
+micro-batch size (the traced stages are static-shape, as torch's are). The pieces are then the
+planner's layers: :func:`commlab.costmodel.plan.profile` times them and counts what each saves for
+backward, and a plan's balance (pieces per stage) names its split points (:func:`split_points`).
+The candidates are every block of the model's longest ``nn.ModuleList``/``nn.Sequential`` (a
+transformer's ``layers.0 ... layers.N-1``) unless named. Every cut must carry one tensor: the
+profile runs pieces one tensor to the next, as it does the MLP's layers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from commlab.costmodel.plan import LayerProfile, profile
+from commlab.pipeline.runtime.traced import check_split_points, trace_stages
+
+
+def candidate_points(model: nn.Module) -> list[str]:
+    """Every block of the model's longest ModuleList / Sequential, by name (``layers.0``, ...)."""
+    lists = [(name, m) for name, m in model.named_modules() if name and isinstance(m, (nn.ModuleList, nn.Sequential))]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks to cut between: "
+                         "name the split points (--split-at)")  # fmt: skip
+    name, blocks = max(lists, key=lambda nm: len(nm[1]))
+    return [f"{name}.{k}" for k in range(len(blocks))]
+
+
+class _Piece(nn.Module):
+    """One traced piece as a layer of one tensor in, one tensor out."""
+
+    def __init__(self, part: nn.Module, index: int):
+        super().__init__()
+        self.part, self.index = part, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.part((x,))
+        if isinstance(out, tuple):
+            if len(out) != 1:
+                raise ValueError(f"the cut after piece {self.index} carries {len(out)} tensors; the planner profiles "
+                                 "cuts that carry one (choose other --split-at points)")  # fmt: skip
+            out = out[0]
+        return out
+
+
+def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int,
+                  points: Sequence[str] | None = None, **sizes) -> tuple[dict[int, LayerProfile], list[str]]:  # fmt: skip
+    """The model ``name`` profiled piece by piece at the micro-batch size of each count, and the
+    split points the pieces start at (the first piece starts at the model's input)."""
+    from commlab.models import build_workload
+
+    torch.manual_seed(0)
+    workload = build_workload(name, **sizes)
+    model = workload.model
+    points = check_split_points(model, list(points)) if points else candidate_points(model)
+    threads = torch.get_num_threads()  # a rank's threads, as profile_mlp does
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        out = {}
+        for m in microbatches:
+            sample, _ = workload.make_batch(max(1, batch // m), torch.Generator().manual_seed(0))
+            traced = trace_stages(model, points, (sample,))
+            if len(traced.carried[0]) != 1:
+                raise ValueError(f"model {name!r} takes {len(traced.carried[0])} input tensors; the planner profiles one")
+            pieces = nn.Sequential(*(_Piece(p, k) for k, p in enumerate(traced.parts)))
+            out[m] = profile(pieces, sample)
+        return out, points
+    finally:
+        torch.set_num_threads(threads)
+
+
+def split_points(points: Sequence[str], balance: Sequence[int]) -> list[str]:
+    """The names a plan cuts at: piece k starts at ``points[k - 1]``, so a balance of pieces per
+    stage cuts before the first piece of every stage but the first."""
+    starts = [sum(balance[:s]) for s in range(1, len(balance))]
+    return [points[k - 1] for k in starts]
