@@ -160,12 +160,18 @@ def simulate(schedules, ranks, microbatches, virtual, forward, backward, comm, f
 @click.option("--name", help="results sub-directory [pipeline-<time>]")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="seconds")
 @click.option("--no-figures", is_flag=True)
+@click.option("--against", type=click.Choice(["torch"]),
+              help="instead: the GPT (--depth blocks of --width) in separate launches, commlab and torch alternating; the step-time ratio")
+@click.option("--launches", default=6, show_default=True, type=click.IntRange(min=1), help="--against: launches of each")
 def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backend, virtual, depth, width, batch,
-          iters, warmup, calibrate, out, name, timeout, no_figures) -> None:  # fmt: skip
+          iters, warmup, calibrate, out, name, timeout, no_figures, against, launches) -> None:  # fmt: skip
     """commlab's pipeline vs torch.distributed.pipelining, alternating; bubble, memory, figures.
 
     Ctrl-C keeps the rows of every configuration already measured (exit status 130).
     """
+    if against:
+        return _against(_names(schedules, tuple(REGISTRY), "--schedules"), _ints(microbatches, "--microbatches"), world_size,
+                        backend, launches, dict(layers=depth, d_model=width, batch=batch, iters=iters, warmup=warmup), timeout)  # fmt: skip
     from commlab.bench.pipeline_bench import balance
     from commlab.runtime import resolve_backend
 
@@ -295,6 +301,18 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if check:
         _plan_check([p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
                     dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip
+
+
+def _against(schedules, ms, world_size, backend, launches, sizes, timeout) -> None:
+    from commlab.bench import pipeline_against as against
+
+    try:
+        against.check(schedules, ms, world_size, launches, sizes)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    backend = "gloo" if backend == "auto" else backend
+    rows = [against.against_torch(s, m, launches, world_size, backend, timeout, click.echo, **sizes) for s in schedules for m in ms]
+    click.echo("\n".join(against.summary(row) for row in rows))
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
