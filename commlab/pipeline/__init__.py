@@ -25,7 +25,7 @@ from __future__ import annotations
 from commlab._lazy import lazy_getattr
 
 from commlab.pipeline.runtime.partition import balance_by_size, balance_by_time, partition, split
-from commlab.pipeline.schedule.actions import Action, as_actions, format_actions, from_csv, looping, placement_of, to_csv, v_shape
+from commlab.pipeline.schedule.actions import Action, as_actions, flatten, format_actions, from_csv, looping, overlap, placement_of, to_csv, v_shape
 from commlab.pipeline.schedule.clock import DeadlockError
 from commlab.pipeline.schedule.comm import lower_comm, message_order, send_waits
 from commlab.pipeline.schedule.kinds import KINDS, Kind, dependencies, register_kind
@@ -57,5 +57,5 @@ __all__ = sorted([
     "Simulation", "as_actions", "balance_by_size", "balance_by_time", "bubble_formula", "build", "check_plan", "dependencies", "format_actions", "from_csv",
     "gpipe", "grid", "interleaved", "liveness", "looping", "lower_comm", "message_order", "one_f_one_b",
     "partition", "peak_in_flight", "placement_of", "register", "register_kind", "resolve", "send_waits", "simulate", "split", "to_csv",
-    "v_shape", "validate", "zb_h1", "zb_v", "dualpipev", *_LAZY,
+    "v_shape", "validate", "zb_h1", "zb_v", "dualpipev", "flatten", "overlap", *_LAZY,
 ])  # fmt: skip

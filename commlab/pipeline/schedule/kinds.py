@@ -11,7 +11,8 @@ the simulators, the zero-bubble builder, calibration), :func:`producer`/:func:`c
 message an action takes or sends), ``Kind.stash`` (liveness), ``Kind.seconds`` (the cost
 lowering). Adding a kind is one :func:`register_kind` call here or in user code, one handler in
 the executor's table (:data:`commlab.pipeline.runtime.executor.HANDLERS`), and nothing else
-unless its cost needs a term :class:`Kind` does not have.
+unless its cost needs a term :class:`Kind` does not have. A composite kind needs no handler: the
+comm pass, the clock, liveness and the executor run its parts.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from commlab.pipeline.schedule.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
+    OVERLAP,
     WEIGHT_GRAD,
     Action,
     Actions,
@@ -192,7 +193,7 @@ register(ScheduleSpec("interleaved-zb", lambda p, m, v: deferred_weights(interle
                       multiple=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}),
                       doc="interleaved 1F1B, backward split, weights deferred"))  # fmt: skip
 register(ScheduleSpec("dualpipev", lambda p, m, v: dualpipev(p, m), placement=lambda p, s: v_shape(p, s), virtual=(2,),
-                      fill=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD}), torch="ScheduleDualPipeV",
+                      fill=True, kinds=frozenset({FORWARD, INPUT_GRAD, WEIGHT_GRAD, OVERLAP}), torch="ScheduleDualPipeV",
                       doc="DualPipe on the V placement, m >= 2p"))  # fmt: skip
 SCHEDULES = tuple(REGISTRY)  # the built-in names; REGISTRY also holds any registered later
 
