@@ -122,6 +122,9 @@ def test_dualpipev_overlap_action_validates_simulates_and_round_trips():
     for p, m in [(2, 4), (2, 6), (2, 9)]:  # world 2: torch's order, O actions where torch overlaps
         ours = build("dualpipev", p, m, 2)
         assert [[str(a) for a in rank] for rank in ours] == [torch_dualpipev(p, m, r) for r in range(p)]
+    # tests/test_pipeline_traced.py's world-2 run (m=4) has three pairs per rank: its loss, gradients
+    # and eval equal the unpartitioned model's and torch's ScheduleDualPipeV's.
+    assert [sum(a.kind == "O" for a in rank) for rank in build("dualpipev", 2, 4, 2)] == [3, 3]
     acts = build("dualpipev", 2, 6, 2)
     pairs = [a for rank in acts for a in rank if a.kind == "O"]
     assert pairs and str(pairs[0]) == "0F3+3B1" and pairs[0].parts == tuple(map(Action.parse, ("0F3", "3I1", "3W1")))
