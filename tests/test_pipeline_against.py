@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from commlab.bench.pipeline_against import _percentile, against_torch, check, split_points, summary
+from commlab.bench.pipeline_against import _percentile, against_torch, check, split_points, summary, write_csv
 from commlab.cli import main
 
 
@@ -23,7 +23,7 @@ def test_cut_and_refusals_before_any_launch():
     assert bad.exit_code == 2 and "counterpart" in bad.output
 
 
-def test_alternating_launches_on_a_tiny_gpt():
+def test_alternating_launches_on_a_tiny_gpt(tmp_path):
     # Two rounds of the V schedule with the overlap action: 4 launches, world 2, Gloo.
     lines = []
     row = against_torch("dualpipev", 4, 2, echo=lines.append, layers=4, d_model=16, heads=2, seq=8, vocab=32, batch=8,
@@ -31,3 +31,6 @@ def test_alternating_launches_on_a_tiny_gpt():
     assert len(row["commlab_s"]) == len(row["torch_s"]) == len(row["ratios"]) == 2 and len(lines) == 2
     assert all(t > 0 for t in row["commlab_s"] + row["torch_s"]) and row["p10"] <= row["ratio"] <= row["p90"]
     assert summary(row).startswith("dualpipev    m=4   commlab/torch ")
+    write_csv(tmp_path / "run" / "against.csv", [row])
+    lines = (tmp_path / "run" / "against.csv").read_text().splitlines()
+    assert lines[0] == "schedule,microbatches,round,commlab_s,torch_s,ratio" and lines[1].startswith("dualpipev,4,0,")

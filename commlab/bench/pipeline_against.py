@@ -141,6 +141,20 @@ def against_torch(schedule: str, microbatches: int, launches: int, world: int = 
                 ratio=statistics.median(ratios), p10=_percentile(ratios, 0.1), p90=_percentile(ratios, 0.9))  # fmt: skip
 
 
+def write_csv(path, rows: list[dict[str, Any]]) -> None:
+    """One line per round: schedule, micro-batches, round, commlab and torch seconds, their ratio."""
+    import csv
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["schedule", "microbatches", "round", "commlab_s", "torch_s", "ratio"])
+        for row in rows:
+            for k, (c, t, r) in enumerate(zip(row["commlab_s"], row["torch_s"], row["ratios"])):
+                out.writerow([row["schedule"], row["microbatches"], k, f"{c:.6g}", f"{t:.6g}", f"{r:.6g}"])
+
+
 def summary(row: dict[str, Any]) -> str:
     return (f"{row['schedule']:<12} m={row['microbatches']:<3} commlab/torch {row['ratio']:.3f} "
             f"(p10 {row['p10']:.3f}, p90 {row['p90']:.3f}; {len(row['ratios'])} rounds, medians "

@@ -171,7 +171,8 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
     """
     if against:
         return _against(_names(schedules, tuple(REGISTRY), "--schedules"), _ints(microbatches, "--microbatches"), world_size,
-                        backend, launches, dict(layers=depth, d_model=width, batch=batch, iters=iters, warmup=warmup), timeout)  # fmt: skip
+                        backend, launches, dict(layers=depth, d_model=width, batch=batch, iters=iters, warmup=warmup), timeout,
+                        out / (name or time.strftime("pipeline-against-%Y%m%d-%H%M%S")) / "against.csv")  # fmt: skip
     from commlab.bench.pipeline_bench import balance
     from commlab.runtime import resolve_backend
 
@@ -303,7 +304,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
                     dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip
 
 
-def _against(schedules, ms, world_size, backend, launches, sizes, timeout) -> None:
+def _against(schedules, ms, world_size, backend, launches, sizes, timeout, csv_path: Path) -> None:
     from commlab.bench import pipeline_against as against
 
     try:
@@ -312,7 +313,8 @@ def _against(schedules, ms, world_size, backend, launches, sizes, timeout) -> No
         raise click.UsageError(str(err)) from None
     backend = "gloo" if backend == "auto" else backend
     rows = [against.against_torch(s, m, launches, world_size, backend, timeout, click.echo, **sizes) for s in schedules for m in ms]
-    click.echo("\n".join(against.summary(row) for row in rows))
+    against.write_csv(csv_path, rows)
+    click.echo("\n".join(against.summary(row) for row in rows) + f"\nwrote {csv_path}")
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
