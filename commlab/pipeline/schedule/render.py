@@ -23,9 +23,11 @@ def grid(actions: Actions, backward: int | None = None) -> str:
 
     A forward takes one tick, a backward ``backward`` ticks (a split one: I and W half each;
     default 1, or 2 when the schedule splits, so I and W take a tick each); an action taking
-    several ticks is written in each.
+    several ticks is written in each. The parts of an overlapped pair (``O``) get their own ticks,
+    each marked ``~``.
     """
-    actions = flatten(actions)  # an overlap's forward and backward each get their ticks
+    paired = {p for rank in actions for a in rank if a.parts for p in a.parts}
+    actions = flatten(actions)
     if backward is None:
         backward = 2 if any(a.kind in "IW" for rank in actions for a in rank) else 1
     if any(a.kind in "IW" for rank in actions for a in rank) and backward % 2:
@@ -36,8 +38,8 @@ def grid(actions: Actions, backward: int | None = None) -> str:
     for r, rank in enumerate(actions):
         for a in rank:
             for tick in range(*span[a]):
-                cells[tick][r] = str(a)
-    width = max(5, *(len(str(a)) for a in span))
+                cells[tick][r] = str(a) + ("~" if a in paired else "")
+    width = max(5, *(len(str(a)) + 1 for a in span))
     header = "step " + " ".join(f"{f'rank{r}':>{width}}" for r in range(ranks))
     rows = [f"{k:>4} " + " ".join(f"{c:>{width}}" for c in row) for k, row in enumerate(cells)]
     return "\n".join([header, *rows])
