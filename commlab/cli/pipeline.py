@@ -79,7 +79,7 @@ def pipeline() -> None:
 @click.option("--comm", type=click.Choice(BACKENDS), help="print each rank's list after the comm pass for this backend")
 @click.option("--backward", type=click.IntRange(min=1), help="ticks per backward (I and W: half each) [1, or 2 for I/W schedules]")
 def show(schedule, csv_path, ranks, microbatches, virtual, as_actions, comm, backward) -> None:
-    """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle)."""
+    """Print a schedule's step x rank grid (unit times for F, B, I and W; '.' is idle; '~' a part of an overlapped pair)."""
     if csv_path is not None:
         try:
             actions = from_csv(csv_path.read_text())
