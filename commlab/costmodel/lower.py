@@ -130,13 +130,15 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
     return tasks
 
 
-def contention_rate(kc: float, km: float, lane_gain: float = 1.0) -> Callable[[Task, Sequence[Task]], float]:
+def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
+                    comm_kinds: Sequence[str] = COMM_KINDS) -> Callable[[Task, Sequence[Task]], float]:
     """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
-    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others)."""
+    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others).
+    ``comm_kinds``: the task kinds that are collectives (the sharded lowering has three)."""
 
     def rate(task: Task, others: Sequence[Task]) -> float:
-        comm = [o for o in others if o.kind in COMM_KINDS]
-        if task.kind in COMM_KINDS:
+        comm = [o for o in others if o.kind in comm_kinds]
+        if task.kind in comm_kinds:
             slow = (1.0 + km) if len(comm) < len(others) else 1.0
             gain = lane_gain if comm else 1.0
             return gain / (slow * (1 + len(comm)))

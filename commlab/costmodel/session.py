@@ -32,13 +32,18 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
 
 def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
                 world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None,
-                algorithms: Iterable[str] = ()) -> dict[Key, dict]:
+                algorithms: Iterable[str] = (), shard: bool = False) -> dict[Key, dict]:
     """One profile entry per group of configurations, calibrating what is missing or stale.
-    ``algorithms``: calibrated for every group besides the configurations' own and ``native``."""
+    ``algorithms``: calibrated for every group besides the configurations' own and ``native``;
+    a group with a configuration at stage 1-3 (or every group, ``shard``) gets the reduce-scatter
+    and all-gather tables too."""
     extra = tuple(algorithms)
     wanted: dict[Key, list[str]] = {}
+    sharded: set[Key] = set()  # groups with a configuration at stage 1-3: they need the sharded tables
     for cfg in configs:
         group = wanted.setdefault(group_key(cfg, world_size), [])
+        if (cfg.get("stage", 0) if isinstance(cfg, dict) else getattr(cfg, "stage", 0)) or shard:
+            sharded.add(group_key(cfg, world_size))
         for algorithm in ("native", *extra, cfg.algorithm):
             if algorithm not in group:
                 group.append(algorithm)
@@ -47,16 +52,15 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
         model, model_args, batch, backend, world, threads = key
         entries[key] = profile_for(Workload(model, model_args, batch), backend=backend, world_size=world,
                                    threads=threads, path=profile_path or DEFAULT_PROFILE, recalibrate=recalibrate,
-                                   algorithms=tuple(names), echo=echo)
+                                   algorithms=tuple(names), echo=echo, sharded=key in sharded)
     return entries
 
 
 def predict(plan, entries: dict[Key, dict]) -> tuple[list[dict], dict[str, Any]]:
     """Records for every configuration of ``plan`` and the run's metadata."""
-    from commlab.costmodel.predict import costs_from_entry, predict_plan
+    from commlab.costmodel.predict import costs_for_config, predict_plan
 
-    records = predict_plan(plan.configs, lambda cfg: costs_from_entry(entries[group_key(cfg)], cfg.algorithm,
-                                                                      cfg.world_size))
+    records = predict_plan(plan.configs, lambda cfg: costs_for_config(entries[group_key(cfg)], cfg))
     note = ("PREDICTED by commlab predict from calibration profile(s) "
             + ", ".join(key_id(e["key"]) for e in entries.values()))
     meta = {"source": "predicted", "figure_note": note,
