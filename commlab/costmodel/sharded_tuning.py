@@ -134,4 +134,6 @@ def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes:
         if mine:
             fastest = pick(mine, None)
             per_stage[str(s)] = {**fastest.as_json(), "fits": memory_bytes is None or fastest.peak_bytes <= memory_bytes}
-    return {**best.as_json(), "memory_limit_bytes": memory_bytes, "searched": len(found), "by_stage": per_stage}
+    steady = entry.get("steadiness", {}).get("steady", True)  # commlab/costmodel/uncertainty.py's verdict
+    return {**best.as_json(), "memory_limit_bytes": memory_bytes, "searched": len(found), "by_stage": per_stage,
+            "steady": steady}
