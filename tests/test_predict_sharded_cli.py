@@ -52,7 +52,8 @@ def test_memory_prints_the_papers_four_zero_numbers_without_any_process(no_spawn
     assert float(lines[2].split()[4]) == pytest.approx(8970 * 16 / 2 / 1e9, rel=1e-2)  # stage 3 at 2 ranks
     for args, message in ((["--params", "1e9"], "go with --memory"), (["--memory"], "--params N or --model"),
                           (["--memory", "--params", "1", "--model", "mlp"], "not both"),
-                          (["--memory", "--params", "1", "--world-size", "0"], "positive")):
+                          (["--memory", "--params", "1", "--world-size", "0"], "positive"),
+                          (["--memory", "--params", "1", "--bucket-mb", "5"], "only, got bucket_mb")):
         r = invoke("predict", *args)
         assert r.exit_code == 2 and message in r.output, r.output
 

@@ -122,6 +122,11 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     if memory or num_params is not None or precision is not None:
         if not memory:
             raise click.UsageError("--params and --precision go with --memory")
+        extra = {**options, "against": against, "hardware": hardware, "profile": profile_path, "recalibrate": recalibrate}
+        other = [k for k, v in extra.items() if v not in (None, False, ()) and k not in ("model", "model_args", "world_size")]
+        if other or spec_file is not None:
+            raise click.UsageError(f"--memory takes --params or --model/--model-args, --world-size and --precision "
+                                   f"only, got {', '.join(other) or 'a spec file'}")
         click.echo(zero_memory.report(num_params, options.get("model"), options.get("model_args"),
                                       options.get("world_size"), precision))
         return
