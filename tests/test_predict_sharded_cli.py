@@ -156,5 +156,7 @@ def test_calibration_measures_reduce_scatter_and_all_gather_tables_in_one_launch
         assert {"native", "ring"} <= set(collective)
         assert all(t > 0 for fit in collective.values() for t in fit["seconds"])
         assert len(collective["native"]["sizes"]) >= 2
+    # what forward keeps for backward: at least the hidden activations, 8 samples x 32 wide x 4 bytes
+    assert entry["compute"]["activation_bytes"] >= 8 * 32 * 4
     answer = sharded_answer(entry, stages=(1, 2, 3), algorithms=("native", "ring"))
     assert answer["stage"] in (1, 2, 3) and answer["predicted_step_s"] > 0

@@ -165,7 +165,9 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                                               "many_buckets": ddp["small_run"]},
                     # where it was measured, and the CUDA caching allocator's state after (GPU only)
                     "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),
-                    "allocator": results[0].get("allocator", {})},
+                    "allocator": results[0].get("allocator", {}),
+                    # what forward keeps for backward (sharded calibrations only): the predicted peak's
+                    **({"activation_bytes": results[0]["activation_bytes"]} if "activation_bytes" in results[0] else {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,

@@ -1,4 +1,4 @@
-"""The rank side of the sharded collectives' calibration: reduce-scatter and all-gather tables.
+"""The rank side of what sharded predictions add to calibration: collective tables, activations.
 
 Run inside :func:`commlab.costmodel.measure.calibrate_rank` when the spec names sharded
 algorithms: for each algorithm of commlab/sharded/comm.py and each size (the full bucket, padded
@@ -6,6 +6,8 @@ to a multiple of the world size as commlab/sharded/layout.py pads it), the media
 calls, each after a barrier, through the same functions the sharded wrapper calls, so a table
 prices exactly what a bucket's collective costs. An algorithm that refuses the world size (say,
 one that needs a power of two) raises on every rank alike before communicating, and is left out.
+
+:func:`activation_bytes` measures what a forward keeps for backward, for the predicted peak.
 """
 
 from __future__ import annotations
@@ -50,3 +52,24 @@ def _median(clock, iters: int, call) -> float:
         if it:  # the first call warms the buffers and the backend's pairs up
             samples.append(seconds)
     return float(statistics.median(samples))
+
+
+def activation_bytes(model: torch.nn.Module, loss_fn, batch) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward (the hooks of
+    torch.autograd.graph.saved_tensors_hooks see every one), each storage counted once and the
+    parameters' own left out: they are in the memory model already. The input a first layer
+    saves is counted."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(sum(saved.values()))

@@ -58,7 +58,8 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size)
+    return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
+                      activation_bytes=entry["compute"].get("activation_bytes", 0))
 
 
 def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
@@ -118,11 +119,13 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     return rec
 
 
-def ddp_columns(costs: StepCosts, world_size: int, activation_bytes: int = 0) -> dict[str, float]:
+def ddp_columns(costs: StepCosts, world_size: int) -> dict[str, float]:
     """The sharded columns of a stage-0 (DDP) step: the ZeRO model's stage 0 in fp32 with plain
-    SGD (the sweep's optimizer) and the all-reduce's 2 (N-1)/N of the gradients sent."""
+    SGD (the sweep's optimizer), plus DDP's bucket buffers (a second copy of the gradients: the
+    default gradient_as_bucket_view=False writes clones back, commlab/ddp/bucket.py as torch's
+    reducer), plus the profile's activations; and the all-reduce's 2 (N-1)/N of the gradients sent."""
     total = sum(costs.param_nbytes)
-    return {"peak_bytes": 2 * total + activation_bytes, "comm_bytes": int(round(2 * total * (world_size - 1) / world_size)),
+    return {"peak_bytes": 3 * total + costs.activation_bytes, "comm_bytes": int(round(2 * total * (world_size - 1) / world_size)),
             "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
 
 

@@ -79,7 +79,7 @@ class ShardedCosts:
 def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
                   activation_bytes: int = 0) -> ShardedCosts:
     """ValueError if the system lacks an all-reduce, reduce-scatter or all-gather table for them."""
-    return ShardedCosts(step_costs(system, profile, algorithm, world_size),
+    return ShardedCosts(step_costs(system, profile, algorithm, world_size, activation_bytes),
                         system.collective("reduce_scatter", algorithm, world_size),
                         system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes))
 
@@ -197,9 +197,11 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
 def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
     """Predicted peak bytes per rank: the ZeRO model in fp32 with ``setting.optimizer_bytes`` of
     optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
-    terms (stage 3 without reshard holds every gathered bucket), plus the profile's activations.
-    Left out: the allocator's caching and fragmentation, the inputs, the temporaries of the
-    optimizer's step and of the collectives (a p2p algorithm's send/receive chunks)."""
+    terms (stage 3 without reshard holds every gathered bucket), plus the profile's activations
+    (what autograd saves in one forward, commlab/costmodel/measure_sharded.py; 0 in a profile
+    made without them). Left out: the allocator's caching and fragmentation, the forward's
+    transient tensors that are not saved, the temporaries of the optimizer's step and of the
+    collectives (a p2p algorithm's send/receive chunks)."""
     from commlab.sharded.memory_model import bucket_memory, zero_memory  # lazy: commlab.sharded imports torch
 
     w, k = costs.world_size, setting.optimizer_bytes

@@ -58,7 +58,6 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
     # and caps relative to the model: where memory binds, stage 3 wants buckets well under it
     total_mb = sum(entry["params"]["nbytes"]) / 2**20
     grid_mb = sorted({*grid_mb, *(round(total_mb / k, 6) for k in (2, 4, 8, 16, 32, 64) if total_mb / k > 0)})
-    activations = entry["compute"].get("activation_bytes", 0)
     names = list(entry["collectives"]) if algorithms is None else list(algorithms)
     sharded_names = [a for a in names if a in entry["collectives"]
                      and a in entry.get("sharded_collectives", {}).get("reduce_scatter", {})]
@@ -67,8 +66,8 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
         if stage == 0:
             for a in (x for x in names if x in entry["collectives"]):
                 costs = costs_from_entry(entry, a, world)
-                # the ZeRO model's stage 0 (plain SGD, the sweep's optimizer), plus optimizer state if given
-                peak = ddp_columns(costs, world, activations)["peak_bytes"] + int(optimizer_bytes * sum(costs.param_nbytes) / 4)
+                # DDP's peak (commlab/costmodel/predict.py) plus the optimizer state given
+                peak = ddp_columns(costs, world)["peak_bytes"] + int(optimizer_bytes * sum(costs.param_nbytes) / 4)
                 for mb in grid_mb:
                     result, buckets = simulate_step(costs, DDPSetting(bucket_cap_mb=mb, first_bucket_mb=mb))
                     out.append(ShardedCandidate(0, a, mb, 0, True, breakdown(result, buckets, costs)[0]["step"], peak))
