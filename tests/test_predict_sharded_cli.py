@@ -136,6 +136,8 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     lines = table(records).splitlines()
     assert lines[0].split()[-5:] == ["buckets", "stage", "prefetch", "peak", "MiB"]
     assert [ln.split()[-3:-1] for ln in lines[1:]] == [["0", "-"], ["1", "-"], ["2", "-"], ["3", "0"], ["3", "2"]]
+    with pytest.raises(ValueError, match="DDP .stage 0. only"):
+        session.predict_on(type("Plan", (), {"configs": configs})(), {"name": "x"})
     bare = synthetic_entry()
     with pytest.raises(UnpriceableConfig, match="reduce-scatter"):
         costs_for_config(bare, configs[2])

@@ -73,7 +73,12 @@ def predict_on(plan, preset: dict, profile_path: Path | None = None,
                echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
     """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware.py): nothing is
     calibrated here; each workload's compute is a profile calibrated on the preset's device when
-    ``profile_path`` holds one, else its FLOPs."""
+    ``profile_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
+    reduce-scatter or all-gather, so a sharded configuration is a ValueError, not a DDP guess."""
+    sharded = [c.id for c in plan.configs if getattr(c, "stage", 0)]
+    if sharded:
+        raise ValueError(f"--hardware predicts DDP (stage 0) only; {len(sharded)} configuration(s) have a sharded "
+                         "stage: predict them from a calibration of this machine instead")
     # Lazy: FLOPs counting and the lowering import torch and pandas (CLI start-up).
     from commlab.costmodel import flops, hardware
     from commlab.costmodel.costs import Overheads
