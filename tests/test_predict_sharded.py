@@ -8,7 +8,7 @@ import pytest
 from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step
 from commlab.costmodel.predict import ddp_columns
 from commlab.costmodel.sharded import (ShardedCosts, ShardedSetting, comm_bytes, padded_bytes, sharded_breakdown,
-                                       simulate_sharded)
+                                       sharded_buckets, simulate_sharded)
 from commlab.costmodel.sharded_tuning import ShardedCandidate, parse_stages, pick
 
 MIB = 1 << 20
@@ -102,3 +102,16 @@ def test_the_search_picks_the_fastest_that_fits_and_names_the_smallest_peak_othe
     for bad in ("4", "x", -1):
         with pytest.raises(ValueError, match="stage"):
             parse_stages(bad)
+
+
+@pytest.mark.parametrize("cap_mb", [0.01, 0.02, 0.05, 25.0])
+def test_predicted_buckets_are_the_sharded_wrappers_own(cap_mb):
+    """The lowering's buckets are those ShardedDataParallel makes (commlab/sharded/buckets.py)."""
+    from commlab.models import build_workload
+    from commlab.sharded.buckets import plan_buckets
+
+    model = build_workload("mlp", depth=3, width=64).model
+    nbytes = tuple(p.numel() * p.element_size() for p in model.parameters())
+    c = costs(param_nbytes=nbytes, ready_s=tuple(0.01 * (j + 1) for j in range(len(nbytes))),
+              ready_order=tuple(reversed(range(len(nbytes)))))
+    assert sharded_buckets(c, ShardedSetting(bucket_cap_mb=cap_mb)) == plan_buckets(model, cap_mb, None).buckets
