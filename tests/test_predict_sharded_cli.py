@@ -86,7 +86,7 @@ def test_tune_stage_auto_recommends_the_fastest_that_fits_and_says_when_nothing_
     assert only3["stage"] == 3 and set(only3["by_stage"]) == {"3"}
     text = invoke(*TUNE, "--profile", str(profile), "--stage", "auto").output
     assert "ShardedDataParallel" in text or "DistributedDataParallel(model, bucket_cap_mb" in text
-    assert "fastest at stage 3" in text
+    assert "stage 3: step" in text and "fastest that fits" in text
     for args, message in ((["--stage", "5"], "stage must be"), (["--memory-gb", "1"], "needs --stage")):
         r = invoke(*TUNE, "--profile", str(profile), *args)
         assert r.exit_code == 2 and message in r.output, r.output

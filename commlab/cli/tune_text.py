@@ -45,8 +45,9 @@ def sharded_text(r: dict) -> str:
     for s in map(str, STAGES):
         if s in r["by_stage"]:
             b = r["by_stage"][s]
-            lines.append(f"    fastest at stage {s}: step {b['predicted_step_s'] * 1e3:.1f} ms, peak "
-                         f"{gib(b['predicted_peak_bytes'])}{'' if b['fits'] else ' (does not fit)'}")
+            what = "fastest that fits" if b["fits"] else "smallest peak, does not fit"
+            lines.append(f"    stage {s}: step {b['predicted_step_s'] * 1e3:.1f} ms, peak "
+                         f"{gib(b['predicted_peak_bytes'])} ({what})")
     return "\n".join(lines)
 
 

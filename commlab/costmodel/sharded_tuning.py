@@ -117,8 +117,9 @@ def parse_stages(value: int | str) -> tuple[int, ...]:
 
 def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes: float | None = None,
                    algorithms: Sequence[str] | None = None, optimizer_bytes: float = 0.0) -> dict[str, Any]:
-    """The JSON answer of ``commlab tune --stage``: the pick, and the fastest of each stage
-    (fitting or not) so that a user sees what memory buys."""
+    """The JSON answer of ``commlab tune --stage``: the pick, and per stage the fastest candidate
+    that fits (or, where none does, the one with the smallest peak) so that a user sees what
+    memory buys."""
     stages = tuple(stages)
     for s in stages:
         if s not in STAGES:
@@ -128,11 +129,12 @@ def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes:
     found = candidates(entry, stages, algorithms, optimizer_bytes=optimizer_bytes)
     best = pick(found, memory_bytes)
     per_stage = {}
-    for s in stages:
+    for s in stages:  # each stage's fastest that fits, else its smallest peak: what memory buys
         mine = [c for c in found if c.stage == s]
+        fits = [c for c in mine if memory_bytes is None or c.peak_bytes <= memory_bytes]
         if mine:
-            fastest = pick(mine, None)
-            per_stage[str(s)] = {**fastest.as_json(), "fits": memory_bytes is None or fastest.peak_bytes <= memory_bytes}
+            shown = pick(fits, None) if fits else min(mine, key=lambda c: (c.peak_bytes, c.step_s))
+            per_stage[str(s)] = {**shown.as_json(), "fits": bool(fits)}
     steady = entry.get("steadiness", {}).get("steady", True)  # commlab/costmodel/uncertainty.py's verdict
     return {**best.as_json(), "memory_limit_bytes": memory_bytes, "searched": len(found), "by_stage": per_stage,
             "steady": steady}
