@@ -113,9 +113,10 @@ def test_a_profile_without_sharded_tables_is_calibrated_again_for_them(tmp_path,
     assert json.loads(r.stdout)["sharded"]["stage"] == 2
 
 
-def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(profile):
+def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(profile, tmp_path):
     from commlab.costmodel import session
-    from commlab.costmodel.predict import UnpriceableConfig, costs_for_config, table
+    from commlab.costmodel.predict import UnpriceableConfig, costs_for_config, table, write_prediction
+    from commlab.sweep.store import read_tables
 
     # The sweep's Config with the shared sharded keys (their owner adds them to the spec).
     Sharded = dataclasses.make_dataclass("Sharded", [("stage", int, 0), ("prefetch", int, 1), ("reshard", bool, True)],
@@ -136,6 +137,9 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     lines = table(records).splitlines()
     assert lines[0].split()[-5:] == ["buckets", "stage", "prefetch", "peak", "MiB"]
     assert [ln.split()[-3:-1] for ln in lines[1:]] == [["0", "-"], ["1", "-"], ["2", "-"], ["3", "0"], ["3", "2"]]
+    write_prediction(tmp_path / "p", records, meta)  # the sweep's files, as for DDP
+    runs = read_tables(tmp_path / "p")[2]
+    assert len(runs) == len(configs) and (runs["step_median"] > 0).all() and set(runs["source"]) == {"predicted"}
     with pytest.raises(ValueError, match="DDP .stage 0. only"):
         session.predict_on(type("Plan", (), {"configs": configs})(), {"name": "x"})
     bare = synthetic_entry()
