@@ -69,9 +69,10 @@ def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
     lines = r.stdout.splitlines()
     assert "PREDICTED" in lines[0] and lines[1].split()[:2] == ["configuration", "step"]
     for cfg, line in zip(plan.configs, lines[2:]):
-        name, step, exposed, count = line.split()
+        name, step, exposed, count, stage, prefetch, peak = line.split()
         row = runs[runs["config"] == cfg.id].iloc[0]
         assert name == cfg.id and float(step) == pytest.approx(row["step_median"] * 1e3, abs=0.051)
+        assert (stage, prefetch) == ("0", "-") and float(peak) > 0
         assert float(exposed) >= 0 and int(count) == buckets[(buckets["config"] == cfg.id) & (buckets["rank"] == 0)]["bucket"].nunique()
     assert len(lines) == 2 + len(plan.configs)
     # per-bucket rows: ready <= launched <= done, and bigger caps give fewer buckets

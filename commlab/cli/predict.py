@@ -6,6 +6,8 @@
     commlab predict SPEC --against results/bucket_size      ... and how far off it is
     commlab predict --hardware dgx-a100-hdr200 --backend nccl --world-size 8,16,32,64,128,256 --bucket-mb 25
     commlab tune --model mlp --json                         the bucket to use, no sweep
+    commlab tune --model mlp --stage auto --memory-gb 8     ... and the ZeRO stage that fits 8 GiB per rank
+    commlab predict --memory --params 7.5e9 --world-size 64 the ZeRO memory model, no calibration
 
 All three take the sweep's spec file and options (commlab/cli/sweep.py), so a prediction has the
 same configurations, ids, files and columns as the measured sweep of the same spec.
@@ -20,6 +22,7 @@ from pathlib import Path
 import click
 
 from commlab.cli import sweep as sweep_cli
+from commlab.cli import tune_text, zero_memory  # click declarations at import; torch inside the calls
 
 # The sweep's options about running and measuring: nothing here runs a configuration.
 _RUN_ONLY = {"resume", "force", "launcher", "timeout", "nnodes", "rdzv_endpoint", "repeat"}
@@ -109,11 +112,24 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                        f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
 
 
-def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, **options):
+def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memory, num_params, precision, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
-    and figures as `commlab sweep`, with a `source` column saying `predicted`."""
+    and figures as `commlab sweep`, with a `source` column saying `predicted`. Configurations at
+    stage 1-3 (sharded data parallelism) are predicted too, with their peak bytes per rank.
+    --memory prints the ZeRO memory model instead (no calibration)."""
     from commlab.costmodel import session
 
+    if memory or num_params is not None or precision is not None:
+        if not memory:
+            raise click.UsageError("--params and --precision go with --memory")
+        extra = {**options, "against": against, "hardware": hardware, "profile": profile_path, "recalibrate": recalibrate}
+        other = [k for k, v in extra.items() if v not in (None, False, ()) and k not in ("model", "model_args", "world_size")]
+        if other or spec_file is not None:
+            raise click.UsageError(f"--memory takes --params or --model/--model-args, --world-size and --precision "
+                                   f"only, got {', '.join(other) or 'a spec file'}")
+        click.echo(zero_memory.report(num_params, options.get("model"), options.get("model_args"),
+                                      options.get("world_size"), precision))
+        return
     begin = time.monotonic()
     preset = None
     if hardware is not None:
@@ -196,63 +212,42 @@ def _warn_unsteady(entries) -> None:
                   "machine (--recalibrate).")
 
 
-def _tune(spec_file, profile_path, recalibrate, as_json, force, **options):
+def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb, optimizer_bytes, **options):
     """Recommend DDP settings by simulation, no sweep: the best torch DDP configuration (torch
     keywords only) and the best commlab one, each with a predicted step time and the interval the
     model's validated error gives; every registered all-reduce algorithm is searched. A calibration
     the machine's load disturbed is said to be unsteady, and then the default is recommended
-    unless --force."""
+    unless --force. --stage adds the fastest sharded configuration that fits --memory-gb."""
     from commlab.costmodel import session
 
+    stages = tune_text.stages_of(stage, memory_gb)
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     algorithms = session.tune_algorithms()
     try:
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
-                                      echo=_ECHO, algorithms=algorithms)
+        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO,
+                                      algorithms=algorithms, shard=stages not in (None, (0,)))
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     policies = tuple(dict.fromkeys(c.bucket_policy for c in plan.configs))  # a spec's bucket_policy key
     names = tuple(dict.fromkeys(("native", *algorithms)))
     results = [session.tune_entry(entry, algorithms=names, policies=policies, force=force)
                for entry in entries.values()]
+    if stages is not None:
+        from commlab.costmodel.sharded_tuning import sharded_answer
+
+        try:
+            for entry, r in zip(entries.values(), results):
+                r["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=optimizer_bytes,
+                                              memory_bytes=None if memory_gb is None else memory_gb * 2**30)
+        except ValueError as err:
+            raise click.ClickException(str(err)) from None
     if as_json:
         click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=1))
         return
     for entry, r in zip(entries.values(), results):
-        click.echo(_tune_text(entry, r, force))
-
-
-def _tune_text(entry: dict, r: dict, force: bool) -> str:
-    """What `commlab tune` prints for one workload (the same numbers as --json)."""
-    from commlab.costmodel import uncertainty
-
-    k = entry["key"]
-    steadiness = uncertainty.Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None
-    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
-    span = lambda a: f"{ms(a['predicted_step_s'])} (likely {ms(a['interval_s'][0])} to {ms(a['interval_s'][1])})"  # noqa: E731
-    kw = lambda d: ", ".join(f"{n}={v!r}" for n, v in d.items())  # noqa: E731
-    default = r["default_step_s"]
-    lines = [f"{k['model']} {k['model_args'] or '(default sizes)'} on {k['backend']}, world size {k['world_size']}, "
-             f"batch {k['batch_per_rank']} per rank (all figures PREDICTED)"]
-    if steadiness is not None:
-        lines.append(f"  calibration {steadiness.describe()}")
-    if not r["steady"] and not force:
-        lines.append("  NO RECOMMENDATION: the calibration cannot be trusted, so keep torch's default (below). "
-                     "Calibrate again on a quiet machine (--recalibrate), or pass --force to see the search's pick "
-                     "with widened intervals.")
-    for name, a in (("torch DDP", r["torch"]), ("commlab DDP", r["commlab"])):
-        args = {**a["ddp_kwargs"], **a.get("commlab_kwargs", {})}
-        gain = default / a["predicted_step_s"] - 1
-        noise = uncertainty.within_noise(a["predicted_step_s"], default, steadiness)
-        verdict = ("within noise of the default: the model cannot tell them apart, keep the default" if noise
-                   else f"{gain * 100:+.1f}% over the default")
-        lines.append(f"  {name + ':':13s} DistributedDataParallel(model{', ' if args else ''}{kw(args)})  "
-                     f"step {span(a)}; {verdict}")
-    lines.append(f"  torch's default (25 MB buckets, 1 MB first bucket, native all-reduce, overlap): {ms(default)}")
-    lines.append(f"  intervals: the model's worst error on held-out work, {uncertainty.VALIDATION.abs_worst * 100:.1f}%"
-                 f"{' plus the calibration spread' if r['steady'] is False else ''}; source: "
-                 f"{uncertainty.VALIDATION.source}")
-    return "\n".join(lines)
+        click.echo(tune_text.tune_text(entry, r, force))
+        if "sharded" in r:
+            click.echo(tune_text.sharded_text(r["sharded"]))
 
 
 _CTX = {"help_option_names": ["-h", "--help"]}
@@ -264,13 +259,15 @@ predict = click.Command("predict", callback=_predict, context_settings=_CTX, hel
     click.Option(["--against"], type=click.Path(file_okay=False, path_type=Path),
                  help="a measured sweep's results directory: print measured, predicted, error, rank order "
                       "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
-    _PROFILE, _RECAL,
+    _PROFILE, _RECAL, *zero_memory.OPTIONS,
     click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml): NCCL's model of its network, "
                                       "its device's compute from a profile calibrated there (--profile) or the model's FLOPs"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
     # no --algorithm: tune searches every registered one, whatever the profile cache holds
-    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm"}), _PROFILE, _RECAL,
+    # its own --stage (auto or one): the sweep's stage/prefetch/reshard lists are what tune searches
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm", "stage", "prefetch", "reshard"}), _PROFILE, _RECAL,
+    *tune_text.OPTIONS,
     click.Option(["--json", "as_json"], is_flag=True,
                  help='print one JSON object: {"torch": {...}, "commlab": {...}, "default_step_s": ..., "steady": ...}'),
     click.Option(["--force"], is_flag=True, help="recommend even when the calibration was unsteady (wider intervals)"),

@@ -11,12 +11,16 @@ Modules (one job each):
 - buckets.py: a sequence of DDP buckets as all-reduce tasks (:func:`bucket_tasks`), which every
   lowering with data-parallel buckets composes;
 - lower.py: one DDP optimizer step lowered onto the simulator core, and its sweep columns;
+  sharded.py: the same for sharded data parallelism (ZeRO stages 1-3), with its peak bytes per
+  rank and bytes sent; sharded_tuning.py: the stage x bucket x prefetch x reshard search under a
+  memory limit behind ``commlab tune --stage``;
 - pipeline.py: a pipeline schedule's step lowered onto the core (and, in pipeline x data
   parallel, each stage's buckets after its last backward); pipeline_calibrate.py: its costs from
   a run's own timelines; plan.py, plan_calibrate.py, plan_check.py: the planner, its plan-time
   costs, and its predictions checked against measurement;
-- calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py)
-  and caching them as a profile keyed by workload and machine;
+- calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py,
+  the reduce-scatter and all-gather tables in measure_sharded.py) and caching them as a profile
+  keyed by workload and machine;
 - predict.py: a sweep's records, predicted from profiles;
 - hardware.py: named machines' presets (what-if), with nccl.py (an all-reduce priced as NCCL's
   tuner prices it: ring or tree) and flops.py (compute from FLOPs at a stated fraction of peak);

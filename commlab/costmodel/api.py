@@ -10,6 +10,7 @@ import torch
 from commlab.costmodel.calibrate import DEFAULT_PROFILE, Workload, profile_for
 from commlab.costmodel.instance import as_name
 from commlab.costmodel.session import tune_algorithms, tune_entry
+from commlab.costmodel.sharded_tuning import parse_stages, sharded_answer
 from commlab.models import check_workload
 from commlab.sweep.spec import canonical_model_args, parse_model_args
 
@@ -17,7 +18,8 @@ from commlab.sweep.spec import canonical_model_args, parse_model_args
 def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", batch_per_rank: int = 32,
          backend: str = "gloo", world_size: int = 2, threads: int | None = None,
          algorithms: tuple[str, ...] | None = None, profile: str | Path | None = None,
-         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",), force: bool = False) -> dict[str, Any]:
+         recalibrate: bool = False, bucket_policies: tuple = ("size_cap",), force: bool = False,
+         stage: int | str | None = None, memory_gb: float | None = None, optimizer_bytes: float = 0.0) -> dict[str, Any]:
     """Recommend DDP settings for a workload by simulation (calibrating first when needed).
 
     ``model_or_name`` is a built-in model name, ``package.module:factory``, or an ``nn.Module``
@@ -34,7 +36,15 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     all-reduce algorithm, whatever the profile cache holds). ``bucket_policies``: the bucket
     policies searched (names or instances, commlab/ddp/policy.py). When the calibration was
     unsteady (commlab/costmodel/uncertainty.py) both answers are torch's default unless ``force``.
+
+    ``stage`` ("auto" or 0-3) adds a ``"sharded"`` answer (commlab/costmodel/sharded_tuning.py):
+    the fastest predicted stage x bucket x prefetch x reshard whose predicted peak per rank fits
+    ``memory_gb`` GiB, with ``optimizer_bytes`` of optimizer state per parameter (0: plain SGD,
+    8: Adam); ValueError naming the smallest peak when nothing fits.
     """
+    stages = None if stage is None else parse_stages(stage)
+    if memory_gb is not None and (stages is None or not memory_gb > 0):
+        raise ValueError(f"memory_gb needs a stage ('auto' or 0-3) and must be positive, got {memory_gb!r}")
     if isinstance(model_or_name, torch.nn.Module):
         if model_args:
             raise ValueError("model_args are the sizes of a named model; an nn.Module instance takes none")
@@ -49,5 +59,9 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     names = tuple(dict.fromkeys(("native", *(tune_algorithms() if algorithms is None else algorithms))))
     entry = profile_for(workload, backend=backend, world_size=world_size, threads=threads,
                         path=Path(profile) if profile else DEFAULT_PROFILE, recalibrate=recalibrate,
-                        algorithms=names)
-    return tune_entry(entry, algorithms=names, policies=tuple(bucket_policies), force=force)
+                        algorithms=names, sharded=stages is not None and stages != (0,))
+    result = tune_entry(entry, algorithms=names, policies=tuple(bucket_policies), force=force)
+    if stages is not None:
+        result["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=optimizer_bytes,
+                                           memory_bytes=None if memory_gb is None else memory_gb * 2**30)
+    return result

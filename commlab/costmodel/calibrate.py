@@ -70,8 +70,10 @@ def table_sizes(total_bytes: int, smallest: int = 64 << 10, factor: int = 4) -> 
 
 def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
               algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 3, iters: int = 5,
-              timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None) -> dict[str, Any]:
-    """Measure and return a profile entry (does not write it)."""
+              timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None,
+              sharded: bool = False) -> dict[str, Any]:
+    """Measure and return a profile entry (does not write it). ``sharded``: also the reduce-scatter
+    and all-gather of every algorithm sharded data parallelism has (commlab/sharded/comm.py)."""
     import commlab
 
     threads = threads or default_threads(world_size)
@@ -79,7 +81,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     sizes = table_sizes(sum(nbytes))
     spec = {"model": workload.model, "model_kwargs": workload.kwargs(), "batch_per_rank": workload.batch_per_rank,
             "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
-            "warmup": 2}
+            "warmup": 2, "sharded_algorithms": sharded_algorithms(world_size) if sharded else []}
     begin = time.monotonic()
     from commlab.costmodel.measure import calibrate_rank
 
@@ -144,6 +146,11 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         gain = min(max(apart / together, 1.0), 2.0) if together > 0 else 1.0
         concurrency[algorithm] = {"lanes": 2, "gain": gain, "raw": {"apart_s": apart, "together_s": together,
                                                                     "nbytes": c["nbytes"]}}
+    sharded = {}
+    for collective in ("reduce_scatter", "all_gather") if spec.get("sharded_algorithms") else ():
+        sharded[collective] = {a: fit_table(spec["sizes"], [max(r["sharded"][collective][a][i] for r in results)
+                                                             for i in range(len(spec["sizes"]))])
+                               for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
     corun = results[0]["corun"]
     factor = corun["together_s"] / corun["alone_s"] if corun["alone_s"] > 0 and len(results) > 1 else 1.0
     return {
@@ -158,16 +165,28 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                                               "many_buckets": ddp["small_run"]},
                     # where it was measured, and the CUDA caching allocator's state after (GPU only)
                     "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),
-                    "allocator": results[0].get("allocator", {})},
+                    "allocator": results[0].get("allocator", {}),
+                    # what forward keeps for backward (sharded calibrations only): the predicted peak's
+                    **({"activation_bytes": results[0]["activation_bytes"]} if "activation_bytes" in results[0] else {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,
+        **({"sharded_collectives": sharded} if sharded else {}),
     }
+
+
+def sharded_algorithms(world_size: int) -> list[str]:
+    """The algorithms with a reduce-scatter and an all-gather (commlab/sharded/comm.py); one that
+    refuses this world size is dropped by the ranks (commlab/costmodel/measure_sharded.py)."""
+    from commlab.sharded import comm  # lazy: it imports torch
+
+    return list(comm.ALGORITHMS)
 
 
 def profile_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
                 path: Path = DEFAULT_PROFILE, recalibrate: bool = False, algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS,
-                max_age_s: float = prof.DEFAULT_MAX_AGE_S, echo: Callable[[str], None] = lambda _l: None) -> dict:
+                max_age_s: float = prof.DEFAULT_MAX_AGE_S, echo: Callable[[str], None] = lambda _l: None,
+                sharded: bool = False) -> dict:
     """The cached entry for this workload and setting, calibrating (and caching) when needed.
 
     Missing, stale (too old, model changed) or lacking an algorithm -> calibrate; broken or
@@ -176,11 +195,14 @@ def profile_for(workload: Workload, *, backend: str, world_size: int, threads: i
     threads = threads or default_threads(world_size)
     key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                         model_args=workload.model_args, batch_per_rank=workload.batch_per_rank)
+    old = None
     if not recalibrate:
         nbytes, shapes = parameter_sizes(workload)
         try:
-            entry = prof.lookup(path, key, signature=prof.param_signature(nbytes, shapes), max_age_s=max_age_s)
+            entry = old = prof.lookup(path, key, signature=prof.param_signature(nbytes, shapes), max_age_s=max_age_s)
             missing = [a for a in algorithms if a not in entry["collectives"]]
+            if sharded and "sharded_collectives" not in entry:
+                missing.append("reduce-scatter/all-gather tables")
             if not missing:
                 return entry
             echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
@@ -190,6 +212,7 @@ def profile_for(workload: Workload, *, backend: str, world_size: int, threads: i
             echo(f"{stale}: recalibrating")
     else:
         echo(f"--recalibrate: calibrating {prof.key_id(key)} again")
-    entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo)
+    entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo,
+                      sharded=sharded or "sharded_collectives" in (old or {}))
     prof.store(path, entry)
     return entry

@@ -51,9 +51,11 @@ class StepCosts(DDPProfile):
     # Collectives one channel runs at once, and their aggregate speed (costs.Contention).
     lanes: int = 1
     lane_gain: float = 1.0
+    activation_bytes: int = 0  # what forward keeps for backward, where calibration measured it (peak bytes)
 
 
-def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int) -> StepCosts:
+def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
+               activation_bytes: int = 0) -> StepCosts:
     """The lowering's costs of one workload on one algorithm and world size (ValueError if the
     system has no all-reduce cost for them). One rank has no co-run stretch."""
     c, o = system.contention_of(algorithm), system.overheads
@@ -61,7 +63,8 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
         **{f.name: getattr(profile, f.name) for f in fields(DDPProfile)},
         writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
-        allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain)
+        allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain,
+        activation_bytes=int(activation_bytes))
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,15 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
     return tasks
 
 
-def contention_rate(kc: float, km: float, lane_gain: float = 1.0) -> Callable[[Task, Sequence[Task]], float]:
+def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
+                    comm_kinds: Sequence[str] = COMM_KINDS) -> Callable[[Task, Sequence[Task]], float]:
     """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
-    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others)."""
+    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others).
+    ``comm_kinds``: the task kinds that are collectives (the sharded lowering has three)."""
 
     def rate(task: Task, others: Sequence[Task]) -> float:
-        comm = [o for o in others if o.kind in COMM_KINDS]
-        if task.kind in COMM_KINDS:
+        comm = [o for o in others if o.kind in comm_kinds]
+        if task.kind in comm_kinds:
             slow = (1.0 + km) if len(comm) < len(others) else 1.0
             gain = lane_gain if comm else 1.0
             return gain / (slow * (1 + len(comm)))

@@ -16,9 +16,11 @@ from typing import Any
 
 from commlab.costmodel.costs import Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
 from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
+from commlab.costmodel.sharded import ShardedCosts, ShardedSetting, sharded_breakdown, sharded_costs, simulate_sharded
 from commlab.sweep.spec import Config
 
 SOURCE = "predicted"
+SHARDED_DEFAULTS = {"stage": 0, "prefetch": 1, "reshard": True}  # the sweep's keys for sharded runs
 
 
 class UnpriceableConfig(ValueError):
@@ -35,8 +37,11 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
         # optional (profiles made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
         contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]))
+    tables = {("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()}
+    for collective, by_algorithm in entry.get("sharded_collectives", {}).items():  # reduce_scatter, all_gather
+        tables.update({(collective, a, world_size): cost_from_entry(t) for a, t in by_algorithm.items()})
     return SystemCosts(
-        collectives={("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()},
+        collectives=tables,
         contention=contention, corun=c["corun"],
         overheads=Overheads(bucket_fixed_s=c["bucket_fixed_s"], writeback_s_per_byte=c["writeback_s_per_byte"]))
 
@@ -53,7 +58,37 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size)
+    return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
+                      activation_bytes=entry["compute"].get("activation_bytes", 0))
+
+
+def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
+    """The sharded lowering's costs from one profile entry (one calibrated with its sharded tables)."""
+    have = entry.get("sharded_collectives", {}).get("reduce_scatter", {})
+    if algorithm not in have or algorithm not in entry["collectives"]:
+        raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in profile "
+                                f"(calibrated: {', '.join(sorted(have)) or 'none'}): calibrate again")
+    return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
+                         activation_bytes=entry["compute"].get("activation_bytes", 0))
+
+
+def knob(cfg: Any, name: str) -> Any:
+    """A sweep configuration's sharded key (a Config or a dict), with the shared defaults."""
+    default = SHARDED_DEFAULTS[name]
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def sharded_setting_of(cfg: Config) -> ShardedSetting:
+    return ShardedSetting(stage=int(knob(cfg, "stage")), prefetch=int(knob(cfg, "prefetch")),
+                          reshard=bool(knob(cfg, "reshard")), bucket_cap_mb=cfg.bucket_mb,
+                          accumulate=cfg.accumulate, policy=cfg.bucket_policy)
+
+
+def costs_for_config(entry: dict, cfg: Config) -> StepCosts | ShardedCosts:
+    """Stage 0 (commlab DDP): the DDP lowering's costs; stages 1-3: the sharded lowering's."""
+    if int(knob(cfg, "stage")) == 0:
+        return costs_from_entry(entry, cfg.algorithm, cfg.world_size)
+    return sharded_costs_from_entry(entry, cfg.algorithm, cfg.world_size)
 
 
 def setting_of(cfg: Config) -> DDPSetting:
@@ -67,8 +102,14 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     from commlab.sweep.runner import record
 
     started = time.time()
-    result, buckets = simulate_step(costs, setting or setting_of(cfg))
-    row, bucket_rows = breakdown(result, buckets, costs)
+    if isinstance(costs, ShardedCosts):
+        chosen = sharded_setting_of(cfg)
+        result, buckets = simulate_sharded(costs, chosen)
+        row, bucket_rows = sharded_breakdown(result, buckets, costs, chosen)
+    else:
+        result, buckets = simulate_step(costs, setting or setting_of(cfg))
+        row, bucket_rows = breakdown(result, buckets, costs)
+        row.update(ddp_columns(costs, cfg.world_size))
     results = [{"rank": r, "host": "predicted", "device": "predicted",
                 "iterations": [{"rank": r, "iteration": 0, **row}],
                 "buckets": [{"rank": r, "iteration": 0, **b} for b in bucket_rows]}
@@ -78,7 +119,17 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     return rec
 
 
-def predict_plan(configs, costs_for: Callable[[Config], StepCosts]) -> list[dict[str, Any]]:
+def ddp_columns(costs: StepCosts, world_size: int) -> dict[str, float]:
+    """The sharded columns of a stage-0 (DDP) step: the ZeRO model's stage 0 in fp32 with plain
+    SGD (the sweep's optimizer), plus DDP's bucket buffers (a second copy of the gradients: the
+    default gradient_as_bucket_view=False writes clones back, commlab/ddp/bucket.py as torch's
+    reducer), plus the profile's activations; and the all-reduce's 2 (N-1)/N of the gradients sent."""
+    total = sum(costs.param_nbytes)
+    return {"peak_bytes": 3 * total + costs.activation_bytes, "comm_bytes": int(round(2 * total * (world_size - 1) / world_size)),
+            "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
+
+
+def predict_plan(configs, costs_for: Callable[[Config], StepCosts | ShardedCosts]) -> list[dict[str, Any]]:
     """Records for every configuration; one that cannot be priced is an error before any is written."""
     priced = [(cfg, costs_for(cfg)) for cfg in configs]
     return [predict_config(cfg, costs) for cfg, costs in priced]
@@ -86,13 +137,17 @@ def predict_plan(configs, costs_for: Callable[[Config], StepCosts]) -> list[dict
 
 def table(records: list[dict[str, Any]]) -> str:
     """The configurations as a text table: predicted step time, exposed communication (end of
-    backward to the last bucket done, commlab/ddp/timing.py's definition) and bucket count."""
-    head = ("configuration", "step ms", "exposed comm ms", "buckets")
+    backward to the last bucket done, commlab/ddp/timing.py's definition; at stages 1-3 the
+    waits on all-gathers and reductions), bucket count, stage, prefetch and peak bytes per rank."""
+    head = ("configuration", "step ms", "exposed comm ms", "buckets", "stage", "prefetch", "peak MiB")
     rows = []
     for rec in records:
         it = rec["iterations"][0]  # ranks are symmetric in the model: rank 0's row stands for all
         buckets = sum(1 for b in rec["buckets"] if b["rank"] == 0)
-        rows.append((rec["config"]["config"], f"{it['step'] * 1e3:.1f}", f"{it['exposed_comm'] * 1e3:.1f}", str(buckets)))
+        stage = int(knob(rec["config"], "stage"))
+        rows.append((rec["config"]["config"], f"{it['step'] * 1e3:.1f}", f"{it['exposed_comm'] * 1e3:.1f}", str(buckets),
+                     str(stage), str(knob(rec["config"], "prefetch")) if stage == 3 else "-",
+                     f"{it['peak_bytes'] / 2**20:.1f}"))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([line(head), *(line(r) for r in rows)])

@@ -32,13 +32,18 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
 
 def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
                 world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None,
-                algorithms: Iterable[str] = ()) -> dict[Key, dict]:
+                algorithms: Iterable[str] = (), shard: bool = False) -> dict[Key, dict]:
     """One profile entry per group of configurations, calibrating what is missing or stale.
-    ``algorithms``: calibrated for every group besides the configurations' own and ``native``."""
+    ``algorithms``: calibrated for every group besides the configurations' own and ``native``;
+    a group with a configuration at stage 1-3 (or every group, ``shard``) gets the reduce-scatter
+    and all-gather tables too."""
     extra = tuple(algorithms)
     wanted: dict[Key, list[str]] = {}
+    sharded: set[Key] = set()  # groups with a configuration at stage 1-3: they need the sharded tables
     for cfg in configs:
         group = wanted.setdefault(group_key(cfg, world_size), [])
+        if (cfg.get("stage", 0) if isinstance(cfg, dict) else getattr(cfg, "stage", 0)) or shard:
+            sharded.add(group_key(cfg, world_size))
         for algorithm in ("native", *extra, cfg.algorithm):
             if algorithm not in group:
                 group.append(algorithm)
@@ -47,16 +52,15 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
         model, model_args, batch, backend, world, threads = key
         entries[key] = profile_for(Workload(model, model_args, batch), backend=backend, world_size=world,
                                    threads=threads, path=profile_path or DEFAULT_PROFILE, recalibrate=recalibrate,
-                                   algorithms=tuple(names), echo=echo)
+                                   algorithms=tuple(names), echo=echo, sharded=key in sharded)
     return entries
 
 
 def predict(plan, entries: dict[Key, dict]) -> tuple[list[dict], dict[str, Any]]:
     """Records for every configuration of ``plan`` and the run's metadata."""
-    from commlab.costmodel.predict import costs_from_entry, predict_plan
+    from commlab.costmodel.predict import costs_for_config, predict_plan
 
-    records = predict_plan(plan.configs, lambda cfg: costs_from_entry(entries[group_key(cfg)], cfg.algorithm,
-                                                                      cfg.world_size))
+    records = predict_plan(plan.configs, lambda cfg: costs_for_config(entries[group_key(cfg)], cfg))
     note = ("PREDICTED by commlab predict from calibration profile(s) "
             + ", ".join(key_id(e["key"]) for e in entries.values()))
     meta = {"source": "predicted", "figure_note": note,
@@ -69,7 +73,12 @@ def predict_on(plan, preset: dict, profile_path: Path | None = None,
                echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
     """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware.py): nothing is
     calibrated here; each workload's compute is a profile calibrated on the preset's device when
-    ``profile_path`` holds one, else its FLOPs."""
+    ``profile_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
+    reduce-scatter or all-gather, so a sharded configuration is a ValueError, not a DDP guess."""
+    sharded = [c.id for c in plan.configs if getattr(c, "stage", 0)]
+    if sharded:
+        raise ValueError(f"--hardware predicts DDP (stage 0) only; {len(sharded)} configuration(s) have a sharded "
+                         "stage: predict them from a calibration of this machine instead")
     # Lazy: FLOPs counting and the lowering import torch and pandas (CLI start-up).
     from commlab.costmodel import flops, hardware
     from commlab.costmodel.costs import Overheads
