@@ -108,6 +108,13 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--algorithm") from None
     worlds = _int_list(world_size, "--world-size", 1)
+    try:  # an algorithm that cannot run on a world size (halving-doubling's halves on 3 ranks)
+        for c, algorithms in collectives:
+            for a in algorithms:
+                for world in worlds:
+                    c.check(a, world)
+    except ValueError as e:
+        raise click.BadParameter(f"{c.name}: {e}", param_hint="--algorithm/--world-size") from None
     try:
         sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
     except ValueError as e:
@@ -176,7 +183,8 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 @click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="bucket_cap_mb (MiB) of stage 2 and of commlab DDP")
 @click.option("--algorithm", default="native", show_default=True,
-              help="collectives of commlab's stages and DDP: native (the backend's) or ring (commlab's p2p)")
+              help="collectives of commlab's stages and DDP: native (the backend's), ring or halving_doubling "
+              "(commlab's p2p; halving_doubling on a power-of-two world size)")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
 @click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
               help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, as bench ddp)")
@@ -194,11 +202,15 @@ def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, res
     if not names or unknown:
         raise click.BadParameter(f"unknown comparison(s) {', '.join(unknown) or repr(comparisons)}: choose from "
                                  f"{', '.join(sharded_bench.COMPARISONS)}", param_hint="--compare")
-    from commlab.sharded.comm import ALGORITHMS  # imports torch: after --help
+    from commlab.sharded.comm import ALGORITHMS, check_algorithm  # imports torch: after --help
 
     if algorithm not in ALGORITHMS:
         raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(ALGORITHMS)} (the algorithms with a "
                                  "reduce-scatter and an all-gather)", param_hint="--algorithm")
+    try:
+        check_algorithm(algorithm, world_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm/--world-size") from None
     params = depth * width * (width + 1) + 10 * (width + 1)
     # fp32 parameters, gradients and the gathered or bucketed copies of both: about 4 copies a rank
     _check_capacity(world_size, 4 * 4 * params, oversubscribe)
