@@ -24,7 +24,7 @@ from commlab.collectives.schedules import chunk_bounds, hd_element_steps
 from commlab.ddp.assignment import TensorSpec
 from commlab.ddp.policy import BucketPolicy, make_policy, register
 from commlab.sharded.buckets import policy_buckets
-from commlab.sharded.comm import ALGORITHMS, algorithms_for, check_algorithm
+from commlab.sharded.comm import ALGORITHMS, algorithms_for, check_algorithm, resolve_algorithm
 
 
 @register
@@ -114,6 +114,13 @@ def test_other_world_sizes_are_refused_naming_the_ring(world):
     assert algorithms_for(world) == ["native", "ring"]
 
 
+def test_auto_is_the_ring_on_gloo_and_the_backends_own_elsewhere():
+    assert resolve_algorithm("auto", "gloo") == "ring" and resolve_algorithm("auto", "nccl") == "native"
+    assert resolve_algorithm("native", "gloo") == "native" and resolve_algorithm("halving_doubling", "nccl") == "halving_doubling"
+    with pytest.raises(ValueError, match="not available"):
+        resolve_algorithm("tree", "gloo")
+
+
 def test_sharded_algorithms_are_named_in_one_place():
     assert ALGORITHMS == ("native", "ring", "halving_doubling") and scatter_gather_names() == ["ring", "halving_doubling"]
     assert algorithms_for(4) == list(ALGORITHMS)
@@ -200,8 +207,12 @@ def _sharded_against_ddp() -> dict:
                                                           algorithm="halving_doubling")
         cases[f"policy-s{stage}"] = sharded_cases.against_ddp(stage, "sgd", bucket_policy="test_every_other")
     cases["hd-s3-units"] = sharded_cases.against_ddp(3, "adamw", units=True, prefetch=2, algorithm="halving_doubling")
-    return {name: {"exact": r["exact"], "buckets": r["buckets"], "optimizer_exact": r["optimizer_state"]["exact"]}
-            for name, r in cases.items()}
+    from commlab.sharded import ShardedDataParallel
+    from sharded_models import Net
+
+    out = {name: {"exact": r["exact"], "buckets": r["buckets"], "optimizer_exact": r["optimizer_state"]["exact"]}
+           for name, r in cases.items()}
+    return {"cases": out, "default_algorithm": ShardedDataParallel(Net(), stage=2).algorithm}
 
 
 def _rank() -> dict:
@@ -224,9 +235,10 @@ def test_halving_doubling_and_ring_equal_torchs_reduce_scatter_and_all_gather(wo
 def test_sharded_halving_doubling_and_a_registered_policy_give_torch_ddps_parameters(world2):
     names = ["scale", "a.weight", "a.bias", "b.weight", "b.bias", "head.weight", "head.bias"]
     for result in world2:
-        for name, r in result["sharded"].items():
+        assert result["sharded"]["default_algorithm"] == "ring"  # "auto" on Gloo
+        sharded = result["sharded"]["cases"]
+        for name, r in sharded.items():
             assert r["exact"] and r["optimizer_exact"], name
-        sharded = result["sharded"]
         for stage in (1, 2, 3):  # the policy of this file, not a size cap, made the buckets
             assert sharded[f"policy-s{stage}"]["buckets"] == [names[0::2], names[1::2]]
             assert sharded[f"hd-s{stage}"]["buckets"] == [names[:1], names[1:3], names[3:]]

@@ -25,7 +25,9 @@ Contract, and what is not supported:
 - The module's buffers are not broadcast after construction (torch's fully_shard does not either).
 - ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
-- ``algorithm``: "native" (the backend's reduce-scatter, all-gather and all-reduce) or a p2p
+- ``algorithm``: "auto" (the default: the ring on Gloo, where the backend's reduce-scatter is an
+  all-reduce of the whole buffer, else "native"; ``.algorithm`` says which runs), "native" (the
+  backend's reduce-scatter, all-gather and all-reduce) or a p2p
   algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring", or
   "halving_doubling" on a power-of-two world size); others are refused with a ValueError naming
   those that do (commlab/sharded/comm.py), before any collective.
@@ -74,7 +76,7 @@ class ShardedDataParallel(nn.Module):
         units: Sequence[nn.Module] | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
-        algorithm: str = "native",
+        algorithm: str = comm.AUTO,
         process_group: dist.ProcessGroup | None = None,
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
@@ -88,8 +90,9 @@ class ShardedDataParallel(nn.Module):
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
         self.process_group = process_group
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group))
         comm.check_algorithm(algorithm, world)  # the world size's limits, before the first collective
-        self.algorithm, self.bucket_policy = algorithm, policy
+        self.algorithm, self.bucket_policy = algorithm, policy  # the algorithm that runs, "auto" resolved
         # Every rank starts from group rank 0's values, as DDP's construction broadcast.
         entries = module.state_dict(keep_vars=True)
         names, tensors = list(entries), list(entries.values())
