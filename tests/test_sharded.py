@@ -213,6 +213,8 @@ def test_bad_units_are_refused():
     assert "holds no trainable parameters" in _error(module=relu_net, units=[relu_net[1]])
     assert "not a submodule" in _error(module=net, units=[nn.Linear(2, 2)])
     assert "the wrapped module itself" in _error(module=net, units=[net])
+    assert "pass [module]" in _error(module=net, units=net.a)  # one module, not a list of them
+    assert "pass [module]" in _error(module=seq, units=seq[0])  # a Sequential would iterate its children
     frozen = Net()
     frozen.head.requires_grad_(False)
     assert "holds no trainable parameters" in _error(module=frozen, units=[frozen.head])

@@ -74,6 +74,10 @@ def plan_buckets(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Mod
         buckets = policy_buckets([TensorSpec.of(p) for p in params], policy)
         owners = [_unique([m for i in b for m in holders[id(params[i])]]) for b in buckets]
         return BucketPlan(buckets, owners)
+    if isinstance(units, nn.Module) and not isinstance(units, nn.ModuleList):
+        # A Sequential would iterate its children, a Linear not at all: say what was meant.
+        raise ValueError(f"units must be a list of submodules, got one module ({type(units).__name__}): "
+                         "pass [module] for one unit, or list(module.children()) for one per child")
     submodules = {id(m) for m in module.modules()}
     taken: dict[int, int] = {}
     groups: list[tuple[list[int], list[nn.Module]]] = []
