@@ -207,6 +207,11 @@ def _sharded_against_ddp() -> dict:
                                                           algorithm="halving_doubling")
         cases[f"policy-s{stage}"] = sharded_cases.against_ddp(stage, "sgd", bucket_policy="test_every_other")
     cases["hd-s3-units"] = sharded_cases.against_ddp(3, "adamw", units=True, prefetch=2, algorithm="halving_doubling")
+    # The backend's own collectives, no longer the default on Gloo (test_sharded.py runs "auto": the ring).
+    for stage in (1, 2, 3):
+        cases[f"native-s{stage}"] = sharded_cases.against_ddp(stage, bucket_cap_mb=sharded_cases.SPLIT_MB,
+                                                              algorithm="native")
+    cases["native-s3-units"] = sharded_cases.against_ddp(3, "adamw", units=True, algorithm="native")
     from commlab.sharded import ShardedDataParallel
     from sharded_models import Net
 

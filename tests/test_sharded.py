@@ -1,10 +1,11 @@
 """commlab's ShardedDataParallel against torch's DDP and torch's fully_shard on Gloo: two spawns.
 
-The rank-side code is in sharded_cases.py. Tolerances: at world size 2 every comparison is exact
-(``torch.equal``): a sum of two numbers does not depend on order, the gradients are pre-divided
-as torch's DDP does, and the optimizers are element-wise. At world size 3 Gloo's ring sums each
-element in an order set by its position in the reduced buffer, and commlab's buckets are not
-torch's, so the last bits differ: there the parameters are compared to within 1e-6 of each
+The rank-side code is in sharded_cases.py; the wrapper runs its default ``algorithm="auto"``,
+commlab's ring on Gloo (the backend's own collectives: test_scatter_gather.py). Tolerances: at
+world size 2 every comparison is exact (``torch.equal``): a sum of two numbers does not depend on
+order, the gradients are pre-divided as torch's DDP does, and the optimizers are element-wise. At
+world size 3 each ring sums an element in an order set by its position in the reduced buffer,
+and commlab's buckets are not torch's, so the last bits differ: there the parameters are compared to within 1e-6 of each
 tensor's largest value and 1e-5 element-wise (Adam divides by the root of a second moment, which
 turns a last-bit difference of a near-zero gradient into a larger relative one).
 """
