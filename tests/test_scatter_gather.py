@@ -281,3 +281,15 @@ def test_bad_bucket_policies_are_refused_before_any_process_group_is_needed():
     net = Net()
     with pytest.raises(RuntimeError, match="initialised process group"):
         ShardedDataParallel(net, units=[net.a, net.b], bucket_policy=copy.copy(Lossy()))
+
+
+def test_bench_with_all_algorithms_leaves_halving_doubling_out_where_it_cannot_run():
+    from commlab.bench.collectives_bench import choose, for_world
+
+    picked = choose(["reduce_scatter", "all_gather", "all_reduce"], "all")
+    kept, skipped = for_world(picked, 3)
+    assert [(c.name, algs) for c, algs in kept][:2] == [("reduce_scatter", ["native", "ring"]),
+                                                       ("all_gather", ["native", "ring"])]
+    assert "halving_doubling" in kept[2][1]  # the all-reduce folds: any world size
+    assert len(skipped) == 2 and all("power-of-two" in line for line in skipped)
+    assert for_world(picked, 4) == (picked, [])

@@ -108,13 +108,13 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--algorithm") from None
     worlds = _int_list(world_size, "--world-size", 1)
-    try:  # an algorithm that cannot run on a world size (halving-doubling's halves on 3 ranks)
-        for c, algorithms in collectives:
-            for a in algorithms:
-                for world in worlds:
-                    c.check(a, world)
-    except ValueError as e:
-        raise click.BadParameter(f"{c.name}: {e}", param_hint="--algorithm/--world-size") from None
+    # An algorithm named that cannot run on a world size (halving-doubling's halves on 3 ranks) is
+    # refused; "all" runs, at each world size, those that can (collectives_bench.for_world).
+    for world in worlds:
+        runnable, skipped = collectives_bench.for_world(collectives, world)
+        if algorithm.strip() != "all" and skipped or not runnable:
+            raise click.BadParameter("; ".join(line.removeprefix("# ") for line in skipped),
+                                     param_hint="--algorithm/--world-size")
     try:
         sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
     except ValueError as e:

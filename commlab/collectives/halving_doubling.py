@@ -179,12 +179,13 @@ def reduce_scatter_halving(flat: torch.Tensor, op: str, comm: Comm) -> None:
     halving = hd_element_steps(n, p, comm.rank)
     scratch = comm.scratch("halving_doubling", max(rb - ra for _, (ra, rb), _ in halving), flat)
     sent: list = []
+    kept: list = []  # the receives' works, kept until the end (ring.ring_pass says why)
     if comm.coalesce:
         for (sa, sb), (ra, rb), peer in halving:
             _exchange(comm, flat[sa:sb], scratch[: rb - ra], peer, sent)
             combine_(flat[ra:rb], scratch[: rb - ra], op)
     else:
-        _halving_gloo(comm, flat, scratch, op, halving, sent, [])
+        _halving_gloo(comm, flat, scratch, op, halving, sent, kept)
     lo, hi = chunk_bounds(n, p)[comm.rank]
     finish_(flat[lo:hi], op, p)
     wait_all(sent)
