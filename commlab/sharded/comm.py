@@ -3,10 +3,10 @@
 ``algorithm`` picks who runs them (``"auto"``, the default, picks one per backend:
 :func:`resolve_algorithm`): ``"native"``, the backend's own collectives, or a p2p
 algorithm of :mod:`commlab.collectives` that provides both a reduce-scatter and an all-gather
-(commlab/collectives/scatter_gather.py: the ring, any world size, and halving-doubling, power-of-two
-world sizes; the tree provides all-reduce only). Any other name, or halving-doubling on another
-world size, is refused with a ValueError at construction, before any collective. Every call is asynchronous and returns a handle with
-``wait()``: torch's work handle for the backend's (Gloo's reduce-scatter and all-gather give no
+(commlab/collectives/scatter_gather.py: the ring, any world size, and halving-doubling,
+power-of-two world sizes; the tree provides all-reduce only). Any other name, or halving-doubling
+on another world size, is refused with a ValueError at construction, before any collective.
+Every call is asynchronous and returns a handle with ``wait()``: torch's work handle for the backend's (Gloo's reduce-scatter and all-gather give no
 future: ``Work::getFuture`` is not implemented, so completion is observed by ``wait()`` only),
 a :class:`commlab.collectives.CollectiveHandle` for a p2p algorithm, which runs on the group's
 worker thread (commlab/collectives/worker.py) in the order issued, as DDP's buckets do.
