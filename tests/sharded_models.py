@@ -9,7 +9,7 @@ from torch import nn
 
 class Net(nn.Module):
     """134 parameters (63 + 50 + 18 + 3): the total does not divide by 3, and at world size 2 the
-    buckets by unit (3 and 63) and by a 200-byte cap (57 and 23) do not divide by 2; ``scale`` is
+    buckets by unit and by a 200-byte cap (3 and 63 elements) do not divide by 2; ``scale`` is
     held by the root itself, as fully_shard's root keeps its own."""
 
     def __init__(self, frozen: bool = False):

@@ -26,3 +26,9 @@ def test_ring_stages_1_to_3_give_torch_ddps_parameters_and_optimizer_state(ring3
         o = r["optimizer_state"]
         assert o["scaled"] <= 1e-6 and o["groups_equal"] and o["loaded_equal"], (rank, name, o["scaled"])
         assert r["finite_times"], (rank, name)
+
+
+def test_halving_doubling_on_three_ranks_is_refused_before_any_collective(ring3):
+    for result in ring3:  # the ring cases that follow it in the same processes passed above
+        message = result["halving_doubling"]
+        assert message.startswith("ValueError") and "power-of-two world size, got 3" in message and "'ring'" in message

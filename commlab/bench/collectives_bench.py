@@ -74,7 +74,10 @@ def run(*, sizes: list[int], collectives: list[tuple[Collective, list[str]]], wo
                     "commlab": commlab.__version__, "run": run, "load_avg_1min": loads[(run, world)],
                 }
                 # stream: rank 0 prints each size's rows as soon as that size is done (nccl-tests does).
-                config = {"sizes": sizes, "collectives": collectives, "dtype": dtype, "op": op, "iters": iters,
+                runnable, skipped = for_world(collectives, world)
+                for line in skipped:
+                    click.echo(line)
+                config = {"sizes": sizes, "collectives": runnable, "dtype": dtype, "op": op, "iters": iters,
                           "warmup": warmup, "check": check, "stream": True, "partial": partial}  # fmt: skip
                 names = ", ".join(c.name for c, _ in collectives)
                 click.echo(f"# {names}: world size {world}, backend {meta['backend']}, {dtype} {op}, "
@@ -131,6 +134,23 @@ def choose(collectives: list[str], algorithms: str) -> list[tuple[Collective, li
         raise ValueError(f"{', '.join(empty)} has none of {', '.join(chosen)}: "
                          + "; ".join(f"{c.name} has {', '.join(c.algorithms())}" for c in plugins))
     return picked
+
+
+def for_world(collectives: list[tuple[Collective, list[str]]], world: int) -> tuple[list, list[str]]:
+    """The (collective, algorithms) that run on ``world`` ranks, and a line for each algorithm left
+    out (halving-doubling's reduce-scatter on 3 ranks); a collective left with none is dropped."""
+    kept, skipped = [], []
+    for c, algorithms in collectives:
+        runs = []
+        for a in algorithms:
+            try:
+                c.check(a, world)
+                runs.append(a)
+            except ValueError as e:
+                skipped.append(f"# {c.name} {a} left out at world size {world}: {e}")
+        if runs:
+            kept.append((c, runs))
+    return kept, skipped
 
 
 def _write_metadata(out_dir: str, stamp: str) -> None:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from commlab import collectives
 from commlab.collectives.reduce_ops import finish_
+from commlab.collectives.scatter_gather import check_scatter_gather
 from commlab.collectives.schedules import chunk_bounds
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -64,6 +65,12 @@ class Collective:
     blocks: bool = False  # count must split evenly over the ranks (one block each)
     reduces: bool = True  # takes --op; the table prints "none" otherwise
     root: int = -1  # nccl-tests' root column: -1 where there is none
+    check_world: Callable[[str, int], None] | None = None  # (algorithm, world) -> ValueError if it cannot run
+
+    def check(self, algorithm: str, world: int) -> None:
+        """ValueError if ``algorithm`` cannot run on ``world`` ranks (checked before any launch)."""
+        if self.check_world is not None:
+            self.check_world(algorithm, world)
 
     def count(self, nbytes: int, element: int, world: int) -> int:
         """Elements of a message of about ``nbytes``: whole elements, whole blocks per rank."""
@@ -142,14 +149,19 @@ register(Collective("all_reduce", collectives.algorithm_names, _all_reduce_facto
                     _all_reduce_expected, _all_reduce_run))
 
 
-# -- reduce-scatter: the backend's, and commlab's ring ----------------------------------------
+# -- reduce-scatter: the backend's, and commlab's ring and halving-doubling -------------------
 
 def _scatter_factor(n: int) -> float:
     return (n - 1) / n
 
 
 def _reduce_scatter_algorithms() -> list[str]:
-    return ["native", "ring"]
+    return ["native", *collectives.scatter_gather_names()]
+
+
+def _scatter_gather_world(algorithm: str, world: int) -> None:
+    if algorithm != "native":
+        check_scatter_gather(algorithm, world)
 
 
 def _reduce_scatter_expected(rank, world, count, dtype, op, device):
@@ -165,14 +177,15 @@ def _reduce_scatter_run(algorithm, source, buf, op, placement):
         return
     if placement == "out-of-place":
         buf.copy_(source)
-    collectives.reduce_scatter(buf, op)
+    collectives.reduce_scatter(buf, op, algorithm=algorithm)
 
 
 register(Collective("reduce_scatter", _reduce_scatter_algorithms, _scatter_factor, rank_data,
-                    _reduce_scatter_expected, _reduce_scatter_run, result=_block, blocks=True))
+                    _reduce_scatter_expected, _reduce_scatter_run, result=_block, blocks=True,
+                    check_world=_scatter_gather_world))
 
 
-# -- all-gather: the backend's, and commlab's ring --------------------------------------------
+# -- all-gather: the backend's, and commlab's ring and halving-doubling -----------------------
 
 def _all_gather_init(rank, world, count, dtype, device):
     """Zeros but for this rank's own block (its data): a gather that skipped a peer shows."""
@@ -193,11 +206,12 @@ def _all_gather_run(algorithm, source, buf, op, placement):
         return
     if placement == "out-of-place":
         _block(buf, rank, world).copy_(own)
-    collectives.all_gather(buf)
+    collectives.all_gather(buf, algorithm=algorithm)
 
 
 register(Collective("all_gather", _reduce_scatter_algorithms, _scatter_factor, _all_gather_init,
-                    _all_gather_expected, _all_gather_run, blocks=True, reduces=False))
+                    _all_gather_expected, _all_gather_run, blocks=True, reduces=False,
+                    check_world=_scatter_gather_world))
 
 
 # -- broadcast from rank 0: the backend's, and commlab's pipelined tree -----------------------

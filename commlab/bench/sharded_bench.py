@@ -10,9 +10,12 @@ Two comparisons, each a pair of implementations on the same MLP, the same batche
 ``--algorithm`` picks the collectives of commlab's three (torch's fully_shard always runs the
 backend's). On Gloo the backend's reduce-scatter plus all-gather cost more than twice the CPU
 time of its all-reduce of the same bytes (about 22 + 27 ms against 18-21 ms for 32 MiB at world
-size 2, 2026-11-25), commlab's ring pair about what an all-reduce costs (14 + 11 ms), so the
-native stage 2 / DDP ratio measures Gloo's collectives and ``--algorithm ring`` compares stage 2
-and DDP on collectives of one kind.
+size 2, 2026-11-25; Gloo's flat reduce-scatter is an all-reduce of the whole buffer), commlab's
+ring pair about what an all-reduce costs (14 + 11 ms), so the native stage 2 / DDP ratio measures
+Gloo's collectives. The default ``auto`` gives each implementation its own default
+(commlab/sharded/comm.py ``resolve_algorithm``: the stages run the ring on Gloo, DDP the backend's
+all-reduce), what a user gets without choosing; ``--algorithm ring`` compares stage 2 and DDP on
+collectives of one kind.
 
 Every implementation runs in a launch of its own (fresh processes), and launches alternate
 (A B, then B A, ...): two models in one process share one heap, and whichever allocates second
@@ -66,8 +69,9 @@ def wrap(impl: str, model, cfg: dict):
                                    reshard_after_forward=cfg["reshard"], algorithm=cfg["algorithm"])
     if impl == "stage2":
         return ShardedDataParallel(model, stage=2, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
-    if impl == "ddp":
-        return commlab.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"], algorithm=cfg["algorithm"])
+    if impl == "ddp":  # DDP's own default for "auto": the backend's all-reduce
+        algorithm = "native" if cfg["algorithm"] == "auto" else cfg["algorithm"]
+        return commlab.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"], algorithm=algorithm)
     if impl == "fully_shard":
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -159,12 +163,20 @@ def run(cfg: dict, *, comparisons: list[str], launches: int, world_size: int, ba
     _report(done, facts, cfg, comparisons, world_size, backend)
 
 
+def _collectives(algorithm: str, backend: str) -> str:
+    if algorithm != "auto":
+        return algorithm
+    from commlab.sharded.comm import resolve_algorithm
+
+    return f"auto (sharded: {resolve_algorithm('auto', backend)}, DDP: native)"
+
+
 def _report(done: dict[str, list[dict]], facts: dict, cfg: dict, comparisons: list[str], world_size: int,
             backend: str) -> None:
     reshard = "reshard after forward" if cfg["reshard"] else "no reshard after forward"
     click.echo(
         f"model mlp ({cfg['depth']} x {cfg['width']}), {facts['params'] / 1e6:.1f} M params, batch {cfg['batch']}/rank, "
-        f"world {world_size}, {backend}, commlab's collectives {cfg['algorithm']}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
+        f"world {world_size}, {backend}, commlab's collectives {_collectives(cfg['algorithm'], backend)}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
         "slowest rank per step, median per launch"
     )
     heap = "fixed glibc trim/mmap thresholds" if facts["kept"] else "the allocator's default heap trimming"

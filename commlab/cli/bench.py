@@ -108,6 +108,13 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--algorithm") from None
     worlds = _int_list(world_size, "--world-size", 1)
+    # An algorithm named that cannot run on a world size (halving-doubling's halves on 3 ranks) is
+    # refused; "all" runs, at each world size, those that can (collectives_bench.for_world).
+    for world in worlds:
+        runnable, skipped = collectives_bench.for_world(collectives, world)
+        if algorithm.strip() != "all" and skipped or not runnable:
+            raise click.BadParameter("; ".join(line.removeprefix("# ") for line in skipped),
+                                     param_hint="--algorithm/--world-size")
     try:
         sizes = size_sweep(min_bytes, max_bytes, step_factor, DTYPES[dtype])
     except ValueError as e:
@@ -175,8 +182,10 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 @click.option("--prefetch", default=1, show_default=True, type=click.IntRange(min=0), help="commlab stage 3's prefetch")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="bucket_cap_mb (MiB) of stage 2 and of commlab DDP")
-@click.option("--algorithm", default="native", show_default=True,
-              help="collectives of commlab's stages and DDP: native (the backend's) or ring (commlab's p2p)")
+@click.option("--algorithm", default="auto", show_default=True,
+              help="collectives of commlab's stages and DDP: auto (each one's default: the stages' ring on Gloo, "
+              "DDP's native), native (the backend's), ring or halving_doubling (commlab's p2p; halving_doubling "
+              "on a power-of-two world size)")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
 @click.option("--glibc-trim/--no-glibc-trim", default=False, show_default=True,
               help="leave glibc's heap trimming as is (default: fixed trim and mmap thresholds, as bench ddp)")
@@ -194,11 +203,15 @@ def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, res
     if not names or unknown:
         raise click.BadParameter(f"unknown comparison(s) {', '.join(unknown) or repr(comparisons)}: choose from "
                                  f"{', '.join(sharded_bench.COMPARISONS)}", param_hint="--compare")
-    from commlab.sharded.comm import ALGORITHMS  # imports torch: after --help
+    from commlab.sharded.comm import CHOICES, check_algorithm  # imports torch: after --help
 
-    if algorithm not in ALGORITHMS:
-        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(ALGORITHMS)} (the algorithms with a "
+    if algorithm not in CHOICES:
+        raise click.BadParameter(f"{algorithm!r} is not one of {', '.join(CHOICES)} (the algorithms with a "
                                  "reduce-scatter and an all-gather)", param_hint="--algorithm")
+    try:
+        check_algorithm(algorithm, world_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm/--world-size") from None
     params = depth * width * (width + 1) + 10 * (width + 1)
     # fp32 parameters, gradients and the gathered or bucketed copies of both: about 4 copies a rank
     _check_capacity(world_size, 4 * 4 * params, oversubscribe)

@@ -5,8 +5,9 @@
 >>> h.get_future().wait() is t                                  # the future yields the tensor
 
 Algorithms: ``ring``, ``tree``, ``halving_doubling`` (p2p, this package) and ``native`` (the
-backend's ``dist.all_reduce``). The building blocks are public too: ring ``reduce_scatter`` and
-``all_gather``, tree ``reduce`` and ``broadcast``. Ranks given to them are *group* ranks.
+backend's ``dist.all_reduce``). The building blocks are public too: ``reduce_scatter`` and
+``all_gather`` (ring, or halving-doubling on power-of-two groups: ``scatter_gather_names()``),
+tree ``reduce`` and ``broadcast``. Ranks given to them are *group* ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from commlab.collectives.native import native_all_reduce
 from commlab.collectives.p2p import Comm
 from commlab.collectives.reduce_ops import DTYPES, OPS, check_op, check_tensor
 from commlab.collectives.registry import algorithm_names, get_algorithm, register
-from commlab.collectives.ring import all_gather_ring, all_reduce_ring, reduce_scatter_ring
+from commlab.collectives.ring import all_reduce_ring
+from commlab.collectives.scatter_gather import (
+    all_gather_body,
+    check_scatter_gather,
+    reduce_scatter_body,
+    scatter_gather_names,
+)
 from commlab.collectives.schedules import chunk_bounds
 from commlab.collectives.tree import all_reduce_tree, broadcast_tree, reduce_tree
 from commlab.collectives.handle import CollectiveHandle, wait_future
@@ -73,25 +80,37 @@ def _check_peer(name: str, value: int, group) -> None:
         raise ValueError(f"{name} must be a group rank in [0, {size}), got {value!r}")
 
 
-def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, group=None) -> torch.Tensor:
-    """Ring reduce-scatter in place: this rank's block (``chunk_bounds(numel, size)[rank]`` of the
-    flattened tensor) ends fully reduced; returns that block as a flat view. Other blocks end
-    holding partial results. ``tensor`` must be contiguous (the result is a view of it)."""
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "ring", group=None,
+                   async_op: bool = False):
+    """Reduce-scatter in place: this rank's block (``chunk_bounds(numel, size)[rank]`` of the
+    flattened tensor) ends fully reduced; returns that block as a flat view (with ``async_op``, a
+    handle whose future yields ``tensor``; the block is valid after ``wait()``). Other blocks end
+    holding partial results. ``tensor`` must be contiguous (the result is a view of it).
+    ``algorithm``: "ring" (any world size) or "halving_doubling" (power-of-two sizes)."""
     check_op(op)
     check_tensor(tensor, group)
     if not tensor.is_contiguous():
         raise ValueError("reduce_scatter returns a view of its input: pass a contiguous tensor")
     comm = Comm.of(group)
-    run_collective(lambda flat, tag: reduce_scatter_ring(flat, op, Comm.of(group, tag)), tensor, group, False)
+    check_scatter_gather(algorithm, comm.size)
+    body = reduce_scatter_body(algorithm)
+    handle = run_collective(lambda flat, tag: body(flat, op, Comm.of(group, tag)), tensor, group, async_op,
+                            f"{algorithm} reduce-scatter of {tensor.numel()} x {tensor.dtype}")
+    if async_op:
+        return handle
     lo, hi = chunk_bounds(tensor.numel(), comm.size)[comm.rank]
     return tensor.view(-1)[lo:hi]
 
 
-def all_gather(tensor: torch.Tensor, *, group=None) -> None:
-    """Ring all-gather in place: rank r contributes block r (of ``chunk_bounds``) of the flattened
-    tensor, and every rank ends with every block."""
+def all_gather(tensor: torch.Tensor, *, algorithm: str = "ring", group=None, async_op: bool = False):
+    """All-gather in place: rank r contributes block r (of ``chunk_bounds``) of the flattened
+    tensor, and every rank ends with every block. Returns None, or with ``async_op`` a handle.
+    ``algorithm``: "ring" (any world size) or "halving_doubling" (power-of-two sizes)."""
     check_tensor(tensor, group)
-    run_collective(lambda flat, tag: all_gather_ring(flat, Comm.of(group, tag)), tensor, group, False)
+    check_scatter_gather(algorithm, Comm.of(group).size)
+    body = all_gather_body(algorithm)
+    return run_collective(lambda flat, tag: body(flat, Comm.of(group, tag)), tensor, group, async_op,
+                          f"{algorithm} all-gather of {tensor.numel()} x {tensor.dtype}")
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, group=None) -> None:
@@ -126,5 +145,6 @@ __all__ = [
     "release_groups",
     "run_async",
     "run_ordered",
+    "scatter_gather_names",
     "wait_future",
 ]

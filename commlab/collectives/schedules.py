@@ -198,3 +198,40 @@ def hd_reduce_scatter_steps(virtual: int, world: int) -> list[HDStep]:
 def hd_all_gather_steps(virtual: int, world: int) -> list[HDStep]:
     """Recursive doubling: the halving steps in reverse, sending what was kept, receiving the rest."""
     return [HDStep(s.peer, s.recv, s.send) for s in reversed(hd_reduce_scatter_steps(virtual, world))]
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_power_of_two(world: int) -> None:
+    """ValueError unless ``world`` is a power of two: recursive halving gives each of p ranks one
+    block only when every step splits the ranks' ranges exactly in two (no fold for a lone
+    reduce-scatter or all-gather: a folded rank would hold no block)."""
+    if not is_power_of_two(world):
+        raise ValueError(
+            f"halving_doubling's reduce-scatter and all-gather need a power-of-two world size, got {world}: "
+            "use algorithm 'ring' (any world size)"
+        )
+
+
+ElementStep = tuple[tuple[int, int], tuple[int, int], int]  # (elements sent, elements received, peer)
+
+
+@lru_cache(maxsize=256)
+def hd_element_steps(numel: int, world: int, rank: int, all_gather: bool = False) -> tuple[ElementStep, ...]:
+    """Recursive-halving reduce-scatter (``all_gather``: recursive-doubling all-gather) of a flat
+    vector of ``numel`` over a power-of-two ``world``, as element ranges: per step (sent, received,
+    peer). Reduce-scatter: rank r ends holding the reduced block r of ``chunk_bounds(numel,
+    world)``, the block the ring reduces into; all-gather: rank r starts from that block. Halving
+    sends half of the range kept so far and keeps the other half; doubling is the reverse."""
+    check_power_of_two(world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside 0..{world - 1}")
+    bounds = chunk_bounds(numel, world)
+
+    def span(blocks: tuple[int, int]) -> tuple[int, int]:
+        return bounds[blocks[0]][0], bounds[blocks[1] - 1][1]
+
+    steps = hd_all_gather_steps(rank, world) if all_gather else hd_reduce_scatter_steps(rank, world)
+    return tuple((span(s.send), span(s.recv), s.peer) for s in steps)

@@ -1,8 +1,17 @@
-"""Which trainable parameters share a bucket: by size (DDP's assignment) or by unit (module).
+"""Which trainable parameters share a bucket: by DDP's bucket policy, or by unit (module).
 
-Buckets are in forward order (the order of their first parameter in ``module.parameters()``),
-which is the order stage 3 gathers them in forward and, reversed, in backward. Frozen parameters
-(``requires_grad=False``) join no bucket: they stay replicated, as the module holds them.
+Without units the buckets are the bucket policy's (commlab/ddp/policy.py, the object commlab's
+DistributedDataParallel takes as ``bucket_policy=``): its ``rebuild`` for gradients ready in
+reverse parameter order, the order a backward produces them in (last layer first). That is the
+question DDP asks after its first iteration, and the one the predictor asks through
+``commlab.costmodel.buckets.assign(nbytes, reversed(range(n)), policy=...)``, so a policy
+registered once shapes DDP's buckets, the sharded ones and the predicted ones alike. Sharded
+buckets are never rebuilt from an observed order: a bucket is also the layout of the shards the
+optimizer holds, fixed at construction.
+
+Buckets are then put in forward order (each bucket's parameters in module order, buckets by their
+first parameter), the order stage 3 gathers them in forward and, reversed, in backward. Frozen
+parameters (``requires_grad=False``) join no bucket: they stay replicated, as the module holds them.
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from commlab.ddp.assignment import MIB, compute_bucket_assignment_by_size
+from commlab.ddp.assignment import TensorSpec
+from commlab.ddp.policy import BucketPolicy, checked
 
 
 @dataclass(frozen=True)
@@ -24,11 +34,18 @@ class BucketPlan:
     owners: list[list[nn.Module]]
 
 
-def size_buckets(params: Sequence[nn.Parameter], bucket_cap_mb: float) -> list[list[int]]:
-    """Buckets by size: the one call into DDP's bucket assignment (torch's
-    compute_bucket_assignment_by_size), kept in one place so a bucket policy can replace it."""
-    indices, _ = compute_bucket_assignment_by_size(list(params), [int(bucket_cap_mb * MIB)])
-    return indices  # sorted by smallest index: forward order
+def policy_buckets(specs: Sequence[TensorSpec], policy: BucketPolicy) -> list[list[int]]:
+    """The policy's buckets of parameters of these specs (module order), in forward order; pure.
+
+    ValueError if the policy misses or repeats a parameter, or mixes dtypes or devices in a bucket
+    (one flat buffer holds one kind)."""
+    ready = list(reversed(range(len(specs))))  # backward: the last parameter's gradient first
+    buckets = [sorted(b) for b in checked(policy.rebuild(list(specs), ready), len(specs), policy)]
+    for b in buckets:
+        if len({(specs[i].dtype, specs[i].device) for i in b}) > 1:
+            raise ValueError(f"bucket policy {policy!r} put parameters of several dtypes or devices in one "
+                             f"bucket {b}; a sharded bucket is one flat buffer of one kind")
+    return sorted(buckets, key=lambda b: b[0])
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -45,17 +62,22 @@ def owners_of(module: nn.Module) -> dict[int, list[nn.Module]]:
     return result
 
 
-def plan_buckets(module: nn.Module, bucket_cap_mb: float, units: Sequence[nn.Module] | None) -> BucketPlan:
-    """The buckets of ``module``'s trainable parameters; raises ValueError for bad units."""
+def plan_buckets(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Module] | None) -> BucketPlan:
+    """The buckets of ``module``'s trainable parameters: by ``policy``, or one per unit plus one for
+    the parameters outside every unit; raises ValueError for bad units."""
     params = [p for _, p in trainable(module)]
     if not params:
         raise ValueError("the module has no trainable parameters to shard")
     index = {id(p): i for i, p in enumerate(params)}
     holders = owners_of(module)
     if units is None:
-        buckets = size_buckets(params, bucket_cap_mb)
+        buckets = policy_buckets([TensorSpec.of(p) for p in params], policy)
         owners = [_unique([m for i in b for m in holders[id(params[i])]]) for b in buckets]
         return BucketPlan(buckets, owners)
+    if isinstance(units, nn.Module) and not isinstance(units, nn.ModuleList):
+        # A Sequential would iterate its children, a Linear not at all: say what was meant.
+        raise ValueError(f"units must be a list of submodules, got one module ({type(units).__name__}): "
+                         "pass [module] for one unit, or list(module.children()) for one per child")
     submodules = {id(m) for m in module.modules()}
     taken: dict[int, int] = {}
     groups: list[tuple[list[int], list[nn.Module]]] = []

@@ -25,9 +25,15 @@ Contract, and what is not supported:
 - The module's buffers are not broadcast after construction (torch's fully_shard does not either).
 - ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
-- ``algorithm``: "native" (the backend's reduce-scatter, all-gather and all-reduce) or a p2p
-  algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring");
-  others are refused with a ValueError naming those that do (commlab/sharded/comm.py).
+- ``algorithm``: "auto" (the default: the ring on Gloo, where the backend's reduce-scatter is an
+  all-reduce of the whole buffer, else "native"; ``.algorithm`` says which runs), "native" (the
+  backend's reduce-scatter, all-gather and all-reduce) or a p2p
+  algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring", or
+  "halving_doubling" on a power-of-two world size); others are refused with a ValueError naming
+  those that do (commlab/sharded/comm.py), before any collective.
+- ``bucket_policy``: DDP's (commlab/ddp/policy.py; a registered name or a BucketPolicy, built with
+  ``bucket_cap_mb``) decides which parameters share a bucket unless ``units`` is given
+  (commlab/sharded/buckets.py says which of the policy's questions it asks).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.sharded import comm, state, validate
 from commlab.sharded.buckets import plan_buckets, trainable
@@ -55,8 +62,8 @@ from commlab.sharded.timing import ShardedIterationTiming
 
 class ShardedDataParallel(nn.Module):
     """Sharded data parallelism: ``stage`` 1 shards optimizer state, 2 also gradients, 3 also
-    parameters (ZeRO, Rajbhandari et al. 2020). ``bucket_cap_mb`` sizes the buckets as DDP does,
-    unless ``units`` (submodules) makes one bucket per unit plus one for the rest; ``prefetch``
+    parameters (ZeRO, Rajbhandari et al. 2020). ``bucket_policy`` with ``bucket_cap_mb`` makes the
+    buckets as DDP's, unless ``units`` (submodules) makes one bucket per unit plus one for the rest; ``prefetch``
     all-gathers run ahead of use (stage 3); ``reshard_after_forward`` frees gathered parameters
     between forward and backward (stage 3)."""
 
@@ -69,18 +76,23 @@ class ShardedDataParallel(nn.Module):
         units: Sequence[nn.Module] | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
-        algorithm: str = "native",
+        algorithm: str = comm.AUTO,
         process_group: dist.ProcessGroup | None = None,
+        bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
         super().__init__()
         validate.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward)
         comm.check_algorithm(algorithm)
-        plan = plan_buckets(module, bucket_cap_mb, units)  # unit errors, still before any collective
+        policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb)
+        plan = plan_buckets(module, policy, units)  # unit and policy errors, still before any collective
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs an initialised process group (commlab.launch or torchrun)")
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
         self.process_group = process_group
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group))
+        comm.check_algorithm(algorithm, world)  # the world size's limits, before the first collective
+        self.algorithm, self.bucket_policy = algorithm, policy  # the algorithm that runs, "auto" resolved
         # Every rank starts from group rank 0's values, as DDP's construction broadcast.
         entries = module.state_dict(keep_vars=True)
         names, tensors = list(entries), list(entries.values())
