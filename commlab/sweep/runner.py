@@ -21,7 +21,7 @@ from typing import Any
 
 import commlab
 from commlab.runtime.orphans import dies_with_parent, private_tempdir
-from commlab.sweep import store
+from commlab.sweep import sharding, store
 from commlab.sweep.progress import Progress
 from commlab.sweep.spec import Config, Plan
 
@@ -34,6 +34,7 @@ def check_plan(plan: Plan) -> None:
     from commlab.models import SIZES, build_workload, check_workload
     from commlab.runtime import resolve_backend
     from commlab.runtime.capacity import check_cpu_capacity
+    from commlab.sharded.comm import ALGORITHMS as SHARDED_ALGORITHMS
 
     built: set[tuple[str, str]] = set()
     for cfg in plan.configs:
@@ -46,6 +47,9 @@ def check_plan(plan: Plan) -> None:
             except Exception as err:
                 raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
             built.add((cfg.model, cfg.model_args))
+        if cfg.stage and cfg.algorithm not in SHARDED_ALGORITHMS:
+            raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
+                             f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")
         if cfg.algorithm not in algorithm_names():
             raise ValueError(f"--algorithm: unknown all-reduce algorithm {cfg.algorithm!r}: choose from {', '.join(algorithm_names())}")
         try:
@@ -112,6 +116,7 @@ def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, er
     rec["devices"] = sorted({r["device"] for r in results or []})
     # As measured on each rank (the configuration's `threads` is what was asked for).
     rec["threads"] = [r.get("threads") for r in results or []]
+    rec["measures"] = sharding.summary(results or [])  # peak and comm bytes, exposed gathers (store.MEASURE_COLUMNS)
     return rec
 
 
