@@ -17,6 +17,7 @@ from commlab.sharded.memory_model import bucket_memory, zero_memory
 # Parameters outweigh activations: 8 blocks of 384 features (1.19 M parameters, 4.7 MB) against
 # a batch of 4 (a few KB per layer). Buckets of 0.25 MiB keep the transient full buckets small.
 WIDTH, DEPTH, BATCH, CAP = 384, 8, 4, 0.25
+ALGO = "native"
 
 
 def _stage_peak(stage: int) -> dict:
@@ -27,7 +28,7 @@ def _stage_peak(stage: int) -> dict:
     if stage == 0:
         wrapper = commlab.DistributedDataParallel(model, bucket_cap_mb=CAP)
     else:
-        wrapper = commlab.ShardedDataParallel(model, stage=stage, bucket_cap_mb=CAP, prefetch=1)
+        wrapper = commlab.ShardedDataParallel(model, stage=stage, bucket_cap_mb=CAP, prefetch=1, algorithm=ALGO)
     opt = torch.optim.Adam(wrapper.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
