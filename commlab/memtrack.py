@@ -13,10 +13,14 @@ so a step's peak is ``live_bytes(device)`` at entry plus the window's ``peak_byt
   counts what a ``TorchDispatchMode`` would miss (a storage resized in place, as stage 3 frees
   and re-gathers its buckets; buffers an operator allocates inside itself, e.g. a collective's
   output or autograd's gradient accumulation) at the cost of the profiler's per-operator
-  record while on (opt-in: never around timed steps). What it does not see: allocations
-  made on other threads (Gloo's and commlab's collective worker threads; autograd's CPU work
-  runs on the calling thread and is seen), and frees of blocks allocated while no window was
-  open, because the reporter only knows sizes it saw allocated. So track one step before the
+  record while on (opt-in: never around timed steps). Threads: autograd's CPU work runs on the
+  calling thread, and Gloo's asynchronous collectives run with the thread-local state of the
+  thread that issued them (ProcessGroupGloo's AsyncWork carries it, ProcessGroupGloo.hpp), so
+  their allocations are seen; other threads' are not (commlab's p2p collective worker). Close a
+  window only after the collectives issued inside it have completed: a Gloo work still running
+  with the window's profiler state when it stops crashed a rank (SIGSEGV, 1 run in 6 of a
+  stage-1 step whose all-gathers were in flight). Frees of blocks allocated while no window was
+  open are not seen, because the reporter only knows sizes it saw allocated. So track one
   step you measure: what that step allocates and the next one frees is then known.
 """
 
@@ -41,7 +45,8 @@ class Peak:
 
 @contextmanager
 def track_peak(device: torch.device | str = "cpu") -> Iterator[Peak]:
-    """Measure the peak of allocated-minus-freed bytes on ``device`` inside the ``with`` block."""
+    """Measure the peak of allocated-minus-freed bytes on ``device`` inside the ``with`` block.
+    On CPU, wait for the collectives issued inside the block before it ends (module docstring)."""
     device = torch.device(device)
     peak = Peak(device)
     if device.type == "cuda":

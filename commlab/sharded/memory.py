@@ -85,6 +85,7 @@ def track_memory(sharded) -> Iterator[None]:
     (or the end of the block): its no_sync micro-batches, the synchronised one, the optimizer
     step and whatever the loop does before the next forward. Its peak is the live bytes at its
     start (:func:`commlab.memtrack.live_bytes`) plus the highest its allocations minus frees rise.
+    Each step's all-gathers issued after the optimizer (stages 1-2) are waited for as it closes.
     On CPU the first step tracked can count too much (frees of blocks allocated before tracking
     are not seen, commlab/memtrack.py): read the peak after a second step.
     """
@@ -99,6 +100,9 @@ def track_memory(sharded) -> Iterator[None]:
         stack = window.pop("stack", None)
         if stack is None:
             return
+        # Stages 1-2 launch their all-gathers at the end of the step: the profiler's window must
+        # not close under them (commlab/memtrack.py).
+        engine.settle()
         stack.close()
         if last_synced() is not window["synced"]:
             _PEAKS[engine] = window["entry"] + window["peak"].peak_bytes

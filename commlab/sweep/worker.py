@@ -138,39 +138,20 @@ def peak_step_bytes(trainer: Trainer) -> int:
     Measured on two extra, untimed steps after the timed ones: on CPU tracking runs the profiler
     (commlab/memtrack.py), which the timed steps must not pay for, and the first tracked step
     only makes the blocks it allocates known, so that the second's frees of them are seen.
-    The step is deterministic, so its peak is that of every measured step."""
-    device = trainer.rt.device
+    The step is deterministic, so its peak is that of every measured step. Stages 1-3 measure
+    through ShardedMemory's own tracking (which waits for the all-gathers stages 1-2 issue after
+    the optimizer before a window closes); DDP has nothing in flight after its step."""
+    device, wrapper = trainer.rt.device, trainer.ddp
+    if trainer.cfg.stage:
+        from commlab.sharded.memory import track_memory
+
+        with track_memory(wrapper):
+            trainer.step()
+            trainer.step()
+        return wrapper.memory(trainer.optimizer).peak
     with track_peak(device):
         trainer.step()
     entry = live_bytes(device)
     with track_peak(device) as peak:
         trainer.step()
     return entry + peak.peak_bytes
-
-
-def main(argv: list[str]) -> int:
-    """torchrun entry point: measure on every rank; global rank 0 writes the gathered results."""
-    from commlab._atomic import write_text
-
-    config_path, result_path, timeout = argv[0], argv[1], float(argv[2])
-    with open(config_path) as f:
-        cfg = Config.from_columns(json.load(f))
-    try:
-        results = commlab.launch(measure, cfg, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
-        # Every node's local rank 0 writes (all ranks hold the gathered results), so that the
-        # sweep driver on each node of a multi-node job sees the configuration finish.
-        if commlab.Runtime.current().local_rank == 0:
-            write_text(result_path, json.dumps(results))
-    except BaseException:
-        # torchrun's own report names the rank but not the error: leave the traceback for the driver.
-        rank = os.environ.get("RANK", "?")
-        write_text(f"{result_path}.rank{rank}.error", traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
