@@ -148,19 +148,22 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
 
 def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     """Per configuration of a grid over stages: step time, peak bytes and the exposed all-gather and
-    reduction seconds, with ``series`` (stage, and stage 3's prefetch and reshard where they vary)
-    and ``panel`` (what else varies besides bucket size). Empty unless two or more stages ran."""
+    reduction seconds, with ``series`` (the stage; DDP's overlap and stage 3's prefetch and reshard
+    where they vary) and ``panel`` (what else varies besides bucket size). Empty unless two or
+    more stages ran."""
     df = ok(runs)
     if df.empty or "stage" not in df or df["stage"].nunique() < 2 or "peak_bytes" not in df:
         return df.iloc[0:0]
-    inner = ["stage", *varying(df, ["prefetch", "reshard"])]
-    panels = _context(df, [a for a in AXES if a not in (*inner, "bucket_mb", "overlap")])
-    df["series"] = df.apply(lambda r: label(r, inner), axis=1)
+    ddp, s3 = df[df["stage"] == 0], df[df["stage"] == 3]
+    per_stage = {0: varying(ddp, ["overlap"]), 3: varying(s3, ["prefetch", "reshard"])}
+    df["series"] = df.apply(lambda r: label(r, ["stage", *per_stage.get(int(r["stage"]), [])]), axis=1)
+    inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
+    panels = _context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     # DDP's exposed communication is its all-reduce after backward compute: the reductions' column.
     df["exposed_reduction"] = df["exposed_reducescatter"].where(df["stage"] > 0, df["exposed_comm_median"])
     _one_per_cell(df, ["panel", "series", "bucket_mb"])
-    df = df.sort_values([*panels, *inner, "bucket_mb"], kind="stable")
+    df = df.sort_values([*panels, "stage", "series", "bucket_mb"], kind="stable")
     return df[["config", "panel", "series", "stage", "bucket_mb", "step_median", "step_p10", "step_p90", "peak_bytes",
                "exposed_allgather", "exposed_reduction"]]
 

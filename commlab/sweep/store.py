@@ -112,8 +112,8 @@ def _run_row(records: list[dict[str, Any]]) -> dict[str, Any]:
     bad = [r for r in records if r["status"] != "ok"]
     measured = [t["torch"] for r in records for t in r.get("threads") or [] if t]
     # Peak and bytes do not drift between repetitions; the exposed seconds are the median's.
-    measured = [r["measures"] for r in records if r.get("measures")]
-    measures = {c: (pd.Series([m[c] for m in measured]).median() if measured else None) for c in MEASURE_COLUMNS}
+    own = [r["measures"] for r in records if r.get("measures")]
+    measures = {c: (pd.Series([m[c] for m in own]).median() if own else None) for c in MEASURE_COLUMNS}
     return {**LATER_FIELDS, **records[0]["config"], **measures, "status": bad[0]["status"] if bad else "ok",
             "error": bad[0].get("error", "") if bad else "",
             "seconds": sum(r.get("ended", 0) - r.get("started", 0) for r in records),

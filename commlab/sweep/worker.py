@@ -155,3 +155,31 @@ def peak_step_bytes(trainer: Trainer) -> int:
     with track_peak(device) as peak:
         trainer.step()
     return entry + peak.peak_bytes
+
+
+def main(argv: list[str]) -> int:
+    """torchrun entry point: measure on every rank; global rank 0 writes the gathered results."""
+    from commlab._atomic import write_text
+
+    config_path, result_path, timeout = argv[0], argv[1], float(argv[2])
+    with open(config_path) as f:
+        cfg = Config.from_columns(json.load(f))
+    try:
+        results = commlab.launch(measure, cfg, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
+        # Every node's local rank 0 writes (all ranks hold the gathered results), so that the
+        # sweep driver on each node of a multi-node job sees the configuration finish.
+        if commlab.Runtime.current().local_rank == 0:
+            write_text(result_path, json.dumps(results))
+    except BaseException:
+        # torchrun's own report names the rank but not the error: leave the traceback for the driver.
+        rank = os.environ.get("RANK", "?")
+        write_text(f"{result_path}.rank{rank}.error", traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
