@@ -93,3 +93,14 @@ def test_the_peak_falls_stage_by_stage_and_stage3_stays_under_its_bound(world2):
         peaks = {s["stage"]: s["peak"] for s in rank["stages"]}
         assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks
         assert peaks[3] <= _stage3_bound(rank["stages"][3]), (peaks[3], _stage3_bound(rank["stages"][3]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_allocator_counts_the_same_window():
+    with track_peak("cuda") as both:
+        a = torch.empty(MB // 4, device="cuda")
+        c = torch.empty(MB // 2, device="cuda")
+        del a
+    assert (both.peak_bytes, both.net_bytes) == (3 * MB, 2 * MB)
+    assert live_bytes("cuda") >= 2 * MB
+    del c

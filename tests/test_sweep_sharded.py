@@ -60,3 +60,6 @@ def test_old_records_read_with_stage_defaults_and_new_columns(tmp_path):
     fig = figdata.sharded(runs.reset_index())
     assert list(fig["series"]) == ["DDP", "stage 3"] and fig["exposed_reduction"].tolist()[1] == 0.5
     assert figdata.sharded(runs.reset_index().iloc[:1]).empty  # one stage: no sharded figure
+    from commlab.sweep.figures import draw_all
+
+    assert "sharded.png" in {p.name for p in draw_all(tmp_path, echo=lambda line: None)}
