@@ -175,7 +175,16 @@ def summary_line(row) -> str:
         f"{row['config']}  step {row['step_median'] * 1e3:.1f} ms "
         f"(p10 {row['step_p10'] * 1e3:.1f}, p90 {row['step_p90'] * 1e3:.1f})  "
         f"exposed comm {row['exposed_comm_median'] * 1e3:.1f} ms  {row['samples_per_s']:.0f} samples/s"
+        + (f"  peak {_size(row['peak_bytes'])}" if _known(row.get("peak_bytes")) else "")
     )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _known(value) -> bool:
+    return value is not None and value == value  # not missing, not NaN
 
 
 def _short(err: BaseException) -> str:
