@@ -34,6 +34,9 @@ _LIST = "comma-separated list"
 @click.option("--accumulate", help=f"{_LIST}: micro-batches per step, all but one under no_sync [1]")
 @click.option("--groups", help=f"{_LIST}: round-robin process groups [1]")
 @click.option("--threads", help=f"{_LIST}: torch threads per rank, the same at every world size [1]")
+@click.option("--stage", help=f"{_LIST}: 0 = commlab DDP, 1-3 = ShardedDataParallel's ZeRO stage [0]")
+@click.option("--prefetch", help=f"{_LIST}: stage 3's all-gathers ahead of use [1]")
+@click.option("--reshard", type=click.Choice(["on", "off", "both"]), help="stage 3: free gathered parameters after forward [on]")
 @click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")
 @click.option("--global-batch", type=click.IntRange(min=1), help=f"samples per micro-batch over all ranks [{DEFAULTS['global_batch']}]")
 @click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")
@@ -51,7 +54,7 @@ _LIST = "comma-separated list"
 @click.option("--rdzv-endpoint", help="HOST:PORT of torchrun's rendezvous for --nnodes > 1")
 @click.option("--figures/--no-figures", "draw", default=True, help="draw the figures at the end [on]")
 def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **options) -> None:
-    """Measure commlab's DDP over a grid: bucket size x backend x world size x ...
+    """Measure commlab's DDP (or ShardedDataParallel, --stage) over a grid: bucket size x backend x world size x ...
 
     Every combination of the list options is one configuration, run in a fresh process group;
     results (CSV), metadata and figures go to OUT/NAME. Options override SPEC_FILE (YAML with the

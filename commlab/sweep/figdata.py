@@ -12,7 +12,8 @@ import pandas as pd
 from commlab.sweep import stats
 
 # The axes a sweep can vary, in the order a label names them.
-AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads", "scaling"]
+AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
+        "scaling", "stage", "prefetch", "reshard"]
 # Settings that are not meant to vary within a figure; when a results directory holds two
 # configurations that differ only in these (say, a grid resumed with other --iters), they become
 # a series of their own rather than two points in one cell.
@@ -50,7 +51,11 @@ def label(row: pd.Series, columns: list[str]) -> str:
             parts.append(f"{v:g} MiB")
         elif c == "threads":
             parts.append(f"{v} thread{'s' if int(v) != 1 else ''}/rank")
-        elif c in ("accumulate", "groups", *SETTINGS):
+        elif c == "stage":
+            parts.append("DDP" if int(v) == 0 else f"stage {v}")
+        elif c == "reshard":
+            parts.append("reshard" if _truthy(v) else "no reshard")
+        elif c in ("accumulate", "groups", "prefetch", *SETTINGS):
             parts.append(f"{c} {v}")
         else:
             parts.append(str(v))
@@ -139,6 +144,28 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
     out = pd.concat(parts)
     return out[["config", "series", "world_size", "samples_per_s", "samples_lo", "samples_hi", "ideal",
                 "scaling_efficiency", "repetitions"]]
+
+
+def sharded(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration of a grid over stages: step time, peak bytes and the exposed all-gather and
+    reduction seconds, with ``series`` (the stage; DDP's overlap and stage 3's prefetch and reshard
+    where they vary) and ``panel`` (what else varies besides bucket size). Empty unless two or
+    more stages ran."""
+    df = ok(runs)
+    if df.empty or "stage" not in df or df["stage"].nunique() < 2 or "peak_bytes" not in df:
+        return df.iloc[0:0]
+    ddp, s3 = df[df["stage"] == 0], df[df["stage"] == 3]
+    per_stage = {0: varying(ddp, ["overlap"]), 3: varying(s3, ["prefetch", "reshard"])}
+    df["series"] = df.apply(lambda r: label(r, ["stage", *per_stage.get(int(r["stage"]), [])]), axis=1)
+    inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
+    panels = _context(df, [a for a in AXES if a not in inner])
+    df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
+    # DDP's exposed communication is its all-reduce after backward compute: the reductions' column.
+    df["exposed_reduction"] = df["exposed_reducescatter"].where(df["stage"] > 0, df["exposed_comm_median"])
+    _one_per_cell(df, ["panel", "series", "bucket_mb"])
+    df = df.sort_values([*panels, "stage", "series", "bucket_mb"], kind="stable")
+    return df[["config", "panel", "series", "stage", "bucket_mb", "step_median", "step_p10", "step_p90", "peak_bytes",
+               "exposed_allgather", "exposed_reduction"]]
 
 
 def pick_timeline_config(runs: pd.DataFrame, buckets: pd.DataFrame) -> str | None:

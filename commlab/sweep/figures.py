@@ -8,6 +8,7 @@ The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, sec
     no_sync          latency per micro-batch vs accumulation steps (skipping synchronisation)
     round_robin      step latency vs round-robin process groups
     timeline         one iteration's buckets: ready, launched, done vs backward compute
+    sharded          a grid over ZeRO stages: step time, peak memory and exposed collectives
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
         ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)", "Skipping synchronisation: latency per micro-batch")),
         ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "step latency (ms)", "Step latency against round-robin process groups")),
         ("timeline", lambda: _timeline(iterations, buckets, figdata.pick_timeline_config(runs, buckets))),
+        ("sharded", lambda: _sharded(figdata.sharded(runs))),
     ]
     for name, draw in drawers:
         try:
@@ -226,6 +228,43 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
               Line2D([], [], color="black", marker="|", linestyle="none", markersize=10, label="bucket ready"),
               Line2D([], [], color="gray", linestyle="--", label="end of backward compute")]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return fig
+
+
+def _sharded(df: pd.DataFrame):
+    """Per panel: step time and peak bytes against bucket size, one line per stage, and the
+    exposed all-gather / reduction seconds as stacked bars per stage and bucket size."""
+    if df.empty:
+        return None
+    panels = list(dict.fromkeys(df["panel"]))
+    fig, axes = plt.subplots(len(panels), 3, figsize=(13, 3.6 * len(panels)), squeeze=False)
+    palette = dict(zip(dict.fromkeys(df["series"]), sns.color_palette("deep")))
+    for row, panel in zip(axes, panels):
+        part = df[df["panel"] == panel]
+        for series, s in part.groupby("series", sort=False):
+            row[0].fill_between(s["bucket_mb"], s["step_p10"] * 1e3, s["step_p90"] * 1e3, color=palette[series], alpha=0.2, linewidth=0)
+            row[0].plot(s["bucket_mb"], s["step_median"] * 1e3, marker="o", color=palette[series], label=series)
+            row[1].plot(s["bucket_mb"], s["peak_bytes"] / 2**20, marker="o", color=palette[series], label=series)
+        bars = part.reset_index(drop=True)
+        names = [f"{r.series}\n{r.bucket_mb:g} MiB" for r in bars.itertuples()]
+        row[2].bar(names, bars["exposed_allgather"] * 1e3, color=sns.color_palette("deep")[0], label="exposed all-gather")
+        row[2].bar(names, bars["exposed_reduction"] * 1e3, bottom=bars["exposed_allgather"] * 1e3,
+                   color=sns.color_palette("deep")[3], label="exposed reduction (DDP: all-reduce)")
+        row[2].tick_params(axis="x", labelsize=6, rotation=90)
+        for ax, ylabel in ((row[0], "step latency (ms), band p10-p90"), (row[1], "peak bytes per rank (MiB)"),
+                           (row[2], "exposed per step (ms, medians)")):
+            ax.set_title(panel, fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+        for ax in row[:2]:
+            ax.set_xscale("log")
+            ticks = sorted(part["bucket_mb"].unique())
+            ax.set_xticks(ticks, labels=[f"{v:g}" for v in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("bucket cap (MiB)")
+    fig.suptitle("Sharded data parallelism by stage: step time, measured peak memory, exposed collectives")
+    fig.tight_layout()
     return fig
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import commlab
 from commlab.runtime.orphans import dies_with_parent, private_tempdir
-from commlab.sweep import store
+from commlab.sweep import sharding, store
 from commlab.sweep.progress import Progress
 from commlab.sweep.spec import Config, Plan
 
@@ -34,6 +34,7 @@ def check_plan(plan: Plan) -> None:
     from commlab.models import SIZES, build_workload, check_workload
     from commlab.runtime import resolve_backend
     from commlab.runtime.capacity import check_cpu_capacity
+    from commlab.sharded.comm import ALGORITHMS as SHARDED_ALGORITHMS
 
     built: set[tuple[str, str]] = set()
     for cfg in plan.configs:
@@ -46,6 +47,9 @@ def check_plan(plan: Plan) -> None:
             except Exception as err:
                 raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
             built.add((cfg.model, cfg.model_args))
+        if cfg.stage and cfg.algorithm not in SHARDED_ALGORITHMS:
+            raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
+                             f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")
         if cfg.algorithm not in algorithm_names():
             raise ValueError(f"--algorithm: unknown all-reduce algorithm {cfg.algorithm!r}: choose from {', '.join(algorithm_names())}")
         try:
@@ -112,6 +116,7 @@ def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, er
     rec["devices"] = sorted({r["device"] for r in results or []})
     # As measured on each rank (the configuration's `threads` is what was asked for).
     rec["threads"] = [r.get("threads") for r in results or []]
+    rec["measures"] = sharding.summary(results or [])  # peak and comm bytes, exposed gathers (store.MEASURE_COLUMNS)
     return rec
 
 
@@ -170,7 +175,16 @@ def summary_line(row) -> str:
         f"{row['config']}  step {row['step_median'] * 1e3:.1f} ms "
         f"(p10 {row['step_p10'] * 1e3:.1f}, p90 {row['step_p90'] * 1e3:.1f})  "
         f"exposed comm {row['exposed_comm_median'] * 1e3:.1f} ms  {row['samples_per_s']:.0f} samples/s"
+        + (f"  peak {_size(row['peak_bytes'])}" if _known(row.get("peak_bytes")) else "")
     )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _known(value) -> bool:
+    return value is not None and value == value  # not missing, not NaN
 
 
 def _short(err: BaseException) -> str:

@@ -15,6 +15,18 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from commlab.sweep.options import (  # noqa: F401  (re-exported: spec is where callers find them)
+    _dash,
+    canonical_model_args,
+    non_negative_int,
+    overlap_values,
+    parse_list,
+    parse_model_args,
+    positive_float,
+    positive_int,
+    stage_value,
+)
+
 # Option -> default. The embedded default (no options but --bucket-mb) is the README's first
 # command: CPU, Gloo, world size 2, the built-in MLP, with and without overlap.
 DEFAULTS: dict[str, Any] = {
@@ -49,7 +61,15 @@ DEFAULTS: dict[str, Any] = {
     "rdzv_endpoint": None,
     # A bucket policy's name (commlab/ddp/policy.py) or package.module:Class; a spec-file key.
     "bucket_policy": "size_cap",
+    # Sharded data parallelism (commlab.ShardedDataParallel): stage 0 is commlab's DDP; prefetch
+    # and reshard (stage 3's reshard_after_forward) mean something at stage 3 only.
+    "stage": "0",
+    "prefetch": "1",
+    "reshard": "on",
 }
+# The configuration fields added after results existed, with the value every older record holds;
+# left out of the id at that value, so older results keep their ids (and --resume them).
+LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True}
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
 
@@ -74,21 +94,25 @@ class Config:
     iters: int
     warmup: int
     bucket_policy: str = DEFAULTS["bucket_policy"]
+    stage: int = 0  # 0: commlab DDP; 1-3: ShardedDataParallel's ZeRO stage
+    prefetch: int = 1  # stage 3's all-gathers ahead of use (1 at other stages)
+    reshard: bool = True  # stage 3's reshard_after_forward (True at other stages)
 
     @property
     def id(self) -> str:
         """Readable and stable: the same settings give the same id in every run (used by --resume).
-        The default bucket policy is left out, so ids are those of runs made before it was an option."""
-        settings = asdict(self)
-        if self.bucket_policy == DEFAULTS["bucket_policy"]:
-            del settings["bucket_policy"]
+        Fields added later are left out at their old value (:data:`LATER_FIELDS`), so ids are those
+        of runs made before they were options."""
+        settings = {k: v for k, v in asdict(self).items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
         digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
         model = re.sub(r"[^A-Za-z0-9]+", "_", self.model)[:24]
         overlap = "ov" if self.overlap else "noov"
         policy = "" if "bucket_policy" not in settings else "-" + re.sub(r"[^A-Za-z0-9]+", "_", self.bucket_policy)[:24]
+        sharded = "" if not self.stage else f"-s{self.stage}" + (
+            f"-p{self.prefetch}-{'rs' if self.reshard else 'nors'}" if self.stage == 3 else "")
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:
@@ -100,8 +124,11 @@ class Config:
 
     @classmethod
     def from_columns(cls, row: dict[str, Any]) -> Config:
-        # Results written before bucket_policy was a column hold the default policy's runs.
-        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row or f.name != "bucket_policy"})
+        # Results written before a later field was a column hold its old value's runs.
+        values = {f.name: row[f.name] for f in fields(cls) if f.name in row or f.name not in LATER_FIELDS}
+        if "reshard" in values:  # a CSV or YAML may give it as text
+            values["reshard"] = str(values["reshard"]).lower() in ("true", "1", "on")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -119,75 +146,6 @@ class Plan:
 
 
 CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]
-
-
-def parse_list(value: Any, item, option: str) -> list:
-    """``"5,25,100"``, ``[5, 25]`` or ``5`` -> a list of parsed, de-duplicated items, order kept."""
-    if value is None:
-        raise ValueError(f"--{_dash(option)} needs a value")
-    raw = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    out: list = []
-    for piece in raw:
-        text = str(piece).strip()
-        if not text:
-            raise ValueError(f"--{_dash(option)}: empty item in {value!r}")
-        parsed = item(text, option)
-        if parsed not in out:
-            out.append(parsed)
-    if not out:
-        raise ValueError(f"--{_dash(option)} needs at least one value")
-    return out
-
-
-def positive_float(text: str, option: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--{_dash(option)}: {text!r} is not a number") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"--{_dash(option)}: {text!r} must be a positive number")
-    return value
-
-
-def positive_int(text: str, option: str) -> int:
-    try:
-        value = int(str(text))
-    except ValueError:
-        raise ValueError(f"--{_dash(option)}: {text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"--{_dash(option)}: {text!r} must be a positive integer")
-    return value
-
-
-def overlap_values(value: Any) -> list[bool]:
-    """``on``/``off``/``both`` (or a YAML bool, or a list of them) -> the overlap axis."""
-    words = {"on": [True], "true": [True], "off": [False], "false": [False], "both": [True, False]}
-    items = value if isinstance(value, (list, tuple)) else [value]
-    out: list[bool] = []
-    for item in items:
-        key = str(item).strip().lower()
-        if key not in words:
-            raise ValueError(f"--overlap: {item!r} is not one of on, off, both")
-        out += [v for v in words[key] if v not in out]
-    return out
-
-
-def parse_model_args(value: Any) -> dict[str, Any]:
-    """``"depth=2,width=64"`` or a YAML mapping -> ``{"depth": 2, "width": 64}``."""
-    if isinstance(value, dict):
-        pairs = [(str(k), v) for k, v in value.items()]
-    else:
-        pairs = []
-        for piece in filter(None, (p.strip() for p in str(value or "").split(","))):
-            key, sep, text = piece.partition("=")
-            if not sep or not key.strip():
-                raise ValueError(f"--model-args: {piece!r} is not key=value")
-            pairs.append((key.strip(), _scalar(text.strip())))
-    return dict(sorted(pairs))
-
-
-def canonical_model_args(value: Any) -> str:
-    return ",".join(f"{k}={v}" for k, v in parse_model_args(value).items())
 
 
 def merge(spec: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
@@ -239,17 +197,26 @@ def build_plan(options: dict[str, Any]) -> Plan:
 
         for name in policies:
             make_policy(name)  # ValueError naming the registered policies
+    stages = parse_list(o["stage"], stage_value, "stage")
+    prefetches = parse_list(o["prefetch"], non_negative_int, "prefetch")
+    reshards = overlap_values(o["reshard"], "reshard")
+    if max(stages) > 0 and policies != [DEFAULTS["bucket_policy"]]:
+        raise ValueError("--bucket-policy applies to stage 0 (DDP) only; ShardedDataParallel sizes its own buckets")
     if nnodes > 1 and launcher != "torchrun":
         raise ValueError("--nnodes > 1 needs --launcher torchrun")
     if nnodes > 1 and not o.get("rdzv_endpoint"):
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
 
-    configs = []
+    configs: dict[Config, None] = {}  # ordered, without the duplicates the collapsed axes make
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
-    # a drift in machine load between them stays small.
-    for model, backend, world, thread, algo, group, acc, policy, bucket, overlap in itertools.product(
-        models, backends, world_sizes, threads, algorithms, groups, accumulates, policies, buckets, overlaps
-    ):
+    # a drift in machine load between them stays small. The sharded axes go outside them.
+    for (model, backend, world, thread, algo, group, acc, policy, stage, prefetch, reshard, bucket,
+         overlap) in itertools.product(models, backends, world_sizes, threads, algorithms, groups, accumulates,
+                                       policies, stages, prefetches, reshards, buckets, overlaps):
+        if stage < 3:  # prefetch and reshard are stage 3's: one configuration, not one per value
+            prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
+        if stage > 0:  # ShardedDataParallel always overlaps, on one process group
+            overlap, group = True, 1
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
         if scaling == "strong":
@@ -263,25 +230,10 @@ def build_plan(options: dict[str, Any]) -> Plan:
         else:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
             global_batch = per_rank * world
-        configs.append(
-            Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
-                   scaling, global_batch, per_rank, iters, warmup, policy)
-        )
+        configs[Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
+                       scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard)] = None
     return Plan(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)
-
-
-def _scalar(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _dash(option: str) -> str:
-    return option.replace("_", "-")
 
 
 def grid_signature(plan: Plan) -> dict[str, Any]:

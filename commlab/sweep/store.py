@@ -27,6 +27,15 @@ Columns (besides the configuration's own, :data:`commlab.sweep.spec.CONFIG_COLUM
   ``scaling_efficiency``. ``scaling_efficiency`` is relative to the *smallest world size of
   the same series in this grid*, not to one process: (samples/s at w / samples/s at w0) / (w /
   w0), so it is 1.0 on a grid whose only world size is 2, and it says nothing about w0 itself.
+  Then, measured per configuration (commlab/sweep/sharding.py; empty in results older than them):
+  ``peak_bytes`` (a step's peak bytes on a rank, the highest rank: live bytes at the step's start
+  plus its allocations' peak, commlab/memtrack.py, measured on an untimed step after the timed
+  ones), ``comm_bytes`` (bytes one rank sends per step: all-reduce 2(N-1)/N B, reduce-scatter
+  and all-gather (N-1)/N B each, over the collectives the step ran; the highest rank),
+  ``exposed_allgather`` and ``exposed_reducescatter`` (seconds per step the training thread
+  waited on all-gathers, and on reductions after backward compute, stage 1's being all-reduces;
+  medians over iterations, then over ranks; 0 at stage 0, whose exposed all-reduce is
+  ``exposed_comm``).
 
 A record is written to a temporary file in the same directory and then ``os.replace``-d into
 place, so a sweep killed at any moment leaves either the whole record or none of it; the CSVs are
@@ -43,7 +52,7 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
-from commlab.sweep.spec import CONFIG_COLUMNS
+from commlab.sweep.spec import CONFIG_COLUMNS, LATER_FIELDS
 from commlab.sweep.stats import summarise
 
 RECORDS = "configs"
@@ -57,6 +66,7 @@ ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]
 # threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
 # `threads` that the configuration asked for.
 RUN_COLUMNS = ["status", "error", "seconds", "threads_measured"]
+MEASURE_COLUMNS = ["peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter"]
 BUCKET_COLUMNS = ["repetition", "rank", "iteration", "bucket", "nbytes", "num_params", "ready", "launched", "done"]
 
 
@@ -84,7 +94,8 @@ def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, p
     """The three tidy tables (iterations, buckets, runs) built from configuration records."""
     iter_rows, bucket_rows, per_config = [], [], {}
     for rec in records:
-        cfg, rep = rec["config"], {"repetition": rec.get("repetition", 0)}
+        # Records older than a configuration field hold its old value (and keep their ids).
+        cfg, rep = {**LATER_FIELDS, **rec["config"]}, {"repetition": rec.get("repetition", 0)}
         iter_rows += [{**cfg, **rep, **row} for row in rec.get("iterations", [])]
         bucket_rows += [{**cfg, **rep, **row} for row in rec.get("buckets", [])]
         per_config.setdefault(cfg["config"], []).append(rec)
@@ -92,7 +103,7 @@ def tables(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, pd.DataFrame, p
     # Typed even when empty (every configuration failed), so that statistics still apply.
     iterations = pd.DataFrame(iter_rows, columns=CONFIG_COLUMNS + ITERATION_COLUMNS).astype(_dtypes(ITERATION_COLUMNS))
     buckets = pd.DataFrame(bucket_rows, columns=CONFIG_COLUMNS + BUCKET_COLUMNS).astype(_dtypes(BUCKET_COLUMNS))
-    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + RUN_COLUMNS), iterations)
+    runs = summarise(pd.DataFrame(run_rows, columns=CONFIG_COLUMNS + RUN_COLUMNS + MEASURE_COLUMNS), iterations)
     return iterations, buckets, runs
 
 
@@ -100,7 +111,10 @@ def _run_row(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's row from its repetitions: ok only when every repetition is."""
     bad = [r for r in records if r["status"] != "ok"]
     measured = [t["torch"] for r in records for t in r.get("threads") or [] if t]
-    return {**records[0]["config"], "status": bad[0]["status"] if bad else "ok",
+    # Peak and bytes do not drift between repetitions; the exposed seconds are the median's.
+    own = [r["measures"] for r in records if r.get("measures")]
+    measures = {c: (pd.Series([m[c] for m in own]).median() if own else None) for c in MEASURE_COLUMNS}
+    return {**LATER_FIELDS, **records[0]["config"], **measures, "status": bad[0]["status"] if bad else "ok",
             "error": bad[0].get("error", "") if bad else "",
             "seconds": sum(r.get("ended", 0) - r.get("started", 0) for r in records),
             "threads_measured": max(measured) if measured else None}

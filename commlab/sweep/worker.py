@@ -1,4 +1,4 @@
-"""One configuration measured on one rank: build the workload, wrap it in DDP, time every step.
+"""One configuration measured on one rank: build the workload, wrap it (DDP or sharded), time every step.
 
 :func:`measure` runs inside an initialised process group (spawned by :func:`commlab.launch`, or
 one torchrun rank). Run as a module it is the torchrun launcher's entry point::
@@ -27,6 +27,8 @@ import torch.distributed as dist
 import commlab
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
+from commlab.memtrack import live_bytes, track_peak
+from commlab.sweep import sharding
 from commlab.sweep.spec import Config
 
 
@@ -36,7 +38,8 @@ def _unlabelled(name: str):
 
 @dataclass
 class Trainer:
-    """One rank's DDP training state for a configuration, and how to time one optimizer step."""
+    """One rank's training state for a configuration (``ddp``: DDP at stage 0, else
+    ShardedDataParallel), and how to time one optimizer step."""
 
     cfg: Config
     rt: Any
@@ -72,7 +75,8 @@ class Trainer:
 
 
 def prepare(cfg: Config) -> Trainer:
-    """Build the workload and commlab's DDP for ``cfg`` on this rank."""
+    """Build the workload and its wrapper for ``cfg`` on this rank. The optimizer is plain SGD at
+    every stage (no state: at stages 1-2 the memory saved is then the gradients' only)."""
     rt = commlab.Runtime.current()
     # The configuration's thread count, whatever the launcher chose (commlab.launch gives
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
@@ -81,14 +85,7 @@ def prepare(cfg: Config) -> Trainer:
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
-    ddp = commlab.DistributedDataParallel(
-        model,
-        bucket_cap_mb=cfg.bucket_mb,
-        algorithm=cfg.algorithm,
-        overlap=cfg.overlap,
-        round_robin_groups=cfg.groups,
-        bucket_policy=cfg.bucket_policy,
-    )
+    ddp = sharding.wrap(cfg, model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + rt.rank)
     inputs, target = (t.to(rt.device) for t in workload.make_batch(cfg.batch_per_rank, gen))
@@ -107,26 +104,57 @@ def measure(cfg: Config) -> dict[str, Any]:
     trainer = prepare(cfg)
     rt, ddp = trainer.rt, trainer.ddp
     steps: list[dict[str, float]] = []
+    before = 0
     for i in range(cfg.warmup + cfg.iters):
         if i == cfg.warmup:
-            ddp.reset_timings()
+            if cfg.stage == 0:
+                ddp.reset_timings()
+            before = len(ddp.iteration_timings)
             steps.clear()
         steps.append(trainer.step())
 
-    timings = ddp.iteration_timings
+    timings = list(ddp.iteration_timings)[before:]
     if len(timings) != len(steps):
-        raise RuntimeError(f"DDP recorded {len(timings)} synchronised iterations for {len(steps)} steps")
+        raise RuntimeError(f"the wrapper recorded {len(timings)} synchronised iterations for {len(steps)} steps")
     iterations, buckets = [], []
+    sizes = [len(b.params) for b in ddp.buckets] if cfg.stage else []
     for i, (timing, own) in enumerate(zip(timings, steps)):
-        iterations.append({"rank": rt.rank, "iteration": i, **timing.as_row(), **own})
-        buckets += [
-            {"rank": rt.rank, "iteration": i, "bucket": b.index, "nbytes": b.nbytes,
-             "num_params": b.num_params, "ready": b.ready, "launched": b.launched, "done": b.done}
-            for b in timing.buckets
-        ]
+        row = timing.as_row() if cfg.stage == 0 else sharding.iteration_row(timing)
+        iterations.append({"rank": rt.rank, "iteration": i, **row, **own})
+        rows = ([{"bucket": b.index, "nbytes": b.nbytes, "num_params": b.num_params, "ready": b.ready,
+                  "launched": b.launched, "done": b.done} for b in timing.buckets]
+                if cfg.stage == 0 else sharding.bucket_rows(timing, sizes))
+        buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
+    measures = {"peak_bytes": peak_step_bytes(trainer),
+                **sharding.step_measures(ddp, cfg.stage, cfg.world_size, timings)}
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
-    return {"rank": rt.rank, "host": socket.gethostname(), "device": device,
-            "threads": thread_settings(), "iterations": iterations, "buckets": buckets}
+    return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
+            "iterations": iterations, "buckets": buckets, "measures": measures}
+
+
+def peak_step_bytes(trainer: Trainer) -> int:
+    """Peak bytes of one step on this rank: live bytes at its start plus its allocations' peak.
+
+    Measured on two extra, untimed steps after the timed ones: on CPU tracking runs the profiler
+    (commlab/memtrack.py), which the timed steps must not pay for, and the first tracked step
+    only makes the blocks it allocates known, so that the second's frees of them are seen.
+    The step is deterministic, so its peak is that of every measured step. Stages 1-3 measure
+    through ShardedMemory's own tracking (which waits for the all-gathers stages 1-2 issue after
+    the optimizer before a window closes); DDP has nothing in flight after its step."""
+    device, wrapper = trainer.rt.device, trainer.ddp
+    if trainer.cfg.stage:
+        from commlab.sharded.memory import track_memory
+
+        with track_memory(wrapper):
+            trainer.step()
+            trainer.step()
+        return wrapper.memory(trainer.optimizer).peak
+    with track_peak(device):
+        trainer.step()
+    entry = live_bytes(device)
+    with track_peak(device) as peak:
+        trainer.step()
+    return entry + peak.peak_bytes
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,82 @@
+"""The memory acceptance run (world size 2, in spawned ranks): measured peaks by stage, and what
+commlab.memtrack sees inside collectives and autograd."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab.memtrack import live_bytes, track_peak
+from commlab.models import mlp
+from commlab.sharded.memory import track_memory
+from commlab.sharded.memory_model import bucket_memory, zero_memory
+
+# Parameters outweigh activations: 8 blocks of 384 features (1.19 M parameters, 4.7 MB) against
+# a batch of 4 (a few KB per layer). Buckets of 0.25 MiB keep the transient full buckets small.
+WIDTH, DEPTH, BATCH, CAP = 384, 8, 4, 0.25
+ALGO = "native"
+
+
+def _stage_peak(stage: int) -> dict:
+    gc.collect()
+    base = live_bytes()  # what earlier stages left behind; this stage's bytes are counted above it
+    torch.manual_seed(0)
+    model = mlp(DEPTH, WIDTH)
+    if stage == 0:
+        wrapper = commlab.DistributedDataParallel(model, bucket_cap_mb=CAP)
+    else:
+        wrapper = commlab.ShardedDataParallel(model, stage=stage, bucket_cap_mb=CAP, prefetch=1, algorithm=ALGO)
+    opt = torch.optim.Adam(wrapper.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+
+    def step():
+        torch.nn.functional.cross_entropy(wrapper(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # Adam's state exists from here on
+    out = {"stage": stage, "params": sum(p.numel() for p in model.parameters())}
+    if stage == 0:
+        with track_peak("cpu"):
+            step()  # makes the blocks the measured step frees known (commlab/memtrack.py)
+        entry = live_bytes() - base
+        with track_peak("cpu") as peak:
+            step()
+        out["peak"] = entry + peak.peak_bytes
+    else:
+        out["untracked"] = wrapper.memory(opt).peak
+        with track_memory(wrapper):
+            step()
+            step()
+        out["peak"] = wrapper.memory(opt).peak - base
+        out["padded"] = [b.layout.padded for b in wrapper.buckets]
+        out["numels"] = [b.layout.total for b in wrapper.buckets]
+        out["largest_param"] = max(p.numel() for p in model.parameters()) * 4
+        out["largest_shard"] = max(s.numel() for s in wrapper.parameters()) * 4
+    del wrapper, opt, model
+    return out
+
+
+def _collective_and_backward() -> dict:
+    from torch.distributed import _functional_collectives as funcol
+
+    t = torch.ones(2**16)  # 256 KiB
+    with track_peak("cpu") as gathered:
+        out = funcol.all_gather_tensor(t, 0, dist.group.WORLD)
+        out = out.wait() if hasattr(out, "wait") else out
+        kept = out.clone()
+        del out
+    w = torch.randn(512, 512, requires_grad=True)  # 1 MiB; its gradient is allocated by backward
+    with track_peak("cpu") as backward:
+        (w * 2).sum().backward()
+    assert kept.numel() == 2 * t.numel()
+    return {"gathered": gathered.peak_bytes, "gathered_net": gathered.net_bytes, "backward": backward.peak_bytes}
+
+
+def run_world2() -> dict:
+    torch.set_num_threads(1)
+    return {"seen": _collective_and_backward(), "stages": [_stage_peak(s) for s in (0, 1, 2, 3)]}
