@@ -86,12 +86,6 @@ def _stage3_bound(s) -> float:
     return model + 2 * buckets.gathered + buckets.reduce_scatter + buckets.padding + activations + s["largest_param"] + 3 * s["largest_shard"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ShardedEngine keeps every bucket's full gradient buffer (and, natively on Gloo, the "
-    "reduce-scatter's output) until the end of backward (finish_reduction in _finalize), so at "
-    "that point stages 2-3 hold the whole unsharded gradient: measured stage 2 > stage 1 and stage "
-    "3 above its bound by about one gradient (4 bytes x parameters). Remove this mark when the "
-    "engine frees each bucket's gradient as its reduction completes."))
 def test_the_peak_falls_stage_by_stage_and_stage3_stays_under_its_bound(world2):
     for rank in world2:
         peaks = {s["stage"]: s["peak"] for s in rank["stages"]}

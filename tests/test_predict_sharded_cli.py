@@ -118,12 +118,9 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     from commlab.costmodel.predict import UnpriceableConfig, costs_for_config, table, write_prediction
     from commlab.sweep.store import read_tables
 
-    # The sweep's Config with the shared sharded keys (their owner adds them to the spec).
-    Sharded = dataclasses.make_dataclass("Sharded", [("stage", int, 0), ("prefetch", int, 1), ("reshard", bool, True)],
-                                         bases=(Config,), frozen=True)
     plan = build_plan(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01"}))
-    base = dataclasses.asdict(plan.configs[0])
-    configs = [Sharded(**base, stage=s, prefetch=p) for s, p in ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2))]
+    configs = [dataclasses.replace(plan.configs[0], stage=s, prefetch=p)
+               for s, p in ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2))]
     entry = prof.read_file(profile)
     entries = {session.group_key(configs[0]): next(iter(entry.values()))}
     records, meta = session.predict(type("Plan", (), {"configs": configs})(), entries)
@@ -132,7 +129,10 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
         assert {"peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter"} <= set(row)
     assert rows[0]["exposed_allgather"] == 0 and rows[3]["exposed_allgather"] > 0
     peaks = [r["peak_bytes"] for r in rows]
-    assert peaks[0] >= peaks[1] >= peaks[2] >= peaks[3] and peaks[4] >= peaks[3]
+    # Plain SGD (no optimizer state) and two buckets: every stage holds less than DDP's parameters,
+    # gradients and bucket copies, but stage 2's full reduce-scatter buffer can outweigh the
+    # gradient shard it saves (the fall stage by stage needs optimizer state: test_predict_sharded).
+    assert peaks[0] > max(peaks[1:4]) and peaks[4] >= peaks[3]
     assert rows[4]["step"] <= rows[3]["step"] + 1e-12  # prefetch hides gathers
     lines = table(records).splitlines()
     assert lines[0].split()[-5:] == ["buckets", "stage", "prefetch", "peak", "MiB"]
@@ -140,6 +140,7 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     write_prediction(tmp_path / "p", records, meta)  # the sweep's files, as for DDP
     runs = read_tables(tmp_path / "p")[2]
     assert len(runs) == len(configs) and (runs["step_median"] > 0).all() and set(runs["source"]) == {"predicted"}
+    assert list(runs["peak_bytes"]) == peaks and list(runs["stage"]) == [0, 1, 2, 3, 3]
     with pytest.raises(ValueError, match="DDP .stage 0. only"):
         session.predict_on(type("Plan", (), {"configs": configs})(), {"name": "x"})
     bare = synthetic_entry()

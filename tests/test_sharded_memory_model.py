@@ -24,7 +24,7 @@ def test_each_stage_shards_one_more_kind():
 def test_bucket_terms():
     # Buckets of 6, 4 and 10 padded elements (8, 4, 9 real), fp32, 2 ranks.
     b = bucket_memory([6, 4, 10], 2, 3, prefetch=1, unpadded_numels=[5, 4, 9])
-    assert b.gathered == (10 + 6) * 4 and b.reduce_scatter == 10 * 4
+    assert b.gathered == (10 + 6) * 4 and b.reduce_scatter == (10 + 6) * 4  # the two largest
     # 2 padding elements, half per rank, each sharded as parameter + gradient + Adam state.
     assert b.padding == 1 * (4 + 4 + 8)
     assert bucket_memory([6, 4, 10], 2, 3, prefetch=0).gathered == 40

@@ -116,6 +116,8 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
                for r in range(cfg.world_size)]
     rec = record(cfg, started, results)
     rec["source"] = SOURCE
+    # runs.csv takes these from the record, as the sweep's runner puts them (store.MEASURE_COLUMNS).
+    rec["measures"] = {c: row[c] for c in ("peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter")}
     return rec
 
 

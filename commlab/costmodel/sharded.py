@@ -5,7 +5,7 @@ contention model and bucket assignment it shares): a ``compute`` resource and on
 channel ``chan0`` (the wrapper issues every collective on one process group, in order). In the
 order the real engine (commlab/sharded/engine.py) does things:
 
-- buckets: the bucket policy's assignment over the parameters in module order with one cap for
+- buckets: the bucket policy's rebuild for gradients ready in reverse parameter order, one cap for
   every bucket (the sharded wrapper's ``size_buckets``), in forward order;
 - forward: one compute task per bucket, the profiled forward split in proportion to each
   bucket's backward time (the profile times forward as a whole), each after its bucket's
@@ -16,7 +16,8 @@ order the real engine (commlab/sharded/engine.py) does things:
   with reshard: bucket b is gathered again by the pre-backward hook of bucket b + prefetch
   (backward runs the buckets in reverse), and its first gradient waits for it;
 - each bucket's reduction (stage 1: all-reduce, stages 2-3: reduce-scatter) is launched (the
-  reducer's fixed cost per bucket) once its last gradient is ready, behind backward;
+  reducer's fixed cost per bucket) once its last gradient is ready, behind backward; stages 2-3
+  first wait for the previous reduce-scatter (one in flight, as torch's fully_shard);
 - the optimizer waits for every reduction and steps 1/world of the parameters.
 
 Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "all_gather",
@@ -85,10 +86,11 @@ def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, worl
 
 
 def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[int]]:
-    """Buckets in forward order: the policy over module order, every bucket under one cap."""
+    """Buckets in forward order: the policy's rebuild for gradients ready in reverse parameter order,
+    as ShardedDataParallel makes them (commlab/sharded/buckets.py; no first-bucket size there)."""
     n = len(costs.step.param_nbytes)
-    buckets = assign(costs.step.param_nbytes, range(n), policy=setting.policy, bucket_cap_mb=setting.bucket_cap_mb,
-                     first_bucket_mb=setting.bucket_cap_mb)
+    buckets = assign(costs.step.param_nbytes, list(reversed(range(n))), policy=setting.policy,
+                     bucket_cap_mb=setting.bucket_cap_mb)
     return sorted((sorted(b) for b in buckets), key=lambda b: b[0])
 
 
@@ -149,7 +151,12 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
         compute(f"grad{p}", grad_s[j], "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
         for b in launches:
             if when[b] == j:
-                compute(f"launch{b}", sc.bucket_fixed_s, "launch", stretched=False, bucket=b)
+                # Stages 2-3 keep one reduce-scatter in flight (commlab/sharded/engine.py, as torch's
+                # fully_shard): the training thread waits for the previous one before launching.
+                k = launches.index(b)
+                prev = (f"reduce{launches[k - 1]}",) if stage >= 2 and k else ()
+                compute(f"launch{b}", sc.bucket_fixed_s, "launch", prev, stretched=False, bucket=b,
+                        waits_reduce=bool(prev))
     compute("optimizer", sc.optimizer_s / costs.world_size, "optimizer", tuple(f"reduce{b}" for b in range(n)))
     return tasks + [t for _, t in sorted(chan, key=lambda kt: kt[0])]
 
@@ -167,13 +174,15 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
     Exposed all-gather: the time compute waited on an all-gather (commlab/sharded/timing.py's
     definition, the training thread blocked); exposed reduce-scatter: end of backward compute
     (the last launch) to the optimizer's start, i.e. the wait on the reductions (stage 1's
-    all-reduces included)."""
+    all-reduces included), plus the waits for a previous reduce-scatter before launching the next."""
     s, n = result.spans, len(buckets)
     computes = result.by_resource(COMPUTE)
-    exposed_ag, previous = 0.0, 0.0
+    exposed_ag, waited_rs, previous = 0.0, 0.0, 0.0
     for span in computes:
         if span.meta.get("waits_gather"):
             exposed_ag += max(0.0, span.start - previous)
+        if span.meta.get("waits_reduce"):
+            waited_rs += max(0.0, span.start - previous)
         previous = span.end
     t0 = s["nosync"].end if "nosync" in s else 0.0  # the step starts with the all-gathers of stages 1-2
     last_compute = max(sp.end for sp in computes if sp.name != "optimizer")
@@ -183,7 +192,7 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
              "ready": max(s[f"grad{p}"].end for p in buckets[b]) - t0, "launched": s[f"launch{b}"].start - t0,
              "done": r.end - t0} for b, r in enumerate(reduces)]
     forward_end = s[f"fwd{n - 1}"].end
-    exposed_rs = max(0.0, s["optimizer"].start - last_compute)
+    exposed_rs = waited_rs + max(0.0, s["optimizer"].start - last_compute)
     row = {"forward": forward_end - t0, "backward_compute": last_compute - forward_end,
            "comm": max(c.end for c in comm) - min(c.start for c in comm),
            "exposed_comm": exposed_ag + exposed_rs, "total": s["optimizer"].start - t0, "write_back": 0.0,

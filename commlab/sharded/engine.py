@@ -218,6 +218,8 @@ class ShardedEngine:
                 self.backward_done.add(bucket.index)
                 if self.sync:
                     kind = "all_reduce" if self.stage == 1 else "reduce_scatter"
+                    if self.stage >= 2:
+                        self._retire_reductions()
                     entry = self.recorder.launched(bucket.index, kind, bucket.full_nbytes, ready)
                     self.reductions.append((bucket, bucket.launch_reduction(), entry))
                 if self.stage == 3 and bucket.gathered:
@@ -226,13 +228,21 @@ class ShardedEngine:
 
         return hook
 
-    def _finalize(self) -> None:
-        backward_end = time.perf_counter()
-        missing = [b.index for b in self.buckets if b.pending != 0]
+    def _retire_reductions(self) -> None:
+        """Stages 2-3, before the next reduce-scatter: wait for the earlier ones and drop their full
+        gradient buffers, so that at most one bucket's unsharded gradient is in flight (torch's
+        fully_shard does the same with its default reduce_scatter_max_input_buffers=1,
+        torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward); without it a
+        rank holds the whole unsharded gradient at the end of backward, as DDP does."""
         for bucket, work, entry in self.reductions:
             self.recorder.wait(work, entry)
             bucket.finish_reduction()
         self.reductions = []
+
+    def _finalize(self) -> None:
+        backward_end = time.perf_counter()
+        missing = [b.index for b in self.buckets if b.pending != 0]
+        self._retire_reductions()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self.backward_done.clear()

@@ -73,8 +73,10 @@ class BucketMemory:
 
     ``gathered``: full (padded) parameter buckets held at once by a stage-3 rank at its peak, the
     bucket in use plus ``prefetch`` buckets being gathered ahead (the largest ones: an upper
-    bound). ``reduce_scatter``: the largest full gradient bucket a reduce-scatter reads from
-    (stages 2 and 3; stage 1 keeps every gradient bucket, which the model counts already).
+    bound). ``reduce_scatter``: the full gradient buckets held at once (stages 2 and 3): the one a
+    reduce-scatter reads from and the next one filling, as the engine keeps one reduce-scatter in
+    flight (torch's fully_shard default); the two largest, an upper bound. Stage 1 keeps every
+    gradient bucket, which the model counts already.
     ``padding``: what padding adds to the sharded terms of the model.
     """
 
@@ -99,7 +101,7 @@ def bucket_memory(
         raise ValueError(f"bucket_memory is for stages 1-3, got {stage!r}")
     sizes = sorted((int(n) for n in padded_numels), reverse=True)
     gathered = sum(sizes[: prefetch + 1]) * element_size if stage == 3 else 0
-    reduce_scatter = (sizes[0] if sizes else 0) * element_size if stage >= 2 else 0
+    reduce_scatter = sum(sizes[:2]) * element_size if stage >= 2 else 0
     pad = sum(padded_numels) - (sum(unpadded_numels) if unpadded_numels is not None else sum(padded_numels))
     # Padding elements are sharded like the rest: per rank, pad / N of each sharded kind.
     per_rank_pad = pad / world_size
