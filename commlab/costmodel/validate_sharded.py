@@ -1,0 +1,112 @@
+"""Held-out validation of the sharded predictions: stage x bucket x prefetch, and tune's memory pick.
+
+    python -m commlab.costmodel.validate_sharded --out results/sharded-validation   # ~8 min, 2 cores
+
+The workload is one the sharded lowering was never developed on (it was built on MLPs): the
+conv net of examples/heldout_models.py, whose wide head holds most of the bytes. In this order:
+calibrate (the world-size-1 profile, the collective tables, the sharded reduce-scatter and
+all-gather tables: never a run of a grid configuration); measure the grid (stages 0-3, bucket
+sizes, stage 3's prefetch 0 and 1) forward, then in reverse (commlab/costmodel/validate.py's
+``measure_twice``); predict it; then the memory check: a per-rank budget at the median of the
+measured peaks (it excludes at least a third of the grid, checked), the tuner's pick under that
+budget from the calibration alone (stages 0-3, the grid's algorithm), measured both ways like the
+grid, against the best measured grid configuration that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+import pandas as pd
+
+from commlab._atomic import write_text
+from commlab.costmodel import compare, session
+from commlab.costmodel.predict import write_prediction
+from commlab.costmodel.validate import CONVNET, measure_twice, plan_of
+from commlab.sweep import runner, store
+
+# The ring runs the sharded collectives (ShardedDataParallel's "auto" on Gloo) and, at stage 0,
+# DDP's all-reduce: one algorithm for the whole grid, so that one series is one stage's buckets.
+HELD_OUT = {"model": CONVNET, "model_args": "channels=48,hidden=4096", "algorithm": "ring", "overlap": "on",
+            "bucket_mb": "4,25,100", "stage": "0,1,2,3", "prefetch": "0,1", "global_batch": 32}
+
+
+def tuned_config(entry: dict, grid: list, budget: float, echo):
+    """The tuner's pick under ``budget`` bytes per rank, as a configuration of the grid's kind."""
+    from commlab.costmodel.sharded_tuning import candidates, pick
+
+    base = grid[0]
+    found = [c for c in candidates(entry, (0, 1, 2, 3), (base.algorithm,), prefetches=(0, 1)) if c.reshard]
+    best = pick(found, budget)
+    echo(f"tune under {budget / 2**20:.1f} MiB picks stage {best.stage}, bucket {best.bucket_cap_mb:g} MB, prefetch "
+         f"{best.prefetch}: predicted {best.step_s * 1e3:.1f} ms, peak {best.peak_bytes / 2**20:.1f} MiB")
+    prefetch = best.prefetch if best.stage == 3 else 1
+    return dataclasses.replace(base, stage=best.stage, bucket_mb=float(best.bucket_cap_mb), prefetch=prefetch), best
+
+
+def validate(out: Path, profile: Path, iters: int, echo=lambda line: None) -> dict:
+    out = Path(out)
+    plan = plan_of({**HELD_OUT, "iters": iters, "warmup": 2}, out)
+    runner.check_plan(plan)
+    grid = list(plan.configs)
+    begin = time.monotonic()
+    entries = session.entries_for(grid, profile_path=profile, recalibrate=True, echo=echo)
+    measured = measure_twice(grid, plan, out, echo)
+    peaks = measured.set_index("config")["peak_bytes"]
+    budget = float(peaks.median())
+    excluded = float((peaks > budget).mean())
+    cfg, best = tuned_config(next(iter(entries.values())), grid, budget, echo)
+    if cfg.id in peaks.index:
+        tuned = measured[measured["config"] == cfg.id].iloc[0]
+    else:
+        tuned = measure_twice([cfg], dataclasses.replace(plan, configs=(cfg,)), out / "tuned", echo).iloc[0]
+    fits = measured[measured["peak_bytes"] <= budget]
+    grid_best = fits.loc[fits["step_median"].idxmin()]
+    records, meta = session.predict(plan, entries)
+    write_prediction(out / "predicted", records, meta)
+    predicted = store.read_tables(out / "predicted")[2]
+    both = compare.join(predicted, measured).merge(measured[["config", "agreement"]], on="config", how="left")
+    peak_err = (predicted.set_index("config")["peak_bytes"] / peaks - 1).dropna()
+    taus = compare.series_taus(both)
+    table = compare.workload_table(both, taus)
+    check = {"budget_bytes": budget, "grid_excluded": excluded, "pick": cfg.id, "pick_predicted_s": best.step_s,
+             "pick_measured_s": float(tuned["step_median"]), "pick_peak_bytes": float(tuned["peak_bytes"]),
+             "fits": bool(tuned["peak_bytes"] <= budget), "grid_best": str(grid_best["config"]),
+             "grid_best_s": float(grid_best["step_median"]),
+             "within": float(tuned["step_median"] / grid_best["step_median"] - 1)}
+    result = {"table": table.to_dict("records"), "tune": check,
+              "peak_error_median": float(peak_err.abs().median()), "peak_error_worst": float(peak_err.abs().max()),
+              "duration_s": time.monotonic() - begin}
+    write_text(out / "validation.json", json.dumps(result, indent=1, default=str) + "\n")
+    write_text(out / "validation.csv", both.to_csv(index=False, float_format="%.9g"))
+    echo(compare.report(both, taus))
+    echo("held-out sharded grid, gloo, world size 2 (worst cases over configurations measured twice within 10%):")
+    echo(compare.format_table(table))
+    echo(f"predicted peak bytes: error median {result['peak_error_median'] * 100:.1f}%, "
+         f"worst {result['peak_error_worst'] * 100:.1f}%")
+    echo(f"tune check: budget {budget / 2**20:.1f} MiB excludes {excluded * 100:.0f}% of the grid; pick {cfg.id} "
+         f"measured {check['pick_measured_s'] * 1e3:.1f} ms, peak {check['pick_peak_bytes'] / 2**20:.1f} MiB "
+         f"({'fits' if check['fits'] else 'DOES NOT fit'}); best that fits {check['grid_best']} "
+         f"{check['grid_best_s'] * 1e3:.1f} ms: {check['within'] * 100:+.1f}%")
+    echo(f"validation took {result['duration_s'] / 60:.1f} min -> {out}")
+    return {"both": both, **result}
+
+
+@click.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/sharded-validation"))
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="profile file [OUT/profile.json]; calibration always runs again (the machine drifts)")
+@click.option("--iters", default=10, show_default=True, help="measured steps per configuration and direction")
+def main(out: Path, profile: Path | None, iters: int) -> None:
+    """Calibrate, then measure and predict the held-out sharded grid (see the module docstring)."""
+    validate(out, profile or out / "profile.json", iters, echo=lambda line: click.echo(line, err=True))
+
+
+if __name__ == "__main__":
+    pd.set_option("display.width", 200)
+    sys.exit(main())
