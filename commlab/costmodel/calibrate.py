@@ -167,7 +167,11 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                     "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),
                     "allocator": results[0].get("allocator", {}),
                     # what forward keeps for backward (sharded calibrations only): the predicted peak's
-                    **({"activation_bytes": results[0]["activation_bytes"]} if "activation_bytes" in results[0] else {})},
+                    **({"activation_bytes": results[0]["activation_bytes"]} if "activation_bytes" in results[0] else {}),
+                    # allocating a buffer anew (sharded calibrations only; the slowest rank's)
+                    **({"fresh_memory": fit_table(spec["sizes"], [max(r["fresh_memory"][i] for r in results)
+                                                                 for i in range(len(spec["sizes"]))])}
+                       if "fresh_memory" in results[0] else {})},
         "contention": contention,
         "collectives": collectives,
         "concurrency": concurrency,

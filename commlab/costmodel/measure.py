@@ -34,7 +34,7 @@ import torch.distributed as dist
 import commlab
 from commlab import collectives
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
-from commlab.costmodel.measure_sharded import activation_bytes, time_sharded
+from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
 
 
@@ -58,6 +58,7 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     model = _fresh_model(spec)
     if spec.get("sharded_algorithms"):  # the sharded collectives' tables and the activations' bytes
         out["sharded"] = time_sharded(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
+        out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)
         out["activation_bytes"] = activation_bytes(model, workload.loss_fn, batch)
     compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
     # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the

@@ -44,6 +44,25 @@ def time_sharded(algorithms: list[str], sizes: list[int], iters: int,
     return out
 
 
+def fresh_memory(sizes: list[int], iters: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """Seconds to allocate ``nbytes`` anew and write them once, beyond writing a buffer already
+    held, per size: what the sharded engine pays each step for the buffers it allocates again
+    (stage 3's gathered parameters, every stage's gradient buckets and reduced shards). On CPU a
+    block above glibc's mmap threshold comes back from the kernel as fresh pages, each faulted on
+    first write; held or small blocks cost nothing here. Measured on every rank at once, as
+    the ranks fault at once in a step."""
+    clock = clock_for(device)
+    out = []
+    for nbytes in sizes:
+        numel = max(nbytes // 4, 1)
+        held = torch.empty(numel, dtype=torch.float32, device=device)
+        held.fill_(1.0)
+        reuse = _median(clock, iters, lambda: held.fill_(1.0))
+        fresh = _median(clock, iters, lambda: torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0))
+        out.append(max(fresh - reuse, 0.0))
+    return out
+
+
 def _median(clock, iters: int, call) -> float:
     samples = []
     for it in range(iters + 1):

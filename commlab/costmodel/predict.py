@@ -68,8 +68,10 @@ def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> Sh
     if algorithm not in have or algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(have)) or 'none'}): calibrate again")
+    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
     return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
-                         activation_bytes=entry["compute"].get("activation_bytes", 0))
+                         activation_bytes=entry["compute"].get("activation_bytes", 0),
+                         fresh=cost_from_entry(fresh) if fresh else None)
 
 
 def knob(cfg: Any, name: str) -> Any:

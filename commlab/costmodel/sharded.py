@@ -21,7 +21,9 @@ order the real engine (commlab/sharded/engine.py) does things:
 - the optimizer waits for every reduction and steps 1/world of the parameters.
 
 Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "all_gather",
-algorithm, world) tables. Not modelled: buckets the root module uses itself (the engine keeps
+algorithm, world) tables, and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
+faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
+shards. Not modelled: buckets the root module uses itself (the engine keeps
 them gathered), stage 1's copy of the reduced gradient into the shard, the gathers of no_sync
 micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
 """
@@ -75,14 +77,19 @@ class ShardedCosts:
     all_gather: Callable[[int], float]
     world_size: int
     activation_bytes: int = 0  # what the profile says the forward keeps for backward (0: unknown)
+    fresh: Callable[[int], float] | None = None  # bytes allocated anew and written once -> seconds
+
+    def alloc(self, nbytes: float) -> float:
+        return self.fresh(int(nbytes)) if self.fresh is not None and nbytes > 0 else 0.0
 
 
 def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
-                  activation_bytes: int = 0) -> ShardedCosts:
+                  activation_bytes: int = 0, fresh: Callable[[int], float] | None = None) -> ShardedCosts:
     """ValueError if the system lacks an all-reduce, reduce-scatter or all-gather table for them."""
     return ShardedCosts(step_costs(system, profile, algorithm, world_size, activation_bytes),
                         system.collective("reduce_scatter", algorithm, world_size),
-                        system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes))
+                        system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes),
+                        fresh)
 
 
 def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[int]]:
@@ -133,7 +140,8 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
     for j in range(n):  # forward all-gathers: launched by the optimizer step (1-2) or a pre-hook (3)
         hook = max(0, j - setting.prefetch)
         deps = () if stage < 3 else (f"fwd{hook - 1}",) if hook else before_forward
-        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]), deps, j)
+        fresh = costs.alloc(full[j]) if stage == 3 else 0.0  # stage 3 gathers into storage allocated again
+        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + fresh, deps, j)
     for b in range(n):
         compute(f"fwd{b}", sc.forward_s * share[b], "forward", (f"gather{b}",), bucket=b, waits_gather=True)
     regather = stage == 3 and setting.reshard
@@ -141,14 +149,17 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
         for b in range(n):
             at = min(first[h] for h in range(b, min(b + setting.prefetch, n - 1) + 1))
             deps = (f"grad{sc.ready_order[at - 1]}",) if at else (f"fwd{n - 1}",)
-            comm((1, at, 0, -b), f"regather{b}", ALLGATHER, costs.all_gather(full[b]), deps, b)
+            comm((1, at, 0, -b), f"regather{b}", ALLGATHER, costs.all_gather(full[b]) + costs.alloc(full[b]), deps, b)
     reduce_kind, reduce_cost = (ALLREDUCE, sc.allreduce) if stage == 1 else (REDUCESCATTER, costs.reduce_scatter)
     for b in range(n):
-        comm((1, when[b], 1, launches.index(b)), f"reduce{b}", reduce_kind, reduce_cost(full[b]), (f"launch{b}",), b)
+        out = costs.alloc(full[b] / costs.world_size) if stage >= 2 else 0.0  # the reduced shard, new each step
+        comm((1, when[b], 1, launches.index(b)), f"reduce{b}", reduce_kind, reduce_cost(full[b]) + out, (f"launch{b}",), b)
     starts = {first[b]: b for b in range(n)}
     for j, p in enumerate(sc.ready_order):
         deps = (f"regather{owner[p]}",) if regather and starts.get(j) == owner[p] else ()
-        compute(f"grad{p}", grad_s[j], "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
+        # a bucket's first gradient allocates its full gradient buffer (dropped every step)
+        alloc = costs.alloc(full[owner[p]]) if starts.get(j) == owner[p] else 0.0
+        compute(f"grad{p}", grad_s[j] + alloc, "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
         for b in launches:
             if when[b] == j:
                 # Stages 2-3 keep one reduce-scatter in flight (commlab/sharded/engine.py, as torch's
