@@ -217,7 +217,8 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
 def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
     """Predicted peak bytes per rank: the ZeRO model in fp32 with ``setting.optimizer_bytes`` of
     optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
-    terms (stage 3 without reshard holds every gathered bucket), plus the profile's activations
+    terms (stage 3 without reshard holds every gathered bucket), plus the largest parameter's
+    gradient as autograd makes it (before the copy into its bucket), plus the profile's activations
     (what autograd saves in one forward, commlab/costmodel/measure_sharded.py; 0 in a profile
     made without them). Left out: the allocator's caching and fragmentation, the forward's
     transient tensors that are not saved, the temporaries of the optimizer's step and of the
@@ -230,7 +231,10 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     base = zero_memory(sum(unpadded), w, setting.stage, "fp32", optimizer_bytes=k).total
     m = bucket_memory([f // ELEMENT for f in full], w, setting.stage, setting.prefetch, ELEMENT, int(k), unpadded)
     gathered = sum(full) if setting.stage == 3 and not setting.reshard else m.gathered
-    return int(base + gathered + m.reduce_scatter + m.padding + costs.activation_bytes)
+    # autograd's own .grad of a parameter lives until the hook has copied it into the bucket: the
+    # largest parameter's bytes at once (DDP's peak counts every .grad already)
+    transient = max(costs.step.param_nbytes, default=0)
+    return int(base + gathered + m.reduce_scatter + m.padding + costs.activation_bytes + transient)
 
 
 def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:

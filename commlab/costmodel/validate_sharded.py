@@ -49,9 +49,9 @@ def tuned_config(entry: dict, grid: list, budget: float, echo):
     return dataclasses.replace(base, stage=best.stage, bucket_mb=float(best.bucket_cap_mb), prefetch=prefetch), best
 
 
-def validate(out: Path, profile: Path, iters: int, echo=lambda line: None) -> dict:
+def validate(out: Path, profile: Path, iters: int, echo=lambda line: None, part: dict | None = None) -> dict:
     out = Path(out)
-    plan = plan_of({**HELD_OUT, "iters": iters, "warmup": 2}, out)
+    plan = plan_of({**HELD_OUT, **(part or {}), "iters": iters, "warmup": 2}, out)
     runner.check_plan(plan)
     grid = list(plan.configs)
     begin = time.monotonic()
@@ -102,9 +102,13 @@ def validate(out: Path, profile: Path, iters: int, echo=lambda line: None) -> di
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="profile file [OUT/profile.json]; calibration always runs again (the machine drifts)")
 @click.option("--iters", default=10, show_default=True, help="measured steps per configuration and direction")
-def main(out: Path, profile: Path | None, iters: int) -> None:
+@click.option("--model", default=HELD_OUT["model"], show_default=True, help="the workload (as sweep --model)")
+@click.option("--model-args", default=HELD_OUT["model_args"], show_default=True)
+@click.option("--global-batch", default=HELD_OUT["global_batch"], show_default=True, type=int)
+def main(out: Path, profile: Path | None, iters: int, model: str, model_args: str, global_batch: int) -> None:
     """Calibrate, then measure and predict the held-out sharded grid (see the module docstring)."""
-    validate(out, profile or out / "profile.json", iters, echo=lambda line: click.echo(line, err=True))
+    part = {"model": model, "model_args": model_args, "global_batch": global_batch}
+    validate(out, profile or out / "profile.json", iters, echo=lambda line: click.echo(line, err=True), part=part)
 
 
 if __name__ == "__main__":
