@@ -26,7 +26,7 @@ the parameters torch's DDP gives, and the same state dict.
 """
 
 from commlab.sharded.distributed import ShardedDataParallel
-from commlab.sharded.memory import ShardedMemory
+from commlab.sharded.memory import ShardedMemory, track_memory
 from commlab.sharded.memory_model import StageMemory, bucket_memory, zero_memory
 from commlab.sharded.timing import CollectiveTiming, ShardedIterationTiming
 
@@ -37,5 +37,6 @@ __all__ = [
     "ShardedMemory",
     "StageMemory",
     "bucket_memory",
+    "track_memory",
     "zero_memory",
 ]
