@@ -8,6 +8,8 @@ gradient (``torch.autograd.grad(out, inp)``: the engine skips the weight-gradien
 the ``x^T g`` of a Linear), keeping each layer's output gradient. W then asks only for the
 weights (``backward(out, g, inputs=params)``), which runs just the skipped kernels. A layer that
 is itself a composite (a transformer block) re-traverses its own graph in W; its result is exact.
+A traced stage (any module cut by name) is one graph: I keeps the gradient at each node that
+feeds a weight, and W starts there (:mod:`weight_split`), as torch's pipelining does.
 
 :func:`recompute` replays a checkpointed forward with the first run's RNG state and restores the
 stage's buffers afterwards, so BatchNorm's running statistics are updated once per micro-batch
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from commlab.pipeline.runtime.values import Value, detached, floats, pairs
+from commlab.pipeline.runtime.weight_split import split_input_grad, split_weight_grad
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Layer:
     out: Value
     params: list[torch.Tensor]
     grad: tuple | None = None  # the output's gradient (one per floating element), kept by I for W
+    whole: bool = False  # a whole traced stage: one graph, split by weight nodes (weight_split.py)
+    kept: list | None = None  # what I kept at the weight nodes for W (a whole stage's only)
 
 
 @dataclass
@@ -50,10 +55,10 @@ class Stashed:
 
 def forward_layers(module: nn.Module, x: Value) -> tuple[Value, list[Layer]]:
     """Run an nn.Sequential one layer at a time, each layer's graph cut at its input; any other
-    stage (a traced model's) is one layer, whose W re-traverses the stage's graph."""
+    stage (a traced model's) is one layer, whose backward weight_split.py splits."""
     if not isinstance(module, nn.Sequential):
         out = module(x)
-        return out, [Layer(x, out, [p for p in module.parameters() if p.requires_grad])]
+        return out, [Layer(x, out, [p for p in module.parameters() if p.requires_grad], whole=True)]
     layers: list[Layer] = []
     h = x
     for k, layer in enumerate(module.children()):
@@ -78,7 +83,12 @@ def input_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | Non
         ins = [t for t in floats(layer.inp) if t.requires_grad]
         if not outs or not ins:
             return None
-        found = iter(torch.autograd.grad(outs, ins, gs, retain_graph=True, allow_unused=True))
+        split = split_input_grad(outs, gs, ins, layer.params) if layer.whole and layer.params else None
+        if split is not None:
+            found_grads, layer.kept = split
+        else:
+            found_grads = torch.autograd.grad(outs, ins, gs, retain_graph=True, allow_unused=True)
+        found = iter(found_grads)
         grad = tuple(next(found) if t.requires_grad else None for t in floats(layer.inp))
         grad = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grad, floats(layer.inp)))
     return grad
@@ -100,10 +110,13 @@ def full_grad(layers: list[Layer], grad: tuple | None, root: torch.Tensor | None
 def weight_grad(layers: list[Layer]) -> None:
     """W: accumulate every layer's weight gradients from the output gradients I kept."""
     for layer in layers:
-        outs, gs = pairs(layer.out, layer.grad)
-        if layer.params and outs:
-            torch.autograd.backward(outs, gs, inputs=layer.params)
-        layer.grad = None
+        if layer.kept is not None:  # only the weight nodes' own halves (weight_split.py)
+            split_weight_grad(layer.kept)
+        else:
+            outs, gs = pairs(layer.out, layer.grad)
+            if layer.params and outs:
+                torch.autograd.backward(outs, gs, inputs=layer.params)
+        layer.grad, layer.kept = None, None
 
 
 def recompute(module: nn.Module, device: torch.device, rng: tuple, run: Callable[[], tuple]) -> tuple:
