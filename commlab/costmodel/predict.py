@@ -17,7 +17,9 @@ from typing import Any
 from commlab.costmodel.costs import Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
 from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
 from commlab.costmodel.sharded import ShardedCosts, ShardedSetting, sharded_breakdown, sharded_costs, simulate_sharded
+from commlab.sweep.sharding import comm_bytes
 from commlab.sweep.spec import Config
+from commlab.sweep.store import MEASURE_COLUMNS
 
 SOURCE = "predicted"
 SHARDED_DEFAULTS = {"stage": 0, "prefetch": 1, "reshard": True}  # the sweep's keys for sharded runs
@@ -119,7 +121,7 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     rec = record(cfg, started, results)
     rec["source"] = SOURCE
     # runs.csv takes these from the record, as the sweep's runner puts them (store.MEASURE_COLUMNS).
-    rec["measures"] = {c: row[c] for c in ("peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter")}
+    rec["measures"] = {c: row[c] for c in MEASURE_COLUMNS}
     return rec
 
 
@@ -129,7 +131,8 @@ def ddp_columns(costs: StepCosts, world_size: int) -> dict[str, float]:
     default gradient_as_bucket_view=False writes clones back, commlab/ddp/bucket.py as torch's
     reducer), plus the profile's activations; and the all-reduce's 2 (N-1)/N of the gradients sent."""
     total = sum(costs.param_nbytes)
-    return {"peak_bytes": 3 * total + costs.activation_bytes, "comm_bytes": int(round(2 * total * (world_size - 1) / world_size)),
+    sent = int(round(comm_bytes([("all_reduce", total)], world_size)))
+    return {"peak_bytes": 3 * total + costs.activation_bytes, "comm_bytes": sent,
             "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
 
 

@@ -238,9 +238,12 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
 
 
 def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
-    """Bytes one rank sends per step by the standard accounting (a ring's): an all-gather or a
-    reduce-scatter of B bytes sends (N-1)/N B, an all-reduce 2 (N-1)/N B."""
-    w, total = costs.world_size, sum(padded_bytes(costs, buckets))
+    """Bytes one rank sends per step, counted as the sweep counts what a run sent
+    (commlab/sweep/sharding.py: the standard accounting of the bandwidth-optimal collectives)."""
+    from commlab.sweep.sharding import comm_bytes as sent
+
+    full = padded_bytes(costs, buckets)
     gathers = 2 if setting.stage == 3 and setting.reshard else 1
-    reduction = 2 if setting.stage == 1 else 1
-    return int(round((gathers + reduction) * total * (w - 1) / w))
+    reduction = "all_reduce" if setting.stage == 1 else "reduce_scatter"
+    return int(round(sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full],
+                          costs.world_size)))

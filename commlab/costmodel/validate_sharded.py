@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import click
-import pandas as pd
 
 from commlab._atomic import write_text
 from commlab.costmodel import compare, session
@@ -115,5 +114,4 @@ def main(out: Path, profile: Path | None, iters: int, model: str, model_args: st
 
 
 if __name__ == "__main__":
-    pd.set_option("display.width", 200)
     sys.exit(main())

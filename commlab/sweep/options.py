@@ -38,12 +38,16 @@ def positive_float(text: str, option: str) -> float:
 
 
 def positive_int(text: str, option: str) -> int:
+    return _int_at_least(text, option, 1, "a positive integer")
+
+
+def _int_at_least(text: str, option: str, low: int, what: str) -> int:
     try:
         value = int(str(text))
     except ValueError:
         raise ValueError(f"--{_dash(option)}: {text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"--{_dash(option)}: {text!r} must be a positive integer")
+    if value < low:
+        raise ValueError(f"--{_dash(option)}: {text!r} must be {what}")
     return value
 
 
@@ -86,13 +90,7 @@ def stage_value(text: str, option: str) -> int:
 
 
 def non_negative_int(text: str, option: str) -> int:
-    try:
-        value = int(str(text))
-    except ValueError:
-        raise ValueError(f"--{_dash(option)}: {text!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"--{_dash(option)}: {text!r} must be a non-negative integer")
-    return value
+    return _int_at_least(text, option, 0, "a non-negative integer")
 
 
 def _scalar(text: str) -> Any:
