@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_gpu.py", "tests/test_ddp.py", "tests/test_collectives.py", "tests/test_predict_device.py"]
+TESTS = [
+    "tests/test_gpu.py",
+    "tests/test_ddp.py",
+    "tests/test_collectives.py",
+    "tests/test_predict_device.py",
+    "tests/test_memtrack.py",
+]
 
 
 def main() -> int:

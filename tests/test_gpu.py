@@ -10,6 +10,7 @@ Skipped without CUDA, with the reason; scripts/gpu_check.py runs this file on a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -131,3 +132,46 @@ def _gloo_on_one_gpu() -> dict:
 def test_gloo_with_cuda_tensors_two_ranks_on_one_gpu_matches_torch_ddp():
     for out in commlab.launch(_gloo_on_one_gpu, world_size=2, backend="gloo", timeout=180):
         assert out["diff"] <= 1e-6 and out["ordered"] and out["buckets"] > 1 and out["device_keywords"], out
+
+
+def _sharded_on_gpu() -> dict:
+    """Stages 1-3 on CUDA tensors: the same parameters as torch's DDP (both on this backend), the
+    flat shards and gathers on the GPU, and the step's peak read from the CUDA allocator."""
+    from commlab.sharded import ShardedDataParallel, track_memory
+
+    device = torch.device("cuda", torch.cuda.current_device() if dist.get_backend() == "nccl" else 0)
+    torch.cuda.set_device(device)
+    torch.manual_seed(dist.get_rank())
+    base = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).to(device)
+    out = {}
+    theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index])
+    reference = None
+    for stage in (0, 1, 2, 3):
+        model = theirs if stage == 0 else ShardedDataParallel(copy.deepcopy(base), stage=stage, bucket_cap_mb=0.1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        tracker = track_memory(model) if stage else contextlib.nullcontext()
+        with tracker:
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+                x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        state = (model.module if stage == 0 else model).state_dict()
+        if stage == 0:
+            reference = state
+            continue
+        out[f"diff{stage}"] = max((state[k] - reference[k]).abs().max().item() for k in reference)
+        out[f"on_gpu{stage}"] = all(b.shard.device == device for b in model.buckets)
+        out[f"peak{stage}"] = model.memory(opt).peak
+    return out
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sharded_stages_on_cuda_match_torch_ddp_on_nccl_and_on_gloo():
+    for backend, world in (("nccl", 1), ("gloo", 2)):
+        for out in commlab.launch(_sharded_on_gpu, world_size=world, backend=backend, timeout=180):
+            assert all(out[f"diff{s}"] <= 1e-5 for s in (1, 2, 3)), (backend, out)
+            assert all(out[f"on_gpu{s}"] for s in (1, 2, 3)), (backend, out)
+            assert all(out[f"peak{s}"] and out[f"peak{s}"] > 0 for s in (1, 2, 3)), (backend, out)

@@ -93,7 +93,8 @@ def test_the_peak_falls_stage_by_stage_and_stage3_stays_under_its_bound(world2):
         assert peaks[3] <= _stage3_bound(rank["stages"][3]), (peaks[3], _stage3_bound(rank["stages"][3]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.py on a GPU machine)")
 def test_the_cuda_allocator_counts_the_same_window():
     with track_peak("cuda") as both:
         a = torch.empty(MB // 4, device="cuda")
