@@ -32,3 +32,14 @@ def test_halving_doubling_on_three_ranks_is_refused_before_any_collective(ring3)
     for result in ring3:  # the ring cases that follow it in the same processes passed above
         message = result["halving_doubling"]
         assert message.startswith("ValueError") and "power-of-two world size, got 3" in message and "'ring'" in message
+
+
+def test_auto_picks_the_ring_for_cpu_tensors_on_gloo_and_the_backends_own_otherwise():
+    from commlab.sharded.comm import resolve_algorithm
+
+    assert resolve_algorithm("auto", "gloo") == "ring"
+    assert resolve_algorithm("auto", "gloo", "cuda") == "native"  # Gloo has no CUDA send/recv
+    assert resolve_algorithm("auto", "nccl", "cuda") == "native"
+    assert resolve_algorithm("halving_doubling", "nccl", "cuda") == "halving_doubling"
+    with pytest.raises(ValueError, match="Gloo has for CPU tensors only"):
+        resolve_algorithm("ring", "gloo", "cuda")

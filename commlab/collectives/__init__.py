@@ -53,7 +53,7 @@ register("halving_doubling")(_p2p_algorithm("halving_doubling", all_reduce_halvi
 
 def _native(tensor: torch.Tensor, op: str = "sum", *, group=None, async_op: bool = False):
     check_op(op)
-    check_tensor(tensor, group)
+    check_tensor(tensor, group, p2p=False)
     # Issued on the group's one path, so it never lands inside a p2p batch of another thread.
     return run_ordered(group, lambda: native_all_reduce(tensor, op, group=group, async_op=async_op))
 

@@ -22,8 +22,11 @@ def check_op(op: str) -> None:
         raise ValueError(f"unknown reduce op {op!r}: choose from {', '.join(OPS)}")
 
 
-def check_tensor(tensor: torch.Tensor, group=None) -> None:
-    """Raise ValueError for a tensor no algorithm here reduces correctly, before any message."""
+def check_tensor(tensor: torch.Tensor, group=None, *, p2p: bool = True) -> None:
+    """Raise ValueError for a tensor no algorithm here reduces correctly, before any message.
+
+    ``p2p=False`` for the backend's own collective: Gloo reduces CUDA tensors itself (torch's
+    ProcessGroupGloo has CUDA all-reduce algorithms) but has no CUDA send/recv for the p2p ones."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -38,7 +41,7 @@ def check_tensor(tensor: torch.Tensor, group=None) -> None:
     backend = str(dist.get_backend(group)).lower()
     if backend == "nccl" and not tensor.is_cuda:
         raise ValueError("backend 'nccl' reduces CUDA tensors: move the tensor to this rank's GPU")
-    if backend == "gloo" and tensor.device.type != "cpu":
+    if p2p and backend == "gloo" and tensor.device.type != "cpu":
         raise ValueError(f"the p2p algorithms on backend 'gloo' need CPU tensors, got {tensor.device}")
 
 

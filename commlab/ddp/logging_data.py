@@ -136,7 +136,8 @@ class DDPLogging:
         if reducer.grad_order:
             d["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, reducer.grad_order))
         clock = reducer.clock
-        comm_start = min((b[5] for b in raw.buckets), default=raw.end)
+        # The first launch: stamps are floats on CPU but CUDA events on GPU, so order by elapsed time.
+        comm_start = min((b[5] for b in raw.buckets), key=lambda s: clock.seconds(raw.start, s), default=raw.end)
         compute_end = raw.backward_end if raw.backward_end is not None else raw.end
         ns = lambda a, b: max(0, int(round(clock.seconds(a, b) * 1e9)))  # noqa: E731
         times = {

@@ -56,9 +56,10 @@ def check_algorithm(algorithm: str, world: int | None = None) -> None:
         check_scatter_gather(algorithm, world)
 
 
-def resolve_algorithm(algorithm: str, backend: str) -> str:
-    """The algorithm ``algorithm`` names on ``backend``: itself, or for "auto" the ring on Gloo and
-    the backend's own collectives elsewhere.
+def resolve_algorithm(algorithm: str, backend: str, device_type: str = "cpu") -> str:
+    """The algorithm ``algorithm`` names on ``backend`` for tensors on ``device_type``: itself, or
+    for "auto" the ring on Gloo with CPU tensors and the backend's own collectives elsewhere (Gloo
+    has no CUDA send/recv, so a p2p algorithm with CUDA tensors on Gloo is a ValueError).
 
     Why not Gloo's own: torch 2.13's ProcessGroupGloo has no reduce-scatter algorithm for a flat
     tensor: ``reduce_scatter_tensor_coalesced`` clones the whole input, all-reduces the clone and
@@ -69,9 +70,13 @@ def resolve_algorithm(algorithm: str, backend: str) -> str:
     27-31, ring 20-21, halving-doubling 18-21; all-reduce 23-25; all-gather native 22-25, ring
     13-15, halving-doubling 14-15. NCCL's own reduce-scatter and all-gather are real ones."""
     check_algorithm(algorithm)
-    if algorithm != AUTO:
-        return algorithm
-    return "ring" if str(backend).lower() == "gloo" else "native"
+    gloo = str(backend).lower() == "gloo"
+    if algorithm == AUTO:
+        return "ring" if gloo and device_type == "cpu" else "native"
+    if gloo and device_type != "cpu" and algorithm != "native":
+        raise ValueError(f"algorithm={algorithm!r} runs on send/recv, which Gloo has for CPU tensors only: "
+                         f"use 'native' (or 'auto') with {device_type} tensors on Gloo")
+    return algorithm
 
 
 def algorithms_for(world: int) -> list[str]:

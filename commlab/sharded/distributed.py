@@ -90,7 +90,8 @@ class ShardedDataParallel(nn.Module):
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
         self.process_group = process_group
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group))
+        device_type = next((p.device.type for p in module.parameters()), "cpu")  # one device: plan_buckets
+        algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group), device_type)
         comm.check_algorithm(algorithm, world)  # the world size's limits, before the first collective
         self.algorithm, self.bucket_policy = algorithm, policy  # the algorithm that runs, "auto" resolved
         # Every rank starts from group rank 0's values, as DDP's construction broadcast.
