@@ -167,3 +167,27 @@ def test_calibration_measures_reduce_scatter_and_all_gather_tables_in_one_launch
     assert entry["compute"]["activation_bytes"] >= 8 * 32 * 4
     answer = sharded_answer(entry, stages=(1, 2, 3), algorithms=("native", "ring"))
     assert answer["stage"] in (1, 2, 3) and answer["predicted_step_s"] > 0
+
+
+def test_an_unsteady_calibration_gives_the_lowest_stage_that_fits_at_the_defaults_unless_forced(tmp_path, no_spawn):
+    path = tmp_path / "unsteady.json"
+    unsteady = {**STEADY, "steady": False, "spread": 0.85, "reasons": ["repeated micro-benchmarks spread by 85%"]}
+    prof.store(path, sharded_entry(steadiness=unsteady))
+    args = [*TUNE, "--profile", str(path), "--json", "--stage", "auto", "--optimizer-bytes", "8"]
+    searched = json.loads(invoke(*args, "--force").output)["sharded"]
+    assert searched["chosen_by"] == "search" and not searched["steady"]
+    peaks = {int(k): b["predicted_peak_bytes"] for k, b in searched["by_stage"].items()}
+    for limit in (None, 0.8 * peaks[0] / 2**30):  # no limit: stage 0 fits; 4/5 of its peak: it does not
+        extra = [] if limit is None else ["--memory-gb", repr(limit)]
+        r = invoke(*args, *extra)
+        assert r.exit_code == 0, r.output
+        s = json.loads(r.output)["sharded"]
+        fits = [int(k) for k, b in s["by_stage"].items() if b["fits"]]
+        assert s["chosen_by"] == "default" and s["stage"] == min(fits)
+        want_algorithm = "native" if s["stage"] == 0 else "ring"  # what "auto" runs on Gloo with CPU tensors
+        assert s["kwargs"]["algorithm"] == want_algorithm
+        assert s == commlab.tune("mlp", model_args="depth=2,width=64", profile=path, stage="auto",
+                                 memory_gb=limit, optimizer_bytes=8)["sharded"]
+    assert s["stage"] >= 1 and s["kwargs"].get("prefetch", 1) == 1
+    text = invoke(*[a for a in args if a != "--json"]).output
+    assert "not a search" in text and "--force" in text

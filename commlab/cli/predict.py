@@ -238,7 +238,8 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
         try:
             for entry, r in zip(entries.values(), results):
                 r["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=optimizer_bytes,
-                                              memory_bytes=None if memory_gb is None else memory_gb * 2**30)
+                                              memory_bytes=None if memory_gb is None else memory_gb * 2**30,
+                                              force=force)
         except ValueError as err:
             raise click.ClickException(str(err)) from None
     if as_json:

@@ -39,9 +39,13 @@ def sharded_text(r: dict) -> str:
     limit = "no memory limit" if r["memory_limit_bytes"] is None else f"fits {gib(r['memory_limit_bytes'])}"
     lines = [f"  sharded ({limit}; {r['searched']} candidates): {wrapper}(model, {kw})  "
              f"step {r['predicted_step_s'] * 1e3:.1f} ms, peak {gib(r['predicted_peak_bytes'])} per rank"]
-    if not r.get("steady", True):
-        lines.append("    UNSTEADY calibration: the machine's load bent these numbers; calibrate again on a quiet "
-                     "machine (--recalibrate) before trusting the pick")
+    if r.get("chosen_by") == "default":
+        lines.append("    UNSTEADY calibration: the machine's load bent the predicted times, so this is the lowest "
+                     "stage that fits at the default settings, not a search; calibrate again on a quiet machine "
+                     "(--recalibrate), or pass --force to see the search's pick")
+    elif not r.get("steady", True):
+        lines.append("    UNSTEADY calibration (--force): the machine's load bent these numbers; calibrate again on a "
+                     "quiet machine (--recalibrate) before trusting the pick")
     for s in map(str, STAGES):
         if s in r["by_stage"]:
             b = r["by_stage"][s]

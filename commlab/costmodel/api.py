@@ -63,5 +63,6 @@ def tune(model_or_name: str | torch.nn.Module, *, model_args: str | dict = "", b
     result = tune_entry(entry, algorithms=names, policies=tuple(bucket_policies), force=force)
     if stages is not None:
         result["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=optimizer_bytes,
-                                           memory_bytes=None if memory_gb is None else memory_gb * 2**30)
+                                           memory_bytes=None if memory_gb is None else memory_gb * 2**30,
+                                           force=force)
     return result

@@ -7,11 +7,17 @@ on; stages 1-3 with commlab/costmodel/sharded.py) and its peak bytes per rank pr
 answer is the fastest candidate whose predicted peak fits, over every algorithm that has the
 collectives a stage needs. Near-ties (1e-9 relative) go to the smaller peak. When nothing fits,
 a ValueError names the smallest peak found, so the user knows how much memory would do.
+
+An UNSTEADY calibration (commlab/costmodel/uncertainty.py) bends the predicted times, not the
+predicted bytes, so without ``force`` the answer is then chosen without times
+(:func:`default_pick`): the lowest stage that fits, at the defaults' settings, as DDP's answer is
+then its default.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +108,22 @@ def pick(found: Sequence[ShardedCandidate], memory_bytes: float | None) -> Shard
     return best
 
 
+DEFAULT_MB = 25.0  # ShardedDataParallel's and DDP's default bucket_cap_mb
+
+
+def default_pick(found: Sequence[ShardedCandidate], memory_bytes: float | None,
+                 defaults: dict[int, str]) -> ShardedCandidate:
+    """The answer chosen without predicted times: the lowest stage with a candidate that fits
+    (fewer collectives per step), then the candidate nearest the defaults (``defaults[stage]``'s
+    algorithm, prefetch 1, reshard on, the bucket cap nearest 25 MB); ValueError as :func:`pick`."""
+    pick(found, memory_bytes)  # the same errors when nothing fits
+    fits = [c for c in found if memory_bytes is None or c.peak_bytes <= memory_bytes]
+    stage = min(c.stage for c in fits)
+    return min((c for c in fits if c.stage == stage),
+               key=lambda c: (c.algorithm != defaults.get(c.stage), c.prefetch != 1, not c.reshard,
+                              abs(math.log(c.bucket_cap_mb / DEFAULT_MB)), c.peak_bytes))
+
+
 def parse_stages(value: int | str) -> tuple[int, ...]:
     """"auto" -> every stage; "0".."3" (or an int) -> that one; ValueError otherwise."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -116,18 +138,27 @@ def parse_stages(value: int | str) -> tuple[int, ...]:
 
 
 def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes: float | None = None,
-                   algorithms: Sequence[str] | None = None, optimizer_bytes: float = 0.0) -> dict[str, Any]:
+                   algorithms: Sequence[str] | None = None, optimizer_bytes: float = 0.0,
+                   force: bool = False) -> dict[str, Any]:
     """The JSON answer of ``commlab tune --stage``: the pick, and per stage the fastest candidate
     that fits (or, where none does, the one with the smallest peak) so that a user sees what
-    memory buys."""
+    memory buys. ``chosen_by`` says "search" or, for an unsteady calibration without ``force``,
+    "default" (:func:`default_pick`)."""
     stages = tuple(stages)
     for s in stages:
         if s not in STAGES:
             raise ValueError(f"stage must be 0, 1, 2, 3 or auto, got {s!r}")
     if memory_bytes is not None and not memory_bytes > 0:
         raise ValueError(f"the memory limit must be positive, got {memory_bytes}")
+    from commlab.sharded.comm import resolve_algorithm  # what ShardedDataParallel's "auto" runs here
+
     found = candidates(entry, stages, algorithms, optimizer_bytes=optimizer_bytes)
-    best = pick(found, memory_bytes)
+    steady = entry.get("steadiness", {}).get("steady", True)  # commlab/costmodel/uncertainty.py's verdict
+    backend = entry["key"].get("backend", "gloo")
+    defaults = {0: "native", **{s: resolve_algorithm("auto", backend, "cpu" if backend == "gloo" else "cuda")
+                                for s in STAGES[1:]}}
+    chosen_by = "search" if steady or force else "default"
+    best = pick(found, memory_bytes) if chosen_by == "search" else default_pick(found, memory_bytes, defaults)
     per_stage = {}
     for s in stages:  # each stage's fastest that fits, else its smallest peak: what memory buys
         mine = [c for c in found if c.stage == s]
@@ -135,6 +166,5 @@ def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes:
         if mine:
             shown = pick(fits, None) if fits else min(mine, key=lambda c: (c.peak_bytes, c.step_s))
             per_stage[str(s)] = {**shown.as_json(), "fits": bool(fits)}
-    steady = entry.get("steadiness", {}).get("steady", True)  # commlab/costmodel/uncertainty.py's verdict
     return {**best.as_json(), "memory_limit_bytes": memory_bytes, "searched": len(found), "by_stage": per_stage,
-            "steady": steady}
+            "steady": steady, "chosen_by": chosen_by}
