@@ -14,7 +14,7 @@ from test_predict_cli import STEADY, invoke, synthetic_entry
 import commlab
 from commlab.costmodel import profile as prof
 from commlab.costmodel.costs import fit_table
-from commlab.sweep.spec import Config, build_plan, merge
+from commlab.sweep.spec import build_plan, merge
 
 TUNE = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64"]
 
