@@ -12,7 +12,6 @@ import commlab
 from commlab.memtrack import live_bytes, track_peak
 from commlab.models import mlp
 from commlab.sharded.memory import track_memory
-from commlab.sharded.memory_model import bucket_memory, zero_memory
 
 # Parameters outweigh activations: 8 blocks of 384 features (1.19 M parameters, 4.7 MB) against
 # a batch of 4 (a few KB per layer). Buckets of 0.25 MiB keep the transient full buckets small.

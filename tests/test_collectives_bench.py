@@ -13,7 +13,6 @@ from commlab.costmodel.alpha_beta import bandwidths, busbw_factor, fit_alpha_bet
 from commlab.cli.bench import bench_collectives
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table
 from commlab.bench.collectives_plugins import rank_data, reduced
-from commlab.cli import main
 
 
 def test_parse_and_format_sizes():

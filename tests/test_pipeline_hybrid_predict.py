@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from commlab.cli import main
 from commlab.costmodel import plan_calibrate
 from commlab.costmodel.buckets import bucket_tasks
-from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.costs import CollectiveCost, PointToPoint, StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, lower, predict
 from commlab.costmodel.plan import LayerProfile, candidates
 from commlab.costmodel.profile import machine_id

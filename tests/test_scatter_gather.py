@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
 import commlab
 from commlab.collectives.scatter_gather import check_scatter_gather, scatter_gather_names
