@@ -17,7 +17,8 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 - the end of backward writes buckets back in order, each once its all-reduce is done;
 - while compute and communication run at once, compute advances at 1/(1+kc) and communication
   at 1/(1+km); concurrent channels and lanes share one link, at ``lane_gain`` times one
-  collective's aggregate speed when more than one runs (measured, not assumed);
+  collective's aggregate speed when more than one runs (measured, not assumed: by size, from
+  buckets queued on distinct buffers as overlap-off DDP queues them, commlab/costmodel/measure_queue.py);
 - the model's compute is stretched by the co-run factor when more than one rank computes.
 """
 
@@ -51,6 +52,7 @@ class StepCosts(DDPProfile):
     # Collectives one channel runs at once, and their aggregate speed (costs.Contention).
     lanes: int = 1
     lane_gain: float = 1.0
+    lane_gain_at: Callable[[float], float] | None = None  # bytes -> gain, where measured by size
     activation_bytes: int = 0  # what forward keeps for backward, where calibration measured it (peak bytes)
 
 
@@ -59,12 +61,13 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
     """The lowering's costs of one workload on one algorithm and world size (ValueError if the
     system has no all-reduce cost for them). One rank has no co-run stretch."""
     c, o = system.contention_of(algorithm), system.overheads
+    table = system.collective("allreduce", algorithm, world_size)
     return StepCosts(
         **{f.name: getattr(profile, f.name) for f in fields(DDPProfile)},
         writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
-        allreduce=system.collective("allreduce", algorithm, world_size), lanes=c.lanes, lane_gain=c.lane_gain,
-        activation_bytes=int(activation_bytes))
+        allreduce=table, lanes=c.lanes, lane_gain=c.lane_gain,
+        lane_gain_at=(lambda n: c.gain_at(n, table(n))) if c.paired is not None else None, activation_bytes=int(activation_bytes))
 
 
 @dataclass(frozen=True)
@@ -134,16 +137,18 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
 
 
 def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
-                    comm_kinds: Sequence[str] = COMM_KINDS) -> Callable[[Task, Sequence[Task]], float]:
+                    comm_kinds: Sequence[str] = COMM_KINDS,
+                    gain_at: Callable[[float], float] | None = None) -> Callable[[Task, Sequence[Task]], float]:
     """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
-    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others).
+    beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others,
+    or ``gain_at`` of the collective's bytes where the gain was measured by size).
     ``comm_kinds``: the task kinds that are collectives (the sharded lowering has three)."""
 
     def rate(task: Task, others: Sequence[Task]) -> float:
         comm = [o for o in others if o.kind in comm_kinds]
         if task.kind in comm_kinds:
             slow = (1.0 + km) if len(comm) < len(others) else 1.0
-            gain = lane_gain if comm else 1.0
+            gain = (gain_at(task.meta["nbytes"]) if gain_at and "nbytes" in task.meta else lane_gain) if comm else 1.0
             return gain / (slow * (1 + len(comm)))
         return 1.0 / (1.0 + kc) if comm else 1.0
 
@@ -153,7 +158,7 @@ def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
 def simulate_step(costs: StepCosts, setting: DDPSetting) -> tuple[SimResult, list[list[int]]]:
     buckets = assign_buckets(costs, setting)
     tasks = lower(costs, setting, buckets)
-    return simulate(tasks, contention_rate(costs.kc, costs.km, costs.lane_gain)), buckets
+    return simulate(tasks, contention_rate(costs.kc, costs.km, costs.lane_gain, gain_at=costs.lane_gain_at)), buckets
 
 
 def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCosts) -> tuple[dict, list[dict]]:

@@ -13,9 +13,10 @@
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
 4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
-5. on Gloo, the native all-reduce's concurrency: two of about 8 MiB issued together against the
-   same two one after the other (Gloo's process group runs two collectives at once on its two
-   worker threads; commlab's p2p algorithms run one at a time on the group's worker).
+5. on Gloo, the native all-reduce's queue: at every table size, about the model's bytes of
+   buffers issued at once, as DDP hands its buckets over with overlap off (Gloo's process group
+   runs two collectives at once on its two worker threads; commlab's p2p algorithms run one at
+   a time on the group's worker): commlab/costmodel/measure_queue.py.
 
 On NCCL every step runs on the rank's GPU and is timed with CUDA events (the device and clock of
 commlab/costmodel/devicetime.py: the one difference from the CPU path), and the rank reports the
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import commlab
 from commlab import collectives
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
+from commlab.costmodel.measure_queue import queued
 from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
 
@@ -69,8 +71,8 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
                          for a, n in zip(spec["algorithms"], sizes)}
     out["corun"] = _corun(model, workload, batch, spec["reps"])
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
-        size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
-        out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        out["queue"] = {"native": queued(spec["sizes"], total, max(spec["reps"], 3))}
     out["allocator"] = allocator_state(device)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return out
@@ -251,28 +253,6 @@ def _together(algorithm: str, buf: torch.Tensor, compute, clock, side) -> tuple[
             handle.wait()
             end = clock.stamp(side)
     return clock.seconds(start, compute_end), clock.seconds(start, end)
-
-
-def _two_at_once(nbytes: int, reps: int) -> dict[str, float]:
-    """Step 5: two native all-reduces one after the other, then both queued at once."""
-    a, b = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(2))
-    apart, together = [], []
-    for it in range(reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        collectives.all_reduce(a, "sum", algorithm="native")
-        collectives.all_reduce(b, "sum", algorithm="native")
-        t1 = time.perf_counter()
-        dist.barrier()
-        t2 = time.perf_counter()
-        handles = [collectives.all_reduce(x, "sum", algorithm="native", async_op=True) for x in (a, b)]
-        for h in handles:
-            h.wait()
-        if it:  # the first pair warms the buffers and Gloo's pairs up
-            apart.append(t1 - start)
-            together.append(time.perf_counter() - t2)
-    return {"apart_s": float(statistics.median(apart)), "together_s": float(statistics.median(together)),
-            "nbytes": nbytes}
 
 
 def _corun(model, workload, batch, reps: int) -> dict[str, float]:

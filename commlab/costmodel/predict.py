@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from commlab.costmodel.costs import Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
+from commlab.costmodel.costs import CollectiveCost, Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
 from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
 from commlab.costmodel.sharded import ShardedCosts, ShardedSetting, sharded_breakdown, sharded_costs, simulate_sharded
 from commlab.sweep.sharding import comm_bytes
@@ -38,7 +38,8 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
         k = entry["contention"].get(algorithm, {"kc": 0.0, "km": 0.0})
         # optional (profiles made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
-        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]))
+        paired = CollectiveCost(tuple(lanes["sizes"]), tuple(lanes["paired_s"])) if "paired_s" in lanes else None
+        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired)
     tables = {("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()}
     for collective, by_algorithm in entry.get("sharded_collectives", {}).items():  # reduce_scatter, all_gather
         tables.update({(collective, a, world_size): cost_from_entry(t) for a, t in by_algorithm.items()})
