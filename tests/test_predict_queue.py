@@ -77,3 +77,33 @@ def test_calibration_keeps_the_slowest_ranks_queue_as_a_paired_table_and_predict
     costs = step_costs(system, _profile(1), "native", 2)
     assert costs.lane_gain_at(MIB) == pytest.approx(0.012 / 0.0075)
     assert costs.lane_gain_at(8 * MIB) == pytest.approx(1.6)
+
+
+def test_write_back_beside_a_collective_uses_the_copys_own_factors():
+    from commlab.costmodel.lower import contention_rate
+    from commlab.sim import Task
+
+    ar, wb, grad = (Task("ar", "chan0", 1.0, (), "allreduce", "rank"), Task("wb", "compute", 1.0, (), "writeback", "rank"),
+                    Task("g", "compute", 1.0, (), "backward", "rank"))
+    rate = contention_rate(kc=0.5, km=1.0, copy=(0.25, 3.0))
+    assert rate(ar, [wb]) == pytest.approx(1 / 4) and rate(wb, [ar]) == pytest.approx(1 / 1.25)
+    assert rate(ar, [grad]) == pytest.approx(1 / 2) and rate(grad, [ar]) == pytest.approx(1 / 1.5)
+    assert rate(ar, []) == 1.0 and rate(wb, []) == 1.0
+    same = contention_rate(kc=0.5, km=1.0)  # not measured: the model's factors
+    assert same(ar, [wb]) == pytest.approx(1 / 2) and same(wb, [ar]) == pytest.approx(1 / 1.5)
+
+
+def test_calibration_solves_the_copys_contention_and_prediction_binds_it():
+    spec = {"algorithms": ["native"], "sizes": [MIB, 8 * MIB]}
+    results = [_rank(0.050, [0.010, 0.080]), _rank(0.050, [0.010, 0.080])]
+    # copy alone 10 ms, collective alone 10 ms; together the copy ends at 12.5 ms (kc 0.25) and
+    # the collective at 20 ms: 12.5/(1+km) done by then, the rest alone -> km = 3
+    results[0]["copy_contention"] = {"native": {"compute_alone_s": 0.010, "comm_alone_s": 0.010,
+                                                "compute_both_s": 0.0125, "comm_both_s": 0.0125 + 0.010 - 0.0125 / 4}}
+    results[0]["contention"] = {"native": {"compute_alone_s": 0.1, "comm_alone_s": 0.1, "compute_both_s": 0.1,
+                                           "comm_both_s": 0.1}}
+    entry = assemble(results, spec, [8 * MIB], [(2 * MIB,)], {"model": "mlp"})
+    k = entry["contention"]["native"]
+    assert k["kc_copy"] == pytest.approx(0.25) and k["km_copy"] == pytest.approx(3.0)
+    costs = step_costs(system_from_entry(entry, 2), _profile(1), "native", 2)
+    assert (costs.kc_copy, costs.km_copy) == pytest.approx((0.25, 3.0)) and costs.kc == 0.0

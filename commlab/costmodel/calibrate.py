@@ -138,6 +138,11 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
     for algorithm, c in results[0]["contention"].items():
         kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
         contention[algorithm] = {"kc": kc, "km": km, "raw": c}
+        copy = results[0].get("copy_contention", {}).get(algorithm)
+        if copy:  # the write-back's copies beside the collective (profiles before it lack it)
+            kc_copy, km_copy = solve_contention(copy["compute_alone_s"], copy["comm_alone_s"],
+                                                copy["compute_both_s"], copy["comm_both_s"])
+            contention[algorithm].update(kc_copy=kc_copy, km_copy=km_copy, raw_copy=copy)
     concurrency = {}
     for algorithm in results[0].get("queue", {}):
         # The slowest rank's queue at each size: per collective while two run at once, a table of

@@ -92,6 +92,9 @@ class Contention:
     # Where calibration measured queued collectives (commlab/costmodel/measure_queue.py): the time
     # per collective while two run at once, by size; None: ``lane_gain`` at every size.
     paired: CollectiveCost | None = None
+    # A memory copy (a bucket's write-back) beside a collective, where measured; None: kc / km.
+    kc_copy: float | None = None
+    km_copy: float | None = None
 
     def gain_at(self, nbytes: float, alone_s: float) -> float:
         """The lanes' gain for collectives of ``nbytes`` that take ``alone_s`` one at a time: the

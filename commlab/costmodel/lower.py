@@ -19,6 +19,8 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
   at 1/(1+km); concurrent channels and lanes share one link, at ``lane_gain`` times one
   collective's aggregate speed when more than one runs (measured, not assumed: by size, from
   buckets queued on distinct buffers as overlap-off DDP queues them, commlab/costmodel/measure_queue.py);
+- a write-back (a memory copy) beside a collective uses its own pair of factors, measured with a
+  copy against the all-reduce (commlab/costmodel/measure_queue.py), where calibration has them;
 - the model's compute is stretched by the co-run factor when more than one rank computes.
 """
 
@@ -35,6 +37,7 @@ from commlab.sweep.store import STEP_COLUMNS
 
 COMPUTE = "compute"
 COMM_KINDS = ("allreduce",)
+COPY_KINDS = ("writeback",)  # memory copies: their own contention where calibration measured it
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class StepCosts(DDPProfile):
     lanes: int = 1
     lane_gain: float = 1.0
     lane_gain_at: Callable[[float], float] | None = None  # bytes -> gain, where measured by size
+    # the write-back's copies beside a collective (costs.Contention); None: kc / km
+    kc_copy: float | None = None
+    km_copy: float | None = None
     activation_bytes: int = 0  # what forward keeps for backward, where calibration measured it (peak bytes)
 
 
@@ -67,7 +73,8 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
         writeback_s_per_byte=o.writeback_s_per_byte, bucket_fixed_s=o.bucket_fixed_s,
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
         allreduce=table, lanes=c.lanes, lane_gain=c.lane_gain,
-        lane_gain_at=(lambda n: c.gain_at(n, table(n))) if c.paired is not None else None, activation_bytes=int(activation_bytes))
+        lane_gain_at=(lambda n: c.gain_at(n, table(n))) if c.paired is not None else None,
+        kc_copy=c.kc_copy, km_copy=c.km_copy, activation_bytes=int(activation_bytes))
 
 
 @dataclass(frozen=True)
@@ -138,19 +145,26 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
 
 def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
                     comm_kinds: Sequence[str] = COMM_KINDS,
-                    gain_at: Callable[[float], float] | None = None) -> Callable[[Task, Sequence[Task]], float]:
+                    gain_at: Callable[[float], float] | None = None,
+                    copy: tuple[float | None, float | None] = (None, None),
+                    copy_kinds: Sequence[str] = COPY_KINDS) -> Callable[[Task, Sequence[Task]], float]:
     """The fluid model's speeds: compute 1/(1+kc) beside communication, communication 1/(1+km)
     beside compute and gain/n among n concurrent collectives (gain 1 alone, lane_gain beside others,
-    or ``gain_at`` of the collective's bytes where the gain was measured by size).
+    or ``gain_at`` of the collective's bytes where the gain was measured by size). Tasks of
+    ``copy_kinds`` (memory copies: the write-back) use ``copy`` = (kc, km) where measured.
     ``comm_kinds``: the task kinds that are collectives (the sharded lowering has three)."""
+    kc_copy = kc if copy[0] is None else copy[0]
+    km_copy = km if copy[1] is None else copy[1]
 
     def rate(task: Task, others: Sequence[Task]) -> float:
         comm = [o for o in others if o.kind in comm_kinds]
         if task.kind in comm_kinds:
-            slow = (1.0 + km) if len(comm) < len(others) else 1.0
+            beside = [o for o in others if o.kind not in comm_kinds]
+            # one compute task runs at a time on the host: it is a copy or the model's work
+            slow = 1.0 + (km_copy if all(o.kind in copy_kinds for o in beside) else km) if beside else 1.0
             gain = (gain_at(task.meta["nbytes"]) if gain_at and "nbytes" in task.meta else lane_gain) if comm else 1.0
             return gain / (slow * (1 + len(comm)))
-        return 1.0 / (1.0 + kc) if comm else 1.0
+        return 1.0 / (1.0 + (kc_copy if task.kind in copy_kinds else kc)) if comm else 1.0
 
     return rate
 
@@ -158,7 +172,9 @@ def contention_rate(kc: float, km: float, lane_gain: float = 1.0,
 def simulate_step(costs: StepCosts, setting: DDPSetting) -> tuple[SimResult, list[list[int]]]:
     buckets = assign_buckets(costs, setting)
     tasks = lower(costs, setting, buckets)
-    return simulate(tasks, contention_rate(costs.kc, costs.km, costs.lane_gain, gain_at=costs.lane_gain_at)), buckets
+    rate = contention_rate(costs.kc, costs.km, costs.lane_gain, gain_at=costs.lane_gain_at,
+                           copy=(costs.kc_copy, costs.km_copy))
+    return simulate(tasks, rate), buckets
 
 
 def breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: StepCosts) -> tuple[dict, list[dict]]:

@@ -13,6 +13,8 @@
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
 4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
+   and the same interference as step 3 for a memory copy (a bucket's write-back) against each
+   algorithm's all-reduce (commlab/costmodel/measure_queue.py);
 5. on Gloo, the native all-reduce's queue: at every table size, about the model's bytes of
    buffers issued at once, as DDP hands its buckets over with overlap off (Gloo's process group
    runs two collectives at once on its two worker threads; commlab's p2p algorithms run one at
@@ -35,7 +37,7 @@ import torch.distributed as dist
 import commlab
 from commlab import collectives
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
-from commlab.costmodel.measure_queue import queued
+from commlab.costmodel.measure_queue import copy_contention, queued
 from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
 
@@ -70,6 +72,10 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
     out["corun"] = _corun(model, workload, batch, spec["reps"])
+    # the write-back's copies against each algorithm's all-reduce, at the table size nearest 16 MiB
+    if device.type == "cpu":  # (on a GPU the write-back is a device copy: not measured here)
+        copy_size = min(spec["sizes"], key=lambda n: abs(n - (16 << 20)))
+        out["copy_contention"] = {a: copy_contention(copy_size, spec["reps"], a) for a in spec["algorithms"]}
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
         total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         out["queue"] = {"native": queued(spec["sizes"], total, max(spec["reps"], 3))}

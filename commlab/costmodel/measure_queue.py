@@ -1,4 +1,4 @@
-"""Queued all-reduces measured: how fast a process group gets through buckets handed over at once.
+"""DDP's end of backward, measured: buckets queued on a process group at once, and the write-back.
 
 Run inside :func:`commlab.costmodel.measure.calibrate_rank` on Gloo (native algorithm, more than
 one rank). With overlap off, DDP hands every bucket to the process group at the end of backward;
@@ -14,6 +14,10 @@ and waited for in order, after a barrier; :func:`paired_seconds` turns that into
 own, the time per collective while two run at once, which the lowering holds against the
 barrier-timed table to price two lanes at any size (commlab/costmodel/costs.py's
 ``Contention.gain_at``).
+
+While later buckets are still reduced, the end of backward copies the reduced ones back into
+``.grad``: :func:`copy_contention` measures a copy beside an all-reduce, for the fluid model's
+factors of that pair (the write-back's own, apart from forward+backward's).
 """
 
 from __future__ import annotations
@@ -68,3 +72,50 @@ def paired_seconds(table_s: list[float], k: list[int], queued_s: list[float]) ->
         paired = (q - (n % 2) * t) / (n - n % 2)
         out.append(max(paired, t / 2))
     return out
+
+
+def copy_contention(nbytes: int, reps: int, algorithm: str = "native") -> dict[str, float]:
+    """A bucket's write-back (a memory copy into ``.grad``) and an all-reduce of ``nbytes``, alone
+    and started together: the fluid model's factors for what DDP's end of backward does while
+    later buckets are still reduced. A copy and a collective both stream memory, unlike the
+    model's matrix products, so they slow each other otherwise than forward+backward does
+    (the queue of three 16 MiB buckets here took 34 ms bare and 46 ms with the copies between
+    the waits, 2026-11). The copies repeat until they last about as long as the collective."""
+    import torch
+    import torch.distributed as dist
+
+    from commlab import collectives
+
+    src, dst, buf = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(3))
+
+    def timed(call) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    reduce = lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)  # noqa: E731
+    one_copy = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(3))
+    one_reduce = statistics.median(timed(reduce) for _ in range(2))
+    copies = max(1, min(round(one_reduce / max(one_copy, 1e-6)), 64))
+    copy = lambda: [dst.copy_(src) for _ in range(copies)]  # noqa: E731
+    alone_c, alone_m, both_c, both_m = [], [], [], []
+    for _ in range(reps):
+        alone_c.append(timed(copy))
+        alone_m.append(timed(reduce))
+        dist.barrier()
+        done: list[float] = []
+        start = time.perf_counter()
+        handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
+        handle.get_future().then(lambda _f: done.append(time.perf_counter()))
+        copy()
+        copy_end = time.perf_counter()
+        handle.wait()
+        deadline = time.monotonic() + 60
+        while not done and time.monotonic() < deadline:  # the callback runs on the worker thread
+            time.sleep(0.0005)
+        both_c.append(copy_end - start)
+        both_m.append((done[0] if done else time.perf_counter()) - start)
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
+            "comm_both_s": med(both_m), "nbytes": nbytes, "copies": copies}

@@ -39,7 +39,8 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
         # optional (profiles made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
         paired = CollectiveCost(tuple(lanes["sizes"]), tuple(lanes["paired_s"])) if "paired_s" in lanes else None
-        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired)
+        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired,
+                                           k.get("kc_copy"), k.get("km_copy"))
     tables = {("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()}
     for collective, by_algorithm in entry.get("sharded_collectives", {}).items():  # reduce_scatter, all_gather
         tables.update({(collective, a, world_size): cost_from_entry(t) for a, t in by_algorithm.items()})
