@@ -107,3 +107,28 @@ def test_calibration_solves_the_copys_contention_and_prediction_binds_it():
     assert k["kc_copy"] == pytest.approx(0.25) and k["km_copy"] == pytest.approx(3.0)
     costs = step_costs(system_from_entry(entry, 2), _profile(1), "native", 2)
     assert (costs.kc_copy, costs.km_copy) == pytest.approx((0.25, 3.0)) and costs.kc == 0.0
+
+
+def test_fresh_gradients_where_a_bucket_holds_more_than_one_large_gradient():
+    from commlab.costmodel.lower import fresh_gradients
+
+    grads = (4 * MIB, 4096) * 12
+    assert not fresh_gradients([4 * MIB + 4096] * 12, grads)  # one gradient (and its bias) per bucket
+    assert fresh_gradients([16 * MIB] * 3, grads) and fresh_gradients([48 * MIB], grads)
+    assert not fresh_gradients([], grads)
+
+
+def test_fresh_gradients_add_their_allocation_less_what_the_profile_paid():
+    # Four 1 MiB gradients, 10 ms of backward each; allocating 1 MiB anew costs 2 ms.
+    table = CollectiveCost((MIB, 4 * MIB), (0.010, 0.040))
+    system = SystemCosts(collectives={("allreduce", "native", 2): table})
+    fresh = CollectiveCost((MIB, 4 * MIB), (0.0001, 0.008))  # per byte: the dearer (large) block
+    backward = {}
+    for share, cap in ((0.0, 1), (0.0, 4), (1.0, 1), (1.0, 4), (0.5, 4)):
+        costs = step_costs(system, _profile(4), "native", 2, fresh=fresh, profiled_fresh_bytes=share * 4 * MIB)
+        result, buckets = simulate_step(costs, DDPSetting(bucket_cap_mb=cap, overlap=False))
+        backward[share, cap] = result.spans["grad3"].end - result.spans["forward"].end
+    assert backward[0.0, 1] == pytest.approx(0.040)  # one gradient per bucket: as profiled (no faults then)
+    assert backward[0.0, 4] == pytest.approx(0.048)  # one bucket of four: every gradient fresh
+    assert backward[1.0, 1] == pytest.approx(0.032) and backward[1.0, 4] == pytest.approx(0.040)
+    assert backward[0.5, 4] == pytest.approx(0.044)

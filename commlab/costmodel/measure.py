@@ -27,6 +27,7 @@ CUDA caching allocator's state after measuring.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Any
@@ -62,8 +63,9 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     model = _fresh_model(spec)
     if spec.get("sharded_algorithms"):  # the sharded collectives' tables and the activations' bytes
         out["sharded"] = time_sharded(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
-        out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)
         out["activation_bytes"] = activation_bytes(model, workload.loss_fn, batch)
+    # allocating anew (fresh pages on CPU): sharded buffers, and DDP's gradients where they are fresh
+    out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)
     compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
     # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the
     # compute, so that the two overlap for most of their lives.
@@ -139,15 +141,18 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         stamps.clear()
         nosync = timed(clock, lambda: _nosync_step(ddp, loss_fn, inputs, target))
         stamps.clear()
+        faults = _minor_faults()
         start = clock.stamp()  # the forward's start: the gradients' ready times count from it
         loss_fn(ddp(inputs), target).backward()
+        fresh = (_minor_faults() - faults) * resource.getpagesize()
         opt = timed(clock, lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         timing = ddp.iteration_timings[-1]
         since = {i: clock.seconds(start, stamp) for i, stamp in stamps.items()}
         order = sorted(since, key=since.get)
         rows.append({"forward": timing.forward, "ready": {i: since[i] - timing.forward for i in order},
                      "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt,
-                     "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back})
+                     "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back,
+                     "fresh_bytes": fresh})
     for h in handles:
         h.remove()
     rows = rows[spec["warmup"]:]
@@ -164,9 +169,16 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
+        # pages first touched in forward+backward (fresh gradients, commlab/costmodel/lower.py)
+        "fresh_bytes": med([r["fresh_bytes"] for r in rows]),
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
     }
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (a page first touched: fresh memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _nosync_step(ddp, loss_fn, inputs, target) -> None:
