@@ -1,6 +1,8 @@
 """Held-out validation of the predictor: calibrate, measure a grid forward and in reverse, compare.
 
     python -m commlab.costmodel.validate --out results/predict-validation      # 9.9 min measured, 2 cores
+    python -m commlab.costmodel.validate --part mlp --part convnet --out ...    # 3.7 min; then
+    python -m commlab.costmodel.validate --part oversubscribed --out ...        # 1.6 min (2026-11-26)
 
 The default grid is work the predictor was never developed on (it was built on the default
 MLP): a wider, shallower MLP and a conv net given as ``package.module:factory``
