@@ -61,7 +61,7 @@ class StepCosts(DDPProfile):
     # the write-back's copies beside a collective (costs.Contention); None: kc / km
     kc_copy: float | None = None
     km_copy: float | None = None
-    # allocating a gradient anew (bytes -> seconds; None: not measured) and the share of the
+    # seconds per byte of fresh pages (fault_cost; 0: not measured) and the share of the
     # gradients' bytes that were fresh pages when the profile was taken (see fresh_gradients)
     fresh_s_per_byte: float = 0.0
     profiled_fresh_share: float = 0.0

@@ -144,7 +144,8 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         faults = _minor_faults()
         start = clock.stamp()  # the forward's start: the gradients' ready times count from it
         loss_fn(ddp(inputs), target).backward()
-        fresh = (_minor_faults() - faults) * resource.getpagesize()
+        # host pages: on a GPU the gradients are the caching allocator's, never fresh pages
+        fresh = (_minor_faults() - faults) * resource.getpagesize() if spec.get("device", "cpu") == "cpu" else 0
         opt = timed(clock, lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         timing = ddp.iteration_timings[-1]
         since = {i: clock.seconds(start, stamp) for i, stamp in stamps.items()}

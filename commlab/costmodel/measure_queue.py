@@ -6,7 +6,7 @@ Gloo's process group runs them on its two worker threads (ProcessGroupGloo::Opti
 two at a time, each on its own bucket buffer. How fast that goes is not what one pair on two warm
 buffers said: on this 2-core machine (2026-11) two 4 MiB all-reduces together came out 1.47x as
 fast as one after the other, while twelve queued on twelve buffers (what DDP does) ran at 1.0x
-the barrier-timed table, sixteen 1 MiB ones at 0.8x and three 16 MiB ones at 1.3x.
+the barrier-timed table, twelve 1 MiB ones at 0.8x and three 16 MiB ones at 1.3x.
 
 So for every size of the calibration table, :func:`queued` times ``k`` distinct buffers of that
 size (about the model's gradient bytes in all, 2 to 16 of them) issued asynchronously at once
