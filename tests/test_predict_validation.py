@@ -81,3 +81,20 @@ def test_held_out_factory_model_shape_order_and_tune(tmp_path):
     # The acceptance's 5% is for the quiet full run (README); on a shared machine the same
     # configuration measures up to 2x apart, so this only catches a pick that loses badly.
     assert tune["within"] <= 0.5, tune
+
+
+def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from commlab.costmodel import validate
+
+    seen = []
+    monkeypatch.setattr(validate, "validate_parts", lambda parts, out, profile, echo=None: seen.append(parts))
+    for args in (["--part", "convnet"], ["--part", "mlp", "--part", "oversubscribed"], [], ["--no-oversubscribed"]):
+        assert CliRunner().invoke(validate.main, [*args, "--out", str(tmp_path)]).exit_code == 0
+    convnet, rest, whole, world2 = seen
+    assert {p["model"] for p in convnet} == {CONVNET}
+    assert len(convnet) + len(rest) == len(whole) == len(world2) + 2
+    assert all(p["iters"] == 12 for p in whole)
+    bad = CliRunner().invoke(validate.main, ["--part", "bert", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and len(seen) == 4  # a usage error before anything runs

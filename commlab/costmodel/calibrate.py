@@ -18,6 +18,7 @@ from typing import Any
 from commlab.costmodel import profile as prof
 from commlab.costmodel import uncertainty
 from commlab.costmodel.costs import fit_table, solve_contention
+from commlab.costmodel.measure_queue import paired_seconds
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
 DEFAULT_ALGORITHMS = ("native", "ring")
@@ -69,7 +70,7 @@ def table_sizes(total_bytes: int, smallest: int = 64 << 10, factor: int = 4) -> 
 
 
 def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
-              algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 3, iters: int = 5,
+              algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 5, iters: int = 9,
               timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None,
               sharded: bool = False) -> dict[str, Any]:
     """Measure and return a profile entry (does not write it). ``sharded``: also the reduce-scatter
@@ -137,15 +138,25 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
     for algorithm, c in results[0]["contention"].items():
         kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
         contention[algorithm] = {"kc": kc, "km": km, "raw": c}
+        copy = results[0].get("copy_contention", {}).get(algorithm)
+        if copy:  # the write-back's copies beside the collective (profiles before it lack it)
+            kc_copy, km_copy = solve_contention(copy["compute_alone_s"], copy["comm_alone_s"],
+                                                copy["compute_both_s"], copy["comm_both_s"])
+            contention[algorithm].update(kc_copy=kc_copy, km_copy=km_copy, raw_copy=copy)
     concurrency = {}
-    for algorithm, c in results[0].get("concurrency", {}).items():
-        # The slowest rank's times, as for the table; the gain is clipped to [1, 2]: below 1 is
-        # noise (two at once cannot be slower than in turn for long), above 2 is impossible.
-        apart = max(r["concurrency"][algorithm]["apart_s"] for r in results)
-        together = max(r["concurrency"][algorithm]["together_s"] for r in results)
-        gain = min(max(apart / together, 1.0), 2.0) if together > 0 else 1.0
-        concurrency[algorithm] = {"lanes": 2, "gain": gain, "raw": {"apart_s": apart, "together_s": together,
-                                                                    "nbytes": c["nbytes"]}}
+    for algorithm in results[0].get("queue", {}):
+        # The slowest rank's queue at each size: per collective while two run at once, a table of
+        # its own; the gain of Gloo's two lanes where DDP queues its buckets (measure_queue.py).
+        q = results[0]["queue"][algorithm]
+        seconds = [max(r["queue"][algorithm]["queued_s"][i] for r in results) for i in range(len(q["sizes"]))]
+        table = collectives[algorithm]
+        table_s = [table["seconds"][table["sizes"].index(n)] for n in q["sizes"]]
+        paired = paired_seconds(table_s, q["k"], seconds)
+        # one number for lowerings that price one gain (the size nearest 8 MiB, as measured before)
+        near = min(range(len(q["sizes"])), key=lambda i: abs(q["sizes"][i] - (8 << 20)))
+        concurrency[algorithm] = {"lanes": 2, "gain": min(max(table_s[near] / paired[near], 0.5), 2.0),
+                                  "sizes": q["sizes"], "paired_s": paired,
+                                  "raw": {"k": q["k"], "queued_s": seconds, "table_s": table_s}}
     sharded = {}
     for collective in ("reduce_scatter", "all_gather") if spec.get("sharded_algorithms") else ():
         sharded[collective] = {a: fit_table(spec["sizes"], [max(r["sharded"][collective][a][i] for r in results)
@@ -161,6 +172,8 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
+                    # pages first touched in the profiled forward+backward (fresh gradients)
+                    "profiled_fresh_bytes": ddp.get("fresh_bytes", 0),
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
                                                               "many_buckets": ddp["small_run"]},
                     # where it was measured, and the CUDA caching allocator's state after (GPU only)

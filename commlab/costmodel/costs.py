@@ -89,6 +89,20 @@ class Contention:
     km: float = 0.0
     lanes: int = 1
     lane_gain: float = 1.0
+    # Where calibration measured queued collectives (commlab/costmodel/measure_queue.py): the time
+    # per collective while two run at once, by size; None: ``lane_gain`` at every size.
+    paired: CollectiveCost | None = None
+    # A memory copy (a bucket's write-back) beside a collective, where measured; None: kc / km.
+    kc_copy: float | None = None
+    km_copy: float | None = None
+
+    def gain_at(self, nbytes: float, alone_s: float) -> float:
+        """The lanes' gain for collectives of ``nbytes`` that take ``alone_s`` one at a time: the
+        measured paired time against it where measured (clipped to [0.5, 2]), else ``lane_gain``."""
+        if self.paired is None:
+            return self.lane_gain
+        paired = self.paired(nbytes)
+        return min(max(alone_s / paired, 0.5), 2.0) if paired > 0 else self.lane_gain
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
 4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
-5. on Gloo, the native all-reduce's concurrency: two of about 8 MiB issued together against the
-   same two one after the other (Gloo's process group runs two collectives at once on its two
-   worker threads; commlab's p2p algorithms run one at a time on the group's worker).
+   and the same interference as step 3 for a memory copy (a bucket's write-back) against each
+   algorithm's all-reduce (commlab/costmodel/measure_queue.py);
+5. on Gloo, the native all-reduce's queue: at every table size, about the model's bytes of
+   buffers issued at once, as DDP hands its buckets over with overlap off (Gloo's process group
+   runs two collectives at once on its two worker threads; commlab's p2p algorithms run one at
+   a time on the group's worker): commlab/costmodel/measure_queue.py.
 
 On NCCL every step runs on the rank's GPU and is timed with CUDA events (the device and clock of
 commlab/costmodel/devicetime.py: the one difference from the CPU path), and the rank reports the
@@ -24,6 +27,7 @@ CUDA caching allocator's state after measuring.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Any
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import commlab
 from commlab import collectives
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
+from commlab.costmodel.measure_queue import copy_contention, queued
 from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
 
@@ -58,8 +63,9 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     model = _fresh_model(spec)
     if spec.get("sharded_algorithms"):  # the sharded collectives' tables and the activations' bytes
         out["sharded"] = time_sharded(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
-        out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)
         out["activation_bytes"] = activation_bytes(model, workload.loss_fn, batch)
+    # allocating anew (fresh pages on CPU): sharded buffers, and DDP's gradients where they are fresh
+    out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)
     compute_s = statistics.median(_compute(model, workload, batch) for _ in range(2))
     # One size for all ranks (rank 0's choice): the all-reduce that lasts about as long as the
     # compute, so that the two overlap for most of their lives.
@@ -68,9 +74,13 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
     out["corun"] = _corun(model, workload, batch, spec["reps"])
+    # the write-back's copies against each algorithm's all-reduce, at the table size nearest 16 MiB
+    if device.type == "cpu":  # (on a GPU the write-back is a device copy: not measured here)
+        copy_size = min(spec["sizes"], key=lambda n: abs(n - (16 << 20)))
+        out["copy_contention"] = {a: copy_contention(copy_size, spec["reps"], a) for a in spec["algorithms"]}
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
-        size = min(spec["sizes"], key=lambda n: abs(n - (8 << 20)))
-        out["concurrency"] = {"native": _two_at_once(size, max(spec["reps"], 3))}
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        out["queue"] = {"native": queued(spec["sizes"], total, max(spec["reps"], 3))}
     out["allocator"] = allocator_state(device)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return out
@@ -131,15 +141,19 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         stamps.clear()
         nosync = timed(clock, lambda: _nosync_step(ddp, loss_fn, inputs, target))
         stamps.clear()
+        faults = _minor_faults()
         start = clock.stamp()  # the forward's start: the gradients' ready times count from it
         loss_fn(ddp(inputs), target).backward()
+        # host pages: on a GPU the gradients are the caching allocator's, never fresh pages
+        fresh = (_minor_faults() - faults) * resource.getpagesize() if spec.get("device", "cpu") == "cpu" else 0
         opt = timed(clock, lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         timing = ddp.iteration_timings[-1]
         since = {i: clock.seconds(start, stamp) for i, stamp in stamps.items()}
         order = sorted(since, key=since.get)
         rows.append({"forward": timing.forward, "ready": {i: since[i] - timing.forward for i in order},
                      "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt,
-                     "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back})
+                     "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back,
+                     "fresh_bytes": fresh})
     for h in handles:
         h.remove()
     rows = rows[spec["warmup"]:]
@@ -156,9 +170,16 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
+        # pages first touched in forward+backward (fresh gradients, commlab/costmodel/lower.py)
+        "fresh_bytes": med([r["fresh_bytes"] for r in rows]),
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
     }
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (a page first touched: fresh memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _nosync_step(ddp, loss_fn, inputs, target) -> None:
@@ -251,28 +272,6 @@ def _together(algorithm: str, buf: torch.Tensor, compute, clock, side) -> tuple[
             handle.wait()
             end = clock.stamp(side)
     return clock.seconds(start, compute_end), clock.seconds(start, end)
-
-
-def _two_at_once(nbytes: int, reps: int) -> dict[str, float]:
-    """Step 5: two native all-reduces one after the other, then both queued at once."""
-    a, b = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(2))
-    apart, together = [], []
-    for it in range(reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        collectives.all_reduce(a, "sum", algorithm="native")
-        collectives.all_reduce(b, "sum", algorithm="native")
-        t1 = time.perf_counter()
-        dist.barrier()
-        t2 = time.perf_counter()
-        handles = [collectives.all_reduce(x, "sum", algorithm="native", async_op=True) for x in (a, b)]
-        for h in handles:
-            h.wait()
-        if it:  # the first pair warms the buffers and Gloo's pairs up
-            apart.append(t1 - start)
-            together.append(time.perf_counter() - t2)
-    return {"apart_s": float(statistics.median(apart)), "together_s": float(statistics.median(together)),
-            "nbytes": nbytes}
 
 
 def _corun(model, workload, batch, reps: int) -> dict[str, float]:

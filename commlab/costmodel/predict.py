@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from commlab.costmodel.costs import Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
+from commlab.costmodel.costs import CollectiveCost, Contention, DDPProfile, Overheads, SystemCosts, cost_from_entry
 from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
 from commlab.costmodel.sharded import ShardedCosts, ShardedSetting, sharded_breakdown, sharded_costs, simulate_sharded
 from commlab.sweep.sharding import comm_bytes
@@ -38,7 +38,9 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
         k = entry["contention"].get(algorithm, {"kc": 0.0, "km": 0.0})
         # optional (profiles made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
-        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]))
+        paired = CollectiveCost(tuple(lanes["sizes"]), tuple(lanes["paired_s"])) if "paired_s" in lanes else None
+        contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired,
+                                           k.get("kc_copy"), k.get("km_copy"))
     tables = {("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()}
     for collective, by_algorithm in entry.get("sharded_collectives", {}).items():  # reduce_scatter, all_gather
         tables.update({(collective, a, world_size): cost_from_entry(t) for a, t in by_algorithm.items()})
@@ -60,8 +62,11 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
+    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
     return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
-                      activation_bytes=entry["compute"].get("activation_bytes", 0))
+                      activation_bytes=entry["compute"].get("activation_bytes", 0),
+                      fresh=cost_from_entry(fresh) if fresh else None,
+                      profiled_fresh_bytes=entry["compute"].get("profiled_fresh_bytes", 0))
 
 
 def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:

@@ -1,6 +1,8 @@
 """Held-out validation of the predictor: calibrate, measure a grid forward and in reverse, compare.
 
     python -m commlab.costmodel.validate --out results/predict-validation      # 9.9 min measured, 2 cores
+    python -m commlab.costmodel.validate --part mlp --part convnet --out ...    # 3.7 min; then
+    python -m commlab.costmodel.validate --part oversubscribed --out ...        # 1.6 min (2026-11-26)
 
 The default grid is work the predictor was never developed on (it was built on the default
 MLP): a wider, shallower MLP and a conv net given as ``package.module:factory``
@@ -42,6 +44,9 @@ HELD_OUT = [
 ]
 OVERSUBSCRIBED = [{"model": "mlp", "model_args": "depth=4,width=1536", "algorithm": "native", "overlap": "on",
                    "bucket_mb": "2,25,100", "world_size": w, "global_batch": 48} for w in ("3", "4")]
+# Named parts, to split a run that would hold a shared machine too long (--part); each part's
+# workloads are calibrated and measured on their own, so parts run apart add up to the whole.
+PARTS = {"mlp": HELD_OUT[:2], "convnet": HELD_OUT[2:], "oversubscribed": OVERSUBSCRIBED}
 TUNED = (CONVNET,)  # workloads whose tuner recommendation is measured too
 GRID_MB = "0.5,4,25,100"
 
@@ -166,9 +171,12 @@ def session_key(key: tuple) -> str:
 @click.option("--iters", default=12, show_default=True, help="measured steps per configuration and direction")
 @click.option("--oversubscribed/--no-oversubscribed", default=True, show_default=True,
               help="also world sizes 3 and 4 (about 4 more minutes)")
-def main(out: Path, profile: Path | None, iters: int, oversubscribed: bool) -> None:
+@click.option("--part", "chosen", type=click.Choice(sorted(PARTS)), multiple=True,
+              help="only these parts (repeatable; each about 3-5 minutes, to split the run) [all]")
+def main(out: Path, profile: Path | None, iters: int, oversubscribed: bool, chosen: tuple[str, ...]) -> None:
     """Calibrate, then measure and predict the held-out grid (see the module docstring)."""
-    parts = HELD_OUT + (OVERSUBSCRIBED if oversubscribed else [])
+    parts = [p for name in (chosen or PARTS) for p in PARTS[name]
+             if oversubscribed or chosen or name != "oversubscribed"]
     parts = [{**p, "iters": iters, "warmup": 2} for p in parts]
     validate_parts(parts, out, profile or out / "profile.json", echo=lambda line: click.echo(line, err=True))
 
