@@ -5,9 +5,10 @@ The executor runs an I directly followed by its own W as one autograd pass
 ``_merge_bw`` turns such a pair into one full backward (torch/distributed/pipelining/schedules.py).
 One pass costs less than I and W apart: W restarts autograd at each weight node, and by the time
 it runs the activations it reads have left the cache. On the GPT's blocks (width 256, micro-batch
-8 x 32, world size 2, Gloo) a fused pair took 7.4-8.3 ms in the executor's timeline, I then W
-apart 9.3-10.2 ms. A zero-bubble list built on equal-time actions cannot see that saving, so it
-defers W's that it could have run at once for free.
+8 x 32, world size 2, Gloo) a fused pair took 7.0-8.3 ms in the executor's timeline, I then W
+apart 8.3-9.6 ms (9.3-10.2 before W called autograd's engine directly,
+:mod:`commlab.pipeline.runtime.weight_split`). A zero-bubble list built on equal-time actions
+cannot see that saving, so it defers W's that it could have run at once for free.
 
 :func:`pull_weights` takes such a list and, rank by rank in list order, moves each I's W to just
 after it when the step simulated with fused pairs at :data:`FUSED` of their parts' time is no
