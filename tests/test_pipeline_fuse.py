@@ -1,8 +1,10 @@
 """Pulling W next to its I (a fused backward) where the simulated step does not grow: no processes."""
 
+import pytest
+
 from commlab.pipeline import build, simulate, v_shape, validate
 from commlab.pipeline.schedule.actions import as_actions
-from commlab.pipeline.schedule.fuse import FUSED, durations, fused, pull_weights
+from commlab.pipeline.schedule.fuse import FUSED, durations, fused, pull_weights, step_time
 from commlab.pipeline.schedule.zero_bubble import _greedy_zb_v
 
 
@@ -39,3 +41,18 @@ def test_a_list_whose_weights_all_follow_their_input_gradients_is_left_alone():
     split = tuple(tuple(b for a in rank for b in ((a.at(a.stage, "I"), a.at(a.stage, "W")) if a.kind == "B" else (a,)))
                   for rank in one)  # fmt: skip
     assert _split(split) == 0 and pull_weights(split) == split
+
+
+def test_the_fast_step_time_is_the_simulators():
+    from commlab.pipeline import from_csv
+    from pipeline_torch_orders import torch_csv
+
+    lists = [_greedy_zb_v(2, 4), build("zb-v", 3, 6, 2), build("zb-h1", 3, 5),
+             from_csv(torch_csv("ScheduleZBVZeroBubble", 2, 8, [0, 3], 4))]  # fmt: skip
+    for actions in lists:
+        for comm in (0.0, 0.3):
+            seconds = durations(actions)
+            assert step_time(actions, seconds, comm) == pytest.approx(simulate(actions, durations=seconds, comm=comm).step_time)
+    stuck = as_actions([["0F0", "0I0", "0W0"], ["1I0", "1F0", "1W0"]])  # 1I0 before its own forward
+    with pytest.raises(ValueError, match="deadlocks"):
+        step_time(stuck, {a: 1.0 for rank in stuck for a in rank}, 0.0)

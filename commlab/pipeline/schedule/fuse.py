@@ -11,15 +11,16 @@ apart 8.3-9.6 ms (9.3-10.2 before W called autograd's engine directly,
 cannot see that saving, so it defers W's that it could have run at once for free.
 
 :func:`pull_weights` takes such a list and, rank by rank in list order, moves each I's W to just
-after it when the step simulated with fused pairs at :data:`FUSED` of their parts' time is no
-longer and no stage holds more micro-batches at once. W's wait for nothing and send nothing, so
-a move never breaks a dependency; W's of one stage may then run out of micro-batch order.
+after it when the step simulated with fused pairs at :data:`FUSED` of their parts' time
+(:func:`step_time`) is no longer. W's wait for nothing and send nothing, so a move never breaks
+a dependency, and it frees activations sooner; W's of one stage may then run out of micro-batch
+order.
 """
 
 from __future__ import annotations
 
-from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions
-from commlab.pipeline.schedule.simulate import simulate
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_stages
+from commlab.pipeline.schedule.kinds import dependencies, split_stages
 
 FUSED = 0.85  # a fused I + W's time as a share of I then W apart (module docstring's measurement)
 
@@ -45,16 +46,39 @@ def durations(actions: Actions, forward: float = 1.0, backward: float = 2.0, sha
     return out
 
 
-def _cost(actions: Actions, comm: float) -> tuple[float, int]:
-    sim = simulate(actions, durations=durations(actions), comm=comm)
-    return sim.step_time, max(sim.peak_in_flight)
+def step_time(actions: Actions, seconds: dict[Action, float], comm: float) -> float:
+    """When the last action ends: each rank runs its list in order, an action starts when its rank
+    is free and what it needs (:func:`~commlab.pipeline.schedule.kinds.dependencies`) has ended,
+    ``comm`` later if on another rank. :func:`~commlab.pipeline.schedule.simulate.simulate`'s
+    step time without its comm pass, fast enough to try one move per I (ValueError on a deadlock)."""
+    stages, split = num_stages(actions), split_stages(actions)
+    where = {a: r for r, rank in enumerate(actions) for a in rank}
+    needs = {a: dependencies(a, stages, split) for a in where}
+    end: dict[Action, float] = {}
+    at, free = [0] * len(actions), [0.0] * len(actions)
+    moved = True
+    while moved:
+        moved = False
+        for r, rank in enumerate(actions):
+            while at[r] < len(rank) and all(d in end for d in needs[rank[at[r]]]):
+                a = rank[at[r]]
+                start = max([free[r], *(end[d] + (comm if where[d] != r else 0.0) for d in needs[a])])
+                end[a] = free[r] = start + seconds[a]
+                at[r] += 1
+                moved = True
+    if any(at[r] < len(rank) for r, rank in enumerate(actions)):
+        raise ValueError("the schedule deadlocks: " + ", ".join(str(rank[at[r]]) for r, rank in enumerate(actions) if at[r] < len(rank)))
+    return max(free)
 
 
 def pull_weights(actions: Actions, comm: float = 0.3) -> Actions:
     """``actions`` with each W moved next to its I where that costs nothing (module docstring);
-    ``comm``: a message's time as a share of a forward."""
+    ``comm``: a message's time as a share of a forward. A list with other kinds (B, O) is returned
+    as it is."""
+    if any(a.kind not in (FORWARD, INPUT_GRAD, WEIGHT_GRAD) for rank in actions for a in rank):
+        return actions
     lists = [list(rank) for rank in actions]
-    best = _cost(tuple(map(tuple, lists)), comm)
+    best = step_time(actions, durations(actions), comm)
     for r in range(len(lists)):
         for a in [a for a in actions[r] if a.kind == INPUT_GRAD]:
             rank = lists[r]
@@ -63,8 +87,8 @@ def pull_weights(actions: Actions, comm: float = 0.3) -> Actions:
                 continue
             trial = [a for a in rank if a != w]
             trial.insert(k + 1, w)
-            candidate = [*lists[:r], trial, *lists[r + 1 :]]
-            cost = _cost(tuple(map(tuple, candidate)), comm)
-            if cost[0] <= best[0] + 1e-9 and cost[1] <= best[1]:
-                lists, best = candidate, cost
+            candidate = tuple(tuple(x) for x in [*lists[:r], trial, *lists[r + 1 :]])
+            cost = step_time(candidate, durations(candidate), comm)
+            if cost <= best + 1e-9:
+                lists[r], best = trial, cost
     return tuple(tuple(rank) for rank in lists)
