@@ -80,12 +80,12 @@ def pull_weights(actions: Actions, comm: float = 0.3) -> Actions:
     lists = [list(rank) for rank in actions]
     best = step_time(actions, durations(actions), comm)
     for r in range(len(lists)):
-        for a in [a for a in actions[r] if a.kind == INPUT_GRAD]:
+        for a in [x for x in actions[r] if x.kind == INPUT_GRAD]:
             rank = lists[r]
             k, w = rank.index(a), a.at(a.stage, WEIGHT_GRAD)
             if w not in rank or fused(rank, k):
                 continue
-            trial = [a for a in rank if a != w]
+            trial = [x for x in rank if x != w]
             trial.insert(k + 1, w)
             candidate = tuple(tuple(x) for x in [*lists[:r], trial, *lists[r + 1 :]])
             cost = step_time(candidate, durations(candidate), comm)
