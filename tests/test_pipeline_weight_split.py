@@ -59,3 +59,31 @@ def test_a_tied_weight_is_left_to_the_whole_graph_and_a_weight_off_the_path_is_s
     split_weight_grad(kept)
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad, w)
+
+
+def test_w_runs_on_the_engine_directly_or_through_backward_alike_and_fires_accumulate_hooks(monkeypatch):
+    from commlab.pipeline.runtime import weight_split
+
+    torch.manual_seed(0)
+    block = GPT(vocab=32, d_model=16, layers=1, heads=2, seq=8).layers[0]
+    x, g = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
+    params = list(block.parameters())
+
+    def run():
+        block.zero_grad(set_to_none=True)
+        fired = []
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, k=k: fired.append(k)) for k, p in enumerate(params)]
+        inp = x.clone().requires_grad_(True)
+        out = block(inp)
+        found, kept = split_input_grad([out], [g], [inp], params)
+        split_weight_grad(kept)
+        for h in hooks:
+            h.remove()
+        assert sorted(fired) == list(range(len(params)))  # each parameter's hook once (DDP's reducer hangs there)
+        return [found[0], *_grads(block)]
+
+    assert weight_split._run_backward is not None  # torch 2.13 has the engine entry point
+    direct = run()
+    monkeypatch.setattr(weight_split, "_run_backward", None)
+    for a, b in zip(run(), direct):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -26,12 +26,17 @@ by a greedy list scheduler on equal-time actions in which a message between rank
 action to arrive: a free rank runs a ready I first (it unblocks a peer), then a ready F (the
 later stage first; on the first half of the V only while the rank holds fewer than 2p
 stage-activations, 1F1B's peak), then the oldest ready W. Building with the message time in makes
-the list fill it with other work instead of counting on free messages (see ``LATENCY``).
+the list fill it with other work instead of counting on free messages (see ``LATENCY``). Then
+each W is pulled next to its own I wherever the simulated step does not grow, since the executor
+runs such a pair as one cheaper backward (:func:`commlab.pipeline.schedule.fuse.pull_weights`).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from commlab.pipeline.schedule.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, overlap, v_shape
+from commlab.pipeline.schedule.fuse import pull_weights
 from commlab.pipeline.schedule.kinds import dependencies
 
 
@@ -154,8 +159,14 @@ def _dualpipev_rank(r: int, p: int, m: int) -> tuple[Action, ...]:
 TICKS, LATENCY = 2, 2
 
 
+@lru_cache(maxsize=64)  # pure, and the W pass simulates the list once per I (seconds at p = 4, m = 16)
 def zb_v(ranks: int, microbatches: int) -> Actions:
-    """ZB-V: 2p stages in the V placement, ordered by the greedy list scheduler (module docstring)."""
+    """ZB-V: 2p stages in the V placement, ordered by the greedy list scheduler, W's then pulled
+    next to their I where that costs nothing (module docstring)."""
+    return pull_weights(_greedy_zb_v(ranks, microbatches))
+
+
+def _greedy_zb_v(ranks: int, microbatches: int) -> Actions:
     p, m = ranks, microbatches
     placement = v_shape(p)
     stages = 2 * p
