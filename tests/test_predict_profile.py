@@ -196,3 +196,9 @@ def test_write_back_is_calibrated_from_ddps_own_span_not_the_exposed_time(monkey
     out = measure._profile_ddp(spec, None, None, None)
     assert out["writeback_s_per_byte"] == pytest.approx(0.010 / total)
     assert out["bucket_fixed_s"] == pytest.approx((0.0125 - 0.0105 - 0.0105 + 0.010) / 4)
+
+
+def test_a_table_holding_a_zero_time_fits_without_dividing_by_it():
+    """Fresh memory is a difference of two timings: under load it can come out 0 at a size."""
+    fit = fit_table([1 << 10, 1 << 16, 1 << 20], [0.0, 1e-4, 1e-3])
+    assert math.isnan(fit["line_residuals"][0]) and all(math.isfinite(r) for r in fit["line_residuals"][1:])

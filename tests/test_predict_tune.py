@@ -128,9 +128,16 @@ def test_a_load_average_left_by_a_finished_run_is_not_taken_for_other_jobs():
 
 
 def test_spread_and_own_load_are_what_they_say():
-    assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    jitter = 50e-6
+    assert relative_spread([1.0, 1.1, 0.9]) == pytest.approx(0.2 - jitter)
     assert relative_spread([1.0]) == 0.0
-    assert overall_spread([[1.0, 2.0], [1.0, 1.0], [1.0, 1.1]]) == pytest.approx(0.1 / 1.05)  # the median, not the worst
+    # from four samples on, the interquartile range (quantiles' exclusive method): 0.95 to 2.05
+    assert relative_spread([1.0, 1.1, 0.9, 1.05, 3.0]) == pytest.approx((1.1 + (3.0 - 1.1) / 2 - 0.95 - jitter) / 1.05)
+    assert relative_spread([1.0] * 7 + [5.0]) == 0.0  # one preemption in eight does not count
+    assert relative_spread([1e-4, 1.3e-4, 0.9e-4]) == 0.0  # 40 us apart: within a wake-up's jitter
+    assert relative_spread([1e-3, 2e-3, 1.5e-3]) == pytest.approx((1e-3 - jitter) / 1.5e-3)
+    # each series' spread over sqrt(n): the median's own uncertainty; then the median over series
+    assert overall_spread([[1.0, 2.0], [1.0, 1.0], [1.0, 1.1]]) == pytest.approx((0.1 - jitter) / 1.05 / math.sqrt(2))
     assert own_load(2, 60.0) == pytest.approx(2 * (1 - math.exp(-1)))
     with pytest.raises(ValueError):
         judge(0.1, 0.0, 0.0, cpus=0, own_threads=1, seconds=1.0)
@@ -143,7 +150,8 @@ def test_the_calibrations_spread_comes_from_every_rank_and_the_ddp_steps():
                {"collective_samples": {"native": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}}]
     assert spread_of(results) == 0.0  # four steady series, one noisy one: the median
     results[1]["collective_samples"]["native"] = [[1.0, 2.0], [1.0, 2.0]]
-    assert spread_of(results) == pytest.approx(0.4)  # median of 0, 0, 0.4 (the DDP steps), 0.67, 0.67
+    # median of 0, 0, 0.4 (the DDP steps), 0.67, 0.67, each over sqrt(2 samples)
+    assert spread_of(results) == pytest.approx(0.4 / math.sqrt(2), abs=1e-3)
 
 
 def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch):

@@ -187,7 +187,8 @@ def fit_table(sizes: Sequence[int], seconds: Sequence[float]) -> dict:
     y = [float(seconds[i]) for i in order]
     alpha_us, beta_gbps, r2 = fit_alpha_beta(x, y)
     alpha, beta = alpha_us * 1e-6, beta_gbps * 1e9
-    residuals = [((alpha + s / beta) - t) / t if beta > 0 else math.nan for s, t in zip(x, y)]
+    # A table of differences (fresh memory: allocating anew less rewriting) can hold a 0 under load.
+    residuals = [((alpha + s / beta) - t) / t if beta > 0 and t > 0 else math.nan for s, t in zip(x, y)]
     return {"sizes": x, "seconds": y, "alpha_s": alpha, "beta_bytes_per_s": beta, "r2": r2,
             "line_residuals": residuals}
 
