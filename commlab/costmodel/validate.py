@@ -2,6 +2,7 @@
 
     python -m commlab.costmodel.validate --out results/predict-validation      # 9.9 min measured, 2 cores
     python -m commlab.costmodel.validate --part mlp --part convnet --out ...    # 3.7 min; then
+    python -m commlab.costmodel.validate --part blocks --out ...                # 1.9 min
     python -m commlab.costmodel.validate --part oversubscribed --out ...        # 1.6 min (2026-11-26)
 
 The default grid is work the predictor was never developed on (it was built on the default
@@ -42,11 +43,16 @@ HELD_OUT = [
     {"model": CONVNET, "model_args": "channels=48,hidden=4096", "algorithm": "native", "overlap": "both"},
     {"model": CONVNET, "model_args": "channels=48,hidden=4096", "algorithm": "ring", "overlap": "on"},
 ]
+BLOCKS = "examples.heldout_models:blocks"
+# Held out from every change of the DDP model so far (the two above were looked at while the
+# queue, write-back and fresh-gradient terms were added): transformer blocks, 27 MiB of gradients.
+FRESH = [{"model": BLOCKS, "model_args": "d_model=384,layers=4,heads=6,seq=32", "global_batch": 16,
+          "algorithm": a, "overlap": o} for a, o in (("native", "both"), ("ring", "on"))]
 OVERSUBSCRIBED = [{"model": "mlp", "model_args": "depth=4,width=1536", "algorithm": "native", "overlap": "on",
                    "bucket_mb": "2,25,100", "world_size": w, "global_batch": 48} for w in ("3", "4")]
 # Named parts, to split a run that would hold a shared machine too long (--part); each part's
 # workloads are calibrated and measured on their own, so parts run apart add up to the whole.
-PARTS = {"mlp": HELD_OUT[:2], "convnet": HELD_OUT[2:], "oversubscribed": OVERSUBSCRIBED}
+PARTS = {"mlp": HELD_OUT[:2], "convnet": HELD_OUT[2:], "blocks": FRESH, "oversubscribed": OVERSUBSCRIBED}
 TUNED = (CONVNET,)  # workloads whose tuner recommendation is measured too
 GRID_MB = "0.5,4,25,100"
 
