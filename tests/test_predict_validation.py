@@ -90,7 +90,8 @@ def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_p
 
     seen = []
     monkeypatch.setattr(validate, "validate_parts", lambda parts, out, profile, echo=None: seen.append(parts))
-    for args in (["--part", "convnet"], ["--part", "mlp", "--part", "oversubscribed"], [], ["--no-oversubscribed"]):
+    for args in (["--part", "convnet"], ["--part", "mlp", "--part", "blocks", "--part", "oversubscribed"], [],
+                 ["--no-oversubscribed"]):
         assert CliRunner().invoke(validate.main, [*args, "--out", str(tmp_path)]).exit_code == 0
     convnet, rest, whole, world2 = seen
     assert {p["model"] for p in convnet} == {CONVNET}
@@ -98,3 +99,4 @@ def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_p
     assert all(p["iters"] == 12 for p in whole)
     bad = CliRunner().invoke(validate.main, ["--part", "bert", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and len(seen) == 4  # a usage error before anything runs
+    assert "examples.heldout_models:blocks" in {p["model"] for p in whole}
