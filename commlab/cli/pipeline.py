@@ -250,8 +250,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
     from commlab.costmodel.pipeline import DataParallel
 
-    from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp, table
-    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
+    from commlab.costmodel.plan import best, candidates, no_fit, table
+    from commlab.costmodel.plan_profile import profile_mlp
+    from commlab.costmodel.plan_calibrate import calibration_schedules, plan_costs, profile_line
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -270,20 +271,25 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if split_at is not None and model_name is None:
         raise click.BadParameter("--split-at names split points of --model", param_hint="--split-at")
     points = None
+    # Every stage a plan can have is timed whole, as the executor runs it (costmodel/plan_stages.py).
+    priced = dict(ranks=ranks, virtuals=_ints(virtual, "--virtual"), schedules=names, balance_mode=balance_mode)
     if model_name is None:
-        profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
+        profiles = profile_mlp(depth, width, batch, ms, ranks * dp, priced)
     else:
         from commlab.costmodel.plan_model import profile_model, split_points
 
         try:
-            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","))
+            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","), plans=priced)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    costs = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo)
+    # Each schedule's executor overhead on stand-in stages with a typical boundary (the median layer output).
+    boundary = {m: sorted(p.output)[len(p.output) // 2] for m, p in profiles.items()}
+    costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
+                                  schedules=calibration_schedules(ranks, names, priced["virtuals"], boundary))  # fmt: skip
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
-                       balance_mode=balance_mode, optimizer=optimizer)  # fmt: skip
+                       balance_mode=balance_mode, optimizer=optimizer, overheads=overheads)  # fmt: skip
     if not plans:
         raise click.UsageError("no schedule applies (with --dp, zero-bubble schedules are not supported by the hybrid runtime)")
     budget = budget_mb * 2**20

@@ -21,17 +21,12 @@ writes them all; :mod:`commlab.costmodel.plan_check` compares them with a ``pipe
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-import torch
-
-from commlab.pipeline.runtime.partition import best_per_layer, partition, profile_times
+from commlab.pipeline.runtime.partition import partition
 from commlab.costmodel.costs import StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
-from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.registry import REGISTRY
@@ -55,6 +50,9 @@ class LayerProfile:
 
     # Each layer's parameter sizes in module order, for data-parallel buckets; empty: one tensor per layer.
     param_sizes: Sequence[Sequence[int]] = ()
+    # Whole stages timed as the executor runs them, by (first layer, layer count)
+    # (commlab.costmodel.plan_stages.StageTimes): used over the per-layer sums where present.
+    stages: Mapping = field(default_factory=dict)
 
     def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:
         """What each stage computes under ``balance`` (``split``: the schedule runs I and W), what it
@@ -65,6 +63,14 @@ class LayerProfile:
         starts = _starts(balance)
         extra = dict(message_bytes=tuple(float(self.output[e]) for e in ends),
                      param_nbytes=tuple(tuple(int(n) for layer in sizes[a : a + k] for n in layer) for a, k in zip(starts, balance)))
+        ranges = list(zip(starts, balance))
+        if self.stages and all(r in self.stages for r in ranges):
+            timed = [self.stages[r] for r in ranges]
+            if split:
+                i, w = [t.input_grad for t in timed], [t.weight_grad for t in timed]
+                return StageProfile(tuple(t.split_forward for t in timed), tuple(a + b for a, b in zip(i, w)),
+                                    sum(w) / max(sum(i) + sum(w), 1e-12), **extra)  # fmt: skip
+            return StageProfile(tuple(t.forward for t in timed), tuple(t.backward for t in timed), **extra)
         if not self.forward:
             return StageProfile(tuple(t / 3 for t in total), tuple(t * 2 / 3 for t in total), **extra)
         fwd = tuple(_stage_sums(self.forward, balance))
@@ -144,7 +150,7 @@ def _starts(balance: Sequence[int]) -> list[int]:
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
                schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
                cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
-               optimizer: str = "none") -> list[Plan]:  # fmt: skip
+               optimizer: str = "none", overheads: Mapping[tuple[str, int], float] | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
@@ -153,7 +159,9 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     (:func:`commlab.costmodel.pipeline.sharing`); ``dp``: every stage replicated that many
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
     ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
-    ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts.
+    ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts;
+    ``overheads``: the executor's per-action overhead of each (schedule, stages per rank) where
+    measured (:func:`commlab.costmodel.plan_calibrate.schedule_overheads`), else ``system``'s.
     """
     if balance_mode not in ("time", "uniform"):
         raise ValueError(f"balance_mode must be 'time' or 'uniform', got {balance_mode!r}")
@@ -182,11 +190,14 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
+                costs = system
+                if overheads and (name, v) in overheads:
+                    costs = replace(system, overheads=replace(system.overheads, action_s=overheads[(name, v)]))
                 # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
                 inputs = [profile.input_bytes, *stage.message_bytes]
                 for mode in checkpoints:
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, system, stage, placement, recomputed, cores, dp=dp).step_time
+                    step = predict(actions, costs, stage, placement, recomputed, cores, dp=dp).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
@@ -215,71 +226,3 @@ def no_fit(plans: Sequence[Plan], budget_mb: float) -> str:
     return (f"no plan fits {budget_mb:g} MiB per rank: the smallest peak any plan needs is {need:.3f} MiB per rank "
             f"({smallest.schedule}, m={smallest.microbatches}, checkpoint {smallest.checkpoint}); "
             f"try --budget-mb {suggest:g} or more")  # fmt: skip
-
-
-def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int], ranks: int) -> dict[int, LayerProfile]:
-    """The planner's MLP (commlab.models.mlp) profiled at the micro-batch size of each count."""
-    from commlab.models import mlp
-
-    torch.manual_seed(0)
-    model = mlp(depth, width)
-    # Profile with the threads a rank gets (commlab.launch: cores // ranks unless OMP_NUM_THREADS
-    # is set), not the parent's: on a shared machine 2 threads per op can be 20x slower than 1.
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    try:
-        return {m: profile(model, torch.randn(batch // m, width)) for m in microbatches}
-    finally:
-        torch.set_num_threads(threads)
-
-
-def profile(model, sample, repeat: int = 3) -> LayerProfile:
-    """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`.
-
-    Times are the best of ``repeat``: forward + backward, forward alone, and the split backward's
-    I (``autograd.grad`` for the input only) and W (``backward(inputs=params)``), as the executor
-    runs them (:mod:`commlab.pipeline.runtime.compute`)."""
-    # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
-    seconds = profile_times(model, sample, repeat=repeat)
-    saved, output, params, sizes = [], [], [], []
-    sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
-    def split_backward(layer, x) -> tuple:
-        """(output, forward, I, W) seconds of one layer, as the executor runs them."""
-        weights = [p for p in layer.parameters() if p.requires_grad]
-        start = now()
-        with torch.enable_grad():
-            y = layer(x)
-        forward = now() - start
-        if not y.requires_grad:
-            return y, forward, 0.0, 0.0
-        g = torch.ones_like(y)
-        mid = now()
-        if x.requires_grad:
-            torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
-        done_i = now()
-        if weights:
-            torch.autograd.backward(y, g, inputs=weights)
-        return y, forward, done_i - mid, now() - done_i
-
-    timed = best_per_layer(model, sample, split_backward, repeat)
-    forward, input_grad, weight_grad = ([t[i] for t in timed] for i in range(3))
-    x = sample
-    for layer in model:
-        x = x.detach().requires_grad_(x.is_floating_point())
-        weights = list(layer.parameters())
-        with SavedBytes(weights) as counted, torch.enable_grad():
-            y = layer(x)
-        saved.append(float(counted.nbytes))
-        output.append(float(y.numel() * y.element_size()))
-        params.append(float(sum(p.numel() * p.element_size() for p in weights)))
-        sizes.append([p.numel() * p.element_size() for p in weights if p.requires_grad])
-        x = y
-    model.zero_grad(set_to_none=True)
-    return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
-                        forward, input_grad, weight_grad, sizes)  # fmt: skip
