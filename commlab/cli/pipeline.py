@@ -252,7 +252,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
     from commlab.costmodel.plan import best, candidates, no_fit, table
     from commlab.costmodel.plan_profile import profile_mlp
-    from commlab.costmodel.plan_calibrate import calibration_schedules, plan_costs, profile_line
+    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
+    from commlab.costmodel.plan_standin import calibration_schedules
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -283,10 +284,12 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    # Each schedule's executor overhead on stand-in stages with a typical boundary (the median layer output).
+    # Each schedule's executor overhead and compute stretch on stand-in stages with a typical
+    # boundary (the median layer output): plan_calibrate.schedule_costs.
     boundary = {m: sorted(p.output)[len(p.output) // 2] for m, p in profiles.items()}
     costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
-                                  schedules=calibration_schedules(ranks, names, priced["virtuals"], boundary))  # fmt: skip
+                                  schedules=calibration_schedules(ranks, names, priced["virtuals"], boundary,
+                                                                  len(next(iter(profiles.values())).seconds)))  # fmt: skip
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
                        balance_mode=balance_mode, optimizer=optimizer, overheads=overheads)  # fmt: skip

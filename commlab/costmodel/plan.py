@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from commlab.pipeline.runtime.partition import partition
 from commlab.costmodel.costs import StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
-from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, Action, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.registry import REGISTRY
 
@@ -78,6 +78,14 @@ class LayerProfile:
             i, w = _stage_sums(self.input_grad, balance), _stage_sums(self.weight_grad, balance)
             return StageProfile(fwd, tuple(a + b for a, b in zip(i, w)), sum(w) / max(sum(i) + sum(w), 1e-12), **extra)
         return StageProfile(fwd, tuple(max(t - f, 0.0) for t, f in zip(total, fwd)), **extra)
+
+
+    def nograd_forward(self, balance: Sequence[int]) -> tuple[float, ...] | None:
+        """Each stage's forward without grad (a checkpointed micro-batch's first) where every stage was timed whole."""
+        ranges = list(zip(_starts(balance), balance))
+        if not all(r in self.stages and self.stages[r].nograd_forward > 0 for r in ranges):
+            return None
+        return tuple(self.stages[r].nograd_forward for r in ranges)
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,7 @@ def _starts(balance: Sequence[int]) -> list[int]:
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
                schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
                cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
-               optimizer: str = "none", overheads: Mapping[tuple[str, int], float] | None = None) -> list[Plan]:  # fmt: skip
+               optimizer: str = "none", overheads: Mapping[tuple[str, int], tuple[float, Mapping[str, float]]] | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
@@ -160,8 +168,10 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
     ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
     ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts;
-    ``overheads``: the executor's per-action overhead of each (schedule, stages per rank) where
-    measured (:func:`commlab.costmodel.plan_calibrate.schedule_overheads`), else ``system``'s.
+    ``overheads``: per (schedule, stages per rank) where measured, the executor's overhead per
+    action and, per checkpoint mode, how much its compute stretches against the profile
+    (a mode not measured: "never"'s)
+    (:func:`commlab.costmodel.plan_calibrate.schedule_costs`); else ``system``'s and none.
     """
     if balance_mode not in ("time", "uniform"):
         raise ValueError(f"balance_mode must be 'time' or 'uniform', got {balance_mode!r}")
@@ -190,14 +200,21 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
-                costs = system
+                costs, stretches = system, {}
                 if overheads and (name, v) in overheads:
-                    costs = replace(system, overheads=replace(system.overheads, action_s=overheads[(name, v)]))
+                    action, stretches = overheads[(name, v)]
+                    costs = replace(system, overheads=replace(system.overheads, action_s=action))
                 # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
                 inputs = [profile.input_bytes, *stage.message_bytes]
+                nograd = profile.nograd_forward(balance)
                 for mode in checkpoints:
+                    stretch = stretches.get(mode, stretches.get("never", 1.0))
+                    stretched = replace(stage, forward=tuple(f * stretch for f in stage.forward),
+                                        backward=tuple(b * stretch for b in stage.backward))  # fmt: skip
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, costs, stage, placement, recomputed, cores, dp=dp).step_time
+                    # A checkpointed micro-batch's first forward runs without grad (commlab/pipeline/runtime/executor.py).
+                    first = {Action(s, FORWARD, i): nograd[s] * stretch for s in range(stages) for i in recomputed} if nograd else {}
+                    step = predict(actions, costs, stretched, placement, recomputed, cores, dp=dp, durations=first).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))

@@ -11,13 +11,8 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
 - the per-byte cost ``beta``: the slope of a ping-pong between ranks 0 and 1 at the plans' real
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
-- the per-action overhead of each schedule the plans use (:func:`schedule_overheads`): a few
-  steps of that schedule on stand-in stages that compute nothing (a PReLU: one scalar weight) but send
-  the plans' real boundary tensors. How long the executor sits with its input there depends on
-  the schedule's pattern of sends, receives and waits, not only on the action (interleaved
-  1F1B idled 0.9 ms per action with the input there, 1F1B 0.3 ms, on the 10 x 640 MLP:
-  docs/measurements.md), so one tiny 1F1B does not stand for all of them. Still no plan's model
-  runs: the stand-in stages have no layer of it.
+- per (schedule, stages per rank) the plans use, the executor's overhead per action and the
+  stretch of compute inside the pipeline, on stand-in stages (:mod:`commlab.costmodel.plan_standin`).
 
 Both then enter the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (its
 point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
@@ -33,7 +28,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +39,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.costmodel.plan_standin import executor_timelines, schedule_costs, stand_in
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -68,7 +63,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), the timelines of a
     few steps of the executor on a tiny model, as the bench records them, and of each schedule in
     ``common["schedules"]`` ((name, stages per rank, micro-batches, boundary elements per
-    micro-batch)) on stand-in stages (:func:`schedule_overheads`)."""
+    micro-batch, blocks per stage)) on stand-in stages (:func:`~commlab.costmodel.plan_standin.stand_in`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -92,104 +87,42 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
                 pingpong.setdefault(size, []).append((time.perf_counter() - start) / 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
-    calibration = _executor_timelines(model, [1] * rt.world_size, None, "1f1b", 4, torch.randn(8, 4), torch.randn(8, 4),
+    calibration = executor_timelines(model, [1] * rt.world_size, None, "1f1b", 4, torch.randn(8, 4), torch.randn(8, 4),
                                       F.mse_loss, common)  # fmt: skip
     families = {}
-    for name, virtual, m, numel in common.get("schedules", ()):
-        # Stand-in stages, the real boundary tensor between them.
-        stages = rt.world_size * virtual
-        model = torch.nn.Sequential(*[torch.nn.PReLU() for _ in range(stages)])  # one scalar weight: no compute to speak of
-        placement = REGISTRY[name].placement(rt.world_size, stages)
-        x = torch.randn(m, max(1, numel))
-        families[(name, virtual)] = _executor_timelines(model, [1] * stages, placement, name, m, x, x.clone(), F.mse_loss, common)
+    for name, virtual, m, numel, layers in common.get("schedules", ()):
+        families[(name, virtual, m)] = stand_in(rt, name, virtual, m, numel, layers, common)
     return {"rank": rt.rank, "pingpong": pingpong, **calibration, "schedules": families}
 
 
-def _executor_timelines(model, balance, placement, schedule: str, m: int, x, y, loss_fn, common: dict[str, Any]) -> dict[str, list]:
-    """A few steps of the real executor (after one untimed step): each step's timeline as the bench records it."""
-    import torch.distributed as dist
-
-    from commlab.pipeline.runtime.executor import PipelineExecutor
-    from commlab.pipeline.runtime.stages import RankStages
-
-    stage = RankStages(model, balance, placement)
-    pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"])
-    calibration: dict[str, list] = {"timelines": [], "origins": []}
-    for k in range(1 + common["steps"]):
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
-        if k:
-            calibration["origins"].append(start)
-            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start,
-                                              pipe.started_at + t.end) for t in pipe.timeline])  # fmt: skip
-    return calibration
-
-
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              schedules: Sequence[tuple[str, int, int, int]] = ()) -> tuple[SystemCosts, dict[tuple[str, int], float]]:  # fmt: skip
+              schedules: Sequence[tuple] = ()) -> tuple[SystemCosts, dict[tuple[str, int], tuple[float, dict[str, float]]]]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
-    With ``schedules`` ((name, stages per rank, micro-batches, boundary elements per micro-batch)),
-    also each one's executor overhead per action (:func:`schedule_overheads`)."""
+    With ``schedules`` (:func:`calibration_schedules`), also each one's executor overhead per
+    action and compute stretch (:func:`schedule_costs`)."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
         return measured(), {}
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
-    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "schedules": list(schedules)}
+    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "schedules": list(schedules), "stand_in_steps": 2 * steps}
     per_rank = commlab.launch(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout)
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
     share = cores if shared(ranks, cores) else None
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
-    return system, schedule_overheads(per_rank, ranks, schedules, share)
-
-
-def schedule_overheads(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequence[tuple[str, int, int, int]],
-                       cores: int | None = None) -> dict[tuple[str, int], float]:  # fmt: skip
-    """Per (schedule, stages per rank), the executor's overhead per action on the stand-in stages
-    (:func:`~commlab.costmodel.pipeline_calibrate.executor_overhead` of its timelines: the idle
-    time with the input there, over its actions), from what :func:`measure_rank` recorded."""
-    out = {}
-    for name, virtual, _, _ in schedules:
-        runs = [{"rank": r["rank"], **r["schedules"][(name, virtual)]} for r in per_rank]
-        out[(name, virtual)] = executor_overhead(runs, ranks * virtual, cores)
-    return out
-
-
-def calibration_schedules(ranks: int, names: Sequence[str], virtuals: Sequence[int],
-                          boundary_bytes: Mapping[int, float]) -> list[tuple[str, int, int, int]]:  # fmt: skip
-    """What :func:`calibrate` runs: every (schedule, stages per rank) the plans use, at the middle
-    micro-batch count (a key of ``boundary_bytes``) the schedule accepts, with that count's
-    boundary bytes per micro-batch (as float32 elements)."""
-    microbatches = list(boundary_bytes)
-    out = []
-    for name in names:
-        spec = REGISTRY[name]
-        for v in spec.virtual or virtuals:
-            valid = sorted(m for m in microbatches if _accepts(spec, ranks, m, v))
-            if valid:
-                m = valid[len(valid) // 2]
-                out.append((name, v, m, max(1, int(boundary_bytes[m]) // 4)))
-    return out
-
-
-def _accepts(spec, ranks: int, m: int, v: int) -> bool:
-    try:
-        spec.check(ranks, m, v)
-    except ValueError:
-        return False
-    return True
+    return system, schedule_costs(per_rank, ranks, schedules, share)
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
                echo: Callable[[str], None] = lambda _l: None, schedules: Sequence[tuple[str, int, int, int]] = ()
-               ) -> tuple[SystemCosts, dict[tuple[str, int], float]]:  # fmt: skip
+               ) -> tuple[SystemCosts, dict[tuple[str, int], tuple[float, dict[str, float]]]]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
     and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
-    With ``schedules`` (:func:`calibration_schedules`), each one's overhead per action too."""
+    With ``schedules`` (:func:`~commlab.costmodel.plan_standin.calibration_schedules`), each one's
+    overhead per action and compute stretch too."""
     profiles = list(profiles)
     system, overheads = measured(), {}
     if measure and ranks > 1:
@@ -199,8 +132,9 @@ def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeo
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
         if overheads:
-            echo("executor overhead per schedule on stand-in stages (us/action): "
-                 + ", ".join(f"{n} v={v} {s * 1e6:.0f}" for (n, v), s in overheads.items()))  # fmt: skip
+            echo("per schedule on stand-in stages, executor overhead and compute stretch never/always: "
+                 + ", ".join(f"{n} v={v} {o * 1e6:.0f} us/action " + "/".join(f"x{x:.2f}" for x in s.values())
+                          for (n, v), (o, s) in overheads.items()))  # fmt: skip
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")

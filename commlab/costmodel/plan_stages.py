@@ -30,13 +30,16 @@ from commlab.pipeline.schedule.registry import REGISTRY
 
 @dataclass(frozen=True)
 class StageTimes:
-    """One stage's seconds per micro-batch: F whole and F layer by layer (a split schedule's), B, I, W."""
+    """One stage's seconds per micro-batch: F whole and F layer by layer (a split schedule's), B, I,
+    W, and F without grad (a checkpointed micro-batch's first forward: the executor runs it under
+    ``torch.no_grad``, saving nothing)."""
 
     forward: float
     split_forward: float
     backward: float
     input_grad: float
     weight_grad: float
+    nograd_forward: float = 0.0
 
 
 def stage_ranges(layer_seconds: Sequence[float], ranks: int, virtuals: Sequence[int], schedules: Iterable[str],
@@ -96,6 +99,8 @@ def time_stage(layers: Sequence, sample, loss: Callable | None = None, *, split:
         # Two micro-batches in flight: the next one's forward runs between one's forward and its backward.
         flight = [timed("F", forward) for _ in range(2)]
         timed("B", lambda r=flight[0]: torch.autograd.backward(r[0], r[1]) if r[0].requires_grad else None)
+        with torch.no_grad():
+            timed("Fn", lambda: root(module(sample)))
         if split:
             flight = [timed("Fs", forward_split) for _ in range(2)]
             a = flight[0]
@@ -107,7 +112,7 @@ def time_stage(layers: Sequence, sample, loss: Callable | None = None, *, split:
     for p in params:
         p.grad = None
     med = {key: statistics.median(v) for key, v in times.items()}
-    return StageTimes(med["F"], med.get("Fs", med["F"]), med["B"], med.get("I", 0.0), med.get("W", 0.0))
+    return StageTimes(med["F"], med.get("Fs", med["F"]), med["B"], med.get("I", 0.0), med.get("W", 0.0), med["Fn"])
 
 
 def profile_stages(layers: Sequence, sample, ranges: Iterable[tuple[int, int]], loss: Callable | None = None, *,

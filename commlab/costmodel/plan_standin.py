@@ -1,0 +1,151 @@
+"""The executor's overhead and compute stretch per schedule, measured on stand-in stages.
+
+How long the executor sits with its input there depends on the schedule's pattern of sends,
+receives and waits, not only on the action: on the 10 x 640 MLP interleaved 1F1B idled 0.9 ms
+per action with the input there and 1F1B 0.3 ms (docs/measurements.md), and the actions' compute
+took longer inside the pipeline than alone (two ranks and Gloo's threads on the host's cores).
+So the planner runs every (schedule, stages per rank) it prices for a few steps on *stand-in*
+stages (:func:`stand_in`): blocks of Linear+ReLU that are no layer of the planned model, with the
+plans' boundary bytes between them, each rank's stages first timed alone. From their timelines
+(:func:`schedule_costs`): the overhead per action as the bench reads it
+(:func:`~commlab.costmodel.pipeline_calibrate.executor_overhead`), and the stretch of the
+actions' compute against the same stages alone. The plans' profiled stage times are multiplied
+by that stretch. Nothing of the planned model runs in the pipeline before its prediction.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from commlab.costmodel.pipeline_calibrate import executor_overhead
+from commlab.pipeline.schedule.actions import INPUT_GRAD
+from commlab.pipeline.schedule.registry import REGISTRY
+
+
+STAND_IN_WIDTH = 512  # features of the stand-in layers; the boundary's bytes set their rows
+# Each stand-in runs without and with checkpointing: a checkpointed micro-batch's forward runs
+# without grad and its backward recomputes it, and the two stretch differently in the pipeline.
+CHECKPOINTS = ("never", "always")
+
+
+def stand_in(rt, name: str, virtual: int, m: int, numel: int, layers: int, common: dict[str, Any]) -> dict[str, Any]:
+    """One schedule on stand-in stages of ``layers`` Linear+ReLU blocks (not the plan's model) with
+    a boundary of ``numel`` elements per micro-batch: its timelines, and each of this rank's
+    stages timed alone first (:func:`~commlab.costmodel.plan_stages.time_stage`, one rank at a
+    time, the others waiting at a barrier), so :func:`schedule_costs` can tell how much the
+    pipeline's actions stretch against the same compute alone."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from commlab.costmodel.plan_stages import time_stage
+    from commlab.pipeline.schedule.actions import INPUT_GRAD
+
+    torch.manual_seed(0)
+    stages, k = rt.world_size * virtual, STAND_IN_WIDTH
+    rows = max(1, numel // k)
+    model = torch.nn.Sequential(*[mod for _ in range(stages * layers) for mod in (torch.nn.Linear(k, k), torch.nn.ReLU())])
+    spec = REGISTRY[name]
+    placement = spec.placement(rt.world_size, stages)
+    x, y = torch.randn(m * rows, k), torch.randn(m * rows, k)
+    alone = {}
+    for r in range(rt.world_size):
+        dist.barrier()
+        for s in (s for s, p in enumerate(placement) if p == r == rt.rank):
+            sample = torch.randn(rows, k).requires_grad_(s > 0)
+            loss = (lambda out: F.mse_loss(out, y[:rows])) if s == stages - 1 else None
+            alone[s] = time_stage(list(model)[2 * layers * s : 2 * layers * (s + 1)], sample, loss,
+                                  split=INPUT_GRAD in spec.kinds, repeat=5).__dict__  # fmt: skip
+    dist.barrier()
+    runs = {mode: executor_timelines(model, [2 * layers] * stages, placement, name, m, x, y, F.mse_loss, common, mode)
+            for mode in CHECKPOINTS}  # fmt: skip
+    return {"runs": runs, "alone": alone}
+
+
+def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequence[tuple],
+                   cores: int | None = None) -> dict[tuple[str, int], tuple[float, dict[str, float]]]:  # fmt: skip
+    """Per (schedule, stages per rank) on its stand-in stages (:func:`stand_in`): the executor's
+    overhead per action without checkpointing (:func:`~commlab.costmodel.pipeline_calibrate.executor_overhead`:
+    the idle time with the input there, over the actions) and, per checkpoint mode run, the
+    compute stretch: the actions' measured seconds over what the same stages took alone (a
+    checkpointed forward: without grad; its backward: plus the recomputed forward), median over
+    steps, at least 1."""
+    out = {}
+    for name, virtual, m, *_ in schedules:
+        found = [(r["rank"], r["schedules"][(name, virtual, m)]) for r in per_rank]
+        alone = {s: t for _, f in found for s, t in f["alone"].items()}
+        split = INPUT_GRAD in REGISTRY[name].kinds
+        forward = "split_forward" if split else "forward"
+        stretch, overhead = {}, 0.0
+        for mode in found[0][1]["runs"]:
+            runs = [{"rank": rank, **f["runs"][mode]} for rank, f in found]
+            again = mode != "never"  # "always" is the only other mode run: every micro-batch recomputed
+
+            def expected(s: int, kind: str) -> float:
+                t = alone[s]
+                if kind == "F":
+                    return t["nograd_forward"] if again else t[forward]
+                own = {"B": t["backward"], "I": t["input_grad"], "W": t["weight_grad"]}[kind]
+                return own + (t[forward] if again and kind in ("B", "I") else 0.0)
+
+            ratios = []
+            for k in range(len(runs[0]["timelines"])):
+                acts = [a for r in runs for a in r["timelines"][k]]
+                ratios.append(sum(b - a for *_, a, b in acts) / max(sum(expected(s, kind) for s, kind, *_ in acts), 1e-12))
+            stretch[mode] = max(1.0, statistics.median(ratios)) if ratios else 1.0
+            if mode == "never":
+                overhead = executor_overhead(runs, ranks * virtual, cores)
+        out[(name, virtual)] = (overhead, stretch)
+    return out
+
+
+def calibration_schedules(ranks: int, names: Sequence[str], virtuals: Sequence[int], boundary_bytes: Mapping[int, float],
+                          layers: int = 2) -> list[tuple[str, int, int, int, int]]:  # fmt: skip
+    """What :func:`calibrate` runs: every (schedule, stages per rank) the plans use, at the middle
+    micro-batch count (a key of ``boundary_bytes``) the schedule accepts, with that count's
+    boundary bytes per micro-batch (as float32 elements), and stand-in stages of one Linear+ReLU block per two of the
+    model's ``layers`` a stage gets (the MLP's layers are such pairs): (name, stages per rank,
+    micro-batches, elements, blocks per stage)."""
+    out = []
+    for name in names:
+        spec = REGISTRY[name]
+        for v in spec.virtual or virtuals:
+            valid = sorted(m for m in boundary_bytes if _accepts(spec, ranks, m, v))
+            if valid:
+                m = valid[len(valid) // 2]
+                out.append((name, v, m, max(1, int(boundary_bytes[m]) // 4), max(1, round(layers / (2 * ranks * v)))))
+    return out
+
+
+def _accepts(spec, ranks: int, m: int, v: int) -> bool:
+    try:
+        spec.check(ranks, m, v)
+    except ValueError:
+        return False
+    return True
+
+
+def executor_timelines(model, balance, placement, schedule: str, m: int, x, y, loss_fn, common: dict[str, Any],
+                       checkpoint: str = "never") -> dict[str, list]:  # fmt: skip
+    """A few steps of the real executor (after one untimed step): each step's timeline as the bench records it."""
+    import torch.distributed as dist
+
+    from commlab.pipeline.runtime.executor import PipelineExecutor
+    from commlab.pipeline.runtime.stages import RankStages
+
+    stage = RankStages(model, balance, placement)
+    pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
+                            checkpoint=checkpoint)  # fmt: skip
+    calibration: dict[str, list] = {"timelines": [], "origins": []}
+    for k in range(1 + common.get("stand_in_steps", common["steps"])):
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        if k:
+            calibration["origins"].append(start)
+            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start,
+                                              pipe.started_at + t.end) for t in pipe.timeline])  # fmt: skip
+    return calibration
