@@ -58,7 +58,7 @@ def stand_in(rt, name: str, virtual: int, m: int, numel: int, layers: int, commo
             sample = torch.randn(rows, k).requires_grad_(s > 0)
             loss = (lambda out: F.mse_loss(out, y[:rows])) if s == stages - 1 else None
             alone[s] = time_stage(list(model)[2 * layers * s : 2 * layers * (s + 1)], sample, loss,
-                                  split=INPUT_GRAD in spec.kinds, repeat=5).__dict__  # fmt: skip
+                                  split=INPUT_GRAD in spec.kinds, repeat=9).__dict__  # fmt: skip
     dist.barrier()
     runs = {mode: executor_timelines(model, [2 * layers] * stages, placement, name, m, x, y, F.mse_loss, common, mode)
             for mode in CHECKPOINTS}  # fmt: skip
