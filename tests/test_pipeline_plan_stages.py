@@ -51,12 +51,13 @@ def test_stages_are_timed_with_the_executors_compute_and_leave_no_gradients():
     assert plain.input_grad == plain.weight_grad == 0.0 and plain.split_forward == plain.forward
 
 
-def test_each_schedule_is_calibrated_at_its_own_stages_per_rank_and_middle_microbatches():
+def test_each_schedule_is_calibrated_at_its_own_stages_per_rank_and_every_microbatch_count():
     from commlab.costmodel.plan_standin import calibration_schedules
 
-    boundary = {2: 4096.0, 4: 2048.0, 8: 1024.0, 16: 512.0}
+    boundary = {2: 4096.0, 8: 1024.0}
     runs = calibration_schedules(2, ["1f1b", "interleaved", "zb-v"], [1, 2], boundary)
-    assert runs == [("1f1b", 1, 8, 256, 1), ("interleaved", 1, 8, 256, 1), ("interleaved", 2, 8, 256, 1), ("zb-v", 2, 8, 256, 1)]
+    assert runs == [("1f1b", 1, 2, 1024, 1), ("1f1b", 1, 8, 256, 1), ("interleaved", 1, 2, 1024, 1), ("interleaved", 1, 8, 256, 1),
+                    ("interleaved", 2, 2, 1024, 1), ("interleaved", 2, 8, 256, 1), ("zb-v", 2, 2, 1024, 1), ("zb-v", 2, 8, 256, 1)]  # fmt: skip
     # Interleaved on 2 ranks x 2 stages needs m >= 4 and a multiple of 2: of 3 and 4 only 4 is left.
     # Stand-in blocks: one Linear+ReLU per two layers of a stage (21 layers on 4 stages: 3).
     assert calibration_schedules(2, ["interleaved"], [2], {3: 64.0, 4: 64.0}, 21) == [("interleaved", 2, 4, 16, 3)]
@@ -69,28 +70,32 @@ def test_per_schedule_overheads_price_only_their_own_plans():
                          forward=[1.0] * 2)  # fmt: skip
     system = measured(overhead=0.1)
     base = {p.schedule: p.step_time for p in candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system)}
-    priced = candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system, overheads={("1f1b", 1): (0.5, {"never": 1.0})})
+    priced = candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system, overheads={("1f1b", 1, 4): {"never": (0.5, 1.0)}})
     got = {p.schedule: p.step_time for p in priced}
     assert got["gpipe"] == base["gpipe"] and got["1f1b"] > base["1f1b"]
     # A stretch of 2 doubles every action's compute: 1F1B on 2 ranks, 4 micro-batches, no overhead.
     alone = candidates({4: layer}, 2, [1], ["never"], ["1f1b"])[0].step_time
-    stretched = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], overheads={("1f1b", 1): (0.0, {"never": 2.0})})[0].step_time
+    stretched = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], overheads={("1f1b", 1, 4): {"never": (0.0, 2.0)}})[0].step_time
     assert stretched == pytest.approx(2 * alone)
 
 
-def test_stand_in_costs_are_idle_time_per_action_and_stretch_against_alone():
+def test_stand_in_costs_are_the_stretch_against_alone_and_the_overhead_the_core_needs():
+    from commlab.costmodel.plan_calibrate import measured
     from commlab.costmodel.plan_standin import schedule_costs
 
     # 1F1B, 2 ranks, 1 micro-batch: F0 [0, 1] -> F1 [1.5, 2.5] -> B1 [2.6, 4.6] -> B0 [5.1, 7.1].
     # Alone the stages took F 0.5, B 1.0: the pipeline's 6 s of compute is twice that.
     alone = {"forward": 0.5, "split_forward": 0.5, "backward": 1.0, "input_grad": 0.0, "weight_grad": 0.0, "nograd_forward": 0.4}
-    # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
+
     def rank(r, timeline):
         run = {"origins": [0.0], "timelines": [timeline]}
         return {"rank": r, "schedules": {("1f1b", 1, 1): {"alone": {r: alone}, "runs": {"never": run, "always": run}}}}
 
     per_rank = [rank(0, [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 5.1, 7.1)]), rank(1, [(1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.6, 4.6)])]
-    ((overhead, stretch),) = schedule_costs(per_rank, 2, [("1f1b", 1, 1, 4, 1)]).values()
-    assert stretch["never"] == pytest.approx(2.0) and stretch["always"] == pytest.approx(6 / 3.8)
-    # Idle with the input there: F1 0.5 after F0, B1 0.1 after F1, B0 0.5 after B1: 1.1 s over 4 actions.
-    assert overhead == pytest.approx(1.1 / 4)
+    ((costs),) = schedule_costs(per_rank, 2, [("1f1b", 1, 1, 4, 1)], measured()).values()
+    # The chain's 6 s of stretched compute, free messages: the 7.1 s step leaves 1.1 s over 4 actions.
+    overhead, stretch = costs["never"]
+    assert stretch == pytest.approx(2.0) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
+    # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
+    overhead, stretch = costs["always"]
+    assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)

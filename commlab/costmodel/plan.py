@@ -158,7 +158,7 @@ def _starts(balance: Sequence[int]) -> list[int]:
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
                schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
                cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
-               optimizer: str = "none", overheads: Mapping[tuple[str, int], tuple[float, Mapping[str, float]]] | None = None) -> list[Plan]:  # fmt: skip
+               optimizer: str = "none", overheads: Mapping[tuple[str, int, int], Mapping[str, tuple[float, float]]] | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
@@ -168,9 +168,9 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
     ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
     ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts;
-    ``overheads``: per (schedule, stages per rank) where measured, the executor's overhead per
-    action and, per checkpoint mode, how much its compute stretches against the profile
-    (a mode not measured: "never"'s)
+    ``overheads``: per (schedule, stages per rank, micro-batches) where measured and per checkpoint mode (one not
+    measured: "never"'s), the executor's overhead per action and how much compute stretches
+    against the profile
     (:func:`commlab.costmodel.plan_calibrate.schedule_costs`); else ``system``'s and none.
     """
     if balance_mode not in ("time", "uniform"):
@@ -200,15 +200,15 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
-                costs, stretches = system, {}
-                if overheads and (name, v) in overheads:
-                    action, stretches = overheads[(name, v)]
-                    costs = replace(system, overheads=replace(system.overheads, action_s=action))
+                by_mode = overheads.get((name, v, m), {}) if overheads else {}
                 # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
                 inputs = [profile.input_bytes, *stage.message_bytes]
                 nograd = profile.nograd_forward(balance)
                 for mode in checkpoints:
-                    stretch = stretches.get(mode, stretches.get("never", 1.0))
+                    costs, stretch = system, 1.0
+                    if by_mode:
+                        action, stretch = by_mode.get(mode, by_mode.get("never"))
+                        costs = replace(system, overheads=replace(system.overheads, action_s=action))
                     stretched = replace(stage, forward=tuple(f * stretch for f in stage.forward),
                                         backward=tuple(b * stretch for b in stage.backward))  # fmt: skip
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))

@@ -96,7 +96,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              schedules: Sequence[tuple] = ()) -> tuple[SystemCosts, dict[tuple[str, int], tuple[float, dict[str, float]]]]:  # fmt: skip
+              schedules: Sequence[tuple] = ()) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
     With ``schedules`` (:func:`calibration_schedules`), also each one's executor overhead per
     action and compute stretch (:func:`schedule_costs`)."""
@@ -112,12 +112,12 @@ def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
     share = cores if shared(ranks, cores) else None
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
-    return system, schedule_costs(per_rank, ranks, schedules, share)
+    return system, schedule_costs(per_rank, ranks, schedules, system, share)
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
                echo: Callable[[str], None] = lambda _l: None, schedules: Sequence[tuple[str, int, int, int]] = ()
-               ) -> tuple[SystemCosts, dict[tuple[str, int], tuple[float, dict[str, float]]]]:  # fmt: skip
+               ) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
     and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
@@ -132,9 +132,9 @@ def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeo
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
         if overheads:
-            echo("per schedule on stand-in stages, executor overhead and compute stretch never/always: "
-                 + ", ".join(f"{n} v={v} {o * 1e6:.0f} us/action " + "/".join(f"x{x:.2f}" for x in s.values())
-                          for (n, v), (o, s) in overheads.items()))  # fmt: skip
+            echo("per schedule on stand-in stages, executor overhead per action and compute stretch: "
+                 + ", ".join(f"{n} v={v} m={m} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
+                             for (n, v, m), by_mode in overheads.items()))  # fmt: skip
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")

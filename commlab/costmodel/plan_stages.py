@@ -11,9 +11,10 @@ for a schedule that splits its backward, :func:`~commlab.pipeline.runtime.comput
 B as one ``autograd.backward``; I and W as :func:`~commlab.pipeline.runtime.compute.input_grad`
 and :func:`~commlab.pipeline.runtime.compute.weight_grad`. The last stage adds the loss, as the
 executor's last forward does. Micro-batches alternate as in a steady 1F1B (a forward of the next
-micro-batch between two backwards), and each time is the median of the repeats: the executor's
-actions are not each the best of three. Still nothing of a configuration is run: a stage is
-timed once per micro-batch size and shared by every schedule, count and checkpoint mode.
+micro-batch between two backwards); the stages take turns round by round, and each time is the
+median of the rounds: the executor's actions are not each the best of three. Still nothing of
+a configuration is run: a stage is timed once per micro-batch size and shared by every
+schedule, count and checkpoint mode.
 """
 
 from __future__ import annotations
@@ -61,65 +62,76 @@ def needs_split(schedules: Iterable[str]) -> bool:
     return any(INPUT_GRAD in REGISTRY[name].kinds for name in schedules)
 
 
-def time_stage(layers: Sequence, sample, loss: Callable | None = None, *, split: bool = True, repeat: int = 7) -> StageTimes:
-    """Time one stage (``layers``: its modules in order) on ``sample``, its input for one
-    micro-batch (a leaf; requiring grad unless it is the model's input); ``loss(y)``: the last
-    stage's loss. ``split``: also time the split forward, I and W. Medians of ``repeat`` rounds
-    after one untimed round."""
+def stage_timer(layers: Sequence, sample, loss: Callable | None = None, *, split: bool = True) -> Callable[[], dict]:
+    """A function that runs one round of timing one stage (``layers``: its modules in order) on
+    ``sample``, its input for one micro-batch (a leaf; requiring grad unless it is the model's
+    input), and returns its seconds by key (F, Fn, B; with ``split`` also Fs, I, W); ``loss(y)``:
+    the last stage's loss. Two micro-batches are in flight: the next one's forward runs between
+    one's forward and its backward."""
     import torch
     from torch import nn
 
     from commlab.pipeline.runtime.compute import forward_layers, input_grad, weight_grad
 
     module = nn.Sequential(*layers)
-    params = [p for p in module.parameters() if p.requires_grad]
-    times: dict[str, list[float]] = {}
-
-    def timed(key: str, fn: Callable):
-        start = time.perf_counter()
-        out = fn()
-        times.setdefault(key, []).append(time.perf_counter() - start)
-        return out
 
     def root(y):  # what a backward starts from: the loss, or the output with its incoming gradient
         return (loss(y), None) if loss is not None else (y, torch.ones_like(y))
 
     def forward():
         with torch.enable_grad():
-            y = module(sample)
-            return root(y)
+            return root(module(sample))
 
     def forward_split():
         with torch.enable_grad():
             y, pieces = forward_layers(module, sample)
-            r, g = root(y)
-            return r, g, pieces
+            return (*root(y), pieces)
 
-    for k in range(repeat + 1):
-        # Two micro-batches in flight: the next one's forward runs between one's forward and its backward.
-        flight = [timed("F", forward) for _ in range(2)]
+    def one_round() -> dict[str, float]:
+        times: dict[str, float] = {}
+
+        def timed(key: str, fn: Callable):
+            start = time.perf_counter()
+            out = fn()
+            times[key] = time.perf_counter() - start
+            return out
+
+        flight = [timed("F", forward), forward()]
         timed("B", lambda r=flight[0]: torch.autograd.backward(r[0], r[1]) if r[0].requires_grad else None)
         with torch.no_grad():
             timed("Fn", lambda: root(module(sample)))
         if split:
-            flight = [timed("Fs", forward_split) for _ in range(2)]
+            flight = [timed("Fs", forward_split), forward_split()]
             a = flight[0]
             grad = None if loss is not None else (a[1],)
             timed("I", lambda: input_grad(a[2], grad, a[0] if loss is not None else None))
             timed("W", lambda: weight_grad(a[2]))
-        if k == 0:
-            times.clear()  # the untimed round allocates
-    for p in params:
-        p.grad = None
-    med = {key: statistics.median(v) for key, v in times.items()}
+        return times
+
+    return one_round
+
+
+def _stage_times(rounds: list[dict[str, float]]) -> StageTimes:
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     return StageTimes(med["F"], med.get("Fs", med["F"]), med["B"], med.get("I", 0.0), med.get("W", 0.0), med["Fn"])
 
 
+def time_stage(layers: Sequence, sample, loss: Callable | None = None, *, split: bool = True, repeat: int = 7) -> StageTimes:
+    """One stage's :class:`StageTimes`: medians of ``repeat`` rounds of :func:`stage_timer` after an untimed one."""
+    one_round = stage_timer(layers, sample, loss, split=split)
+    one_round()  # allocates
+    times = _stage_times([one_round() for _ in range(repeat)])
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return times
+
+
 def profile_stages(layers: Sequence, sample, ranges: Iterable[tuple[int, int]], loss: Callable | None = None, *,
-                   split: bool = True, repeat: int = 7) -> dict[tuple[int, int], StageTimes]:  # fmt: skip
-    """:func:`time_stage` of every (first layer, count) in ``ranges`` of the model's ``layers``,
+                   split: bool = True, repeat: int = 11) -> dict[tuple[int, int], StageTimes]:  # fmt: skip
+    """Every (first layer, count) in ``ranges`` of the model's ``layers`` timed (:func:`stage_timer`),
     each stage on the input the layers before it make from ``sample`` (one micro-batch); ``loss``
-    is added to the stage that ends at the last layer."""
+    is added to the stage that ends at the last layer. The stages take turns, one round each,
+    ``repeat`` times, so a passing burst of load on a shared host hits them all alike; medians."""
     import torch
 
     layers = list(layers)
@@ -127,13 +139,19 @@ def profile_stages(layers: Sequence, sample, ranges: Iterable[tuple[int, int]], 
     with torch.no_grad():
         for layer in layers[:-1]:
             inputs.append(layer(inputs[-1]))
-    out = {}
+    timers = {}
     for start, n in sorted(set(ranges)):
-        x = inputs[start]
-        x = x.detach().requires_grad_(start > 0 and x.is_floating_point())
+        x = inputs[start].detach().requires_grad_(start > 0 and inputs[start].is_floating_point())
         last = start + n == len(layers)
-        out[(start, n)] = time_stage(layers[start : start + n], x, loss if last else None, split=split, repeat=repeat)
-    return out
+        timers[(start, n)] = stage_timer(layers[start : start + n], x, loss if last else None, split=split)
+        timers[(start, n)]()  # allocates
+    rounds: dict[tuple[int, int], list] = {r: [] for r in timers}
+    for _ in range(repeat):
+        for r, one_round in timers.items():
+            rounds[r].append(one_round())
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return {r: _stage_times(v) for r, v in rounds.items()}
 
 
 def with_stages(profiles: Mapping[int, object], stages: Mapping[int, Mapping[tuple[int, int], StageTimes]]) -> dict:

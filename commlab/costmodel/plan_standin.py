@@ -4,13 +4,14 @@ How long the executor sits with its input there depends on the schedule's patter
 receives and waits, not only on the action: on the 10 x 640 MLP interleaved 1F1B idled 0.9 ms
 per action with the input there and 1F1B 0.3 ms (docs/measurements.md), and the actions' compute
 took longer inside the pipeline than alone (two ranks and Gloo's threads on the host's cores).
-So the planner runs every (schedule, stages per rank) it prices for a few steps on *stand-in*
+So the planner runs every (schedule, stages per rank, micro-batch count) it prices for a few steps on *stand-in*
 stages (:func:`stand_in`): blocks of Linear+ReLU that are no layer of the planned model, with the
-plans' boundary bytes between them, each rank's stages first timed alone. From their timelines
-(:func:`schedule_costs`): the overhead per action as the bench reads it
-(:func:`~commlab.costmodel.pipeline_calibrate.executor_overhead`), and the stretch of the
-actions' compute against the same stages alone. The plans' profiled stage times are multiplied
-by that stretch. Nothing of the planned model runs in the pipeline before its prediction.
+plans' boundary bytes between them, each rank's stages first timed alone, run without and with
+checkpointing. From their timelines (:func:`schedule_costs`): the stretch of the actions'
+compute against the same stages alone, and the overhead per action with which the shared core
+reproduces the stand-in's measured step (:func:`fit_overhead`), so that what the core does not
+model is charged where it arises, per schedule. The plans' profiled stage times are multiplied by
+that stretch. Nothing of the planned model runs in the pipeline before its prediction.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from commlab.costmodel.pipeline_calibrate import executor_overhead
-from commlab.pipeline.schedule.actions import INPUT_GRAD
+from commlab.costmodel.costs import StageProfile, SystemCosts
+from commlab.costmodel.pipeline import predict
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, Action
 from commlab.pipeline.schedule.registry import REGISTRY
 
 
@@ -65,21 +68,26 @@ def stand_in(rt, name: str, virtual: int, m: int, numel: int, layers: int, commo
     return {"runs": runs, "alone": alone}
 
 
-def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequence[tuple],
-                   cores: int | None = None) -> dict[tuple[str, int], tuple[float, dict[str, float]]]:  # fmt: skip
-    """Per (schedule, stages per rank) on its stand-in stages (:func:`stand_in`): the executor's
-    overhead per action without checkpointing (:func:`~commlab.costmodel.pipeline_calibrate.executor_overhead`:
-    the idle time with the input there, over the actions) and, per checkpoint mode run, the
-    compute stretch: the actions' measured seconds over what the same stages took alone (a
-    checkpointed forward: without grad; its backward: plus the recomputed forward), median over
-    steps, at least 1."""
+def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequence[tuple], system: SystemCosts,
+                   cores: int | None = None) -> dict[tuple[str, int, int], dict[str, tuple[float, float]]]:  # fmt: skip
+    """Per (schedule, stages per rank, micro-batches) on its stand-in stages (:func:`stand_in`) and per checkpoint
+    mode run, (overhead per action, compute stretch):
+
+    - the stretch: the actions' measured seconds over what the same stages took alone (a
+      checkpointed forward: without grad; its backward: plus the recomputed forward), median over
+      steps, at least 1;
+    - the overhead: what the executor adds per action for the shared core to give the stand-in's
+      measured step (median over steps), its compute stretched and its messages priced by
+      ``system``'s point-to-point line (:func:`fit_overhead`). Whatever the core does not model
+      (waits the receive posting does not explain, the OS) lands here, per schedule.
+    """
     out = {}
-    for name, virtual, m, *_ in schedules:
+    for name, virtual, m, numel, _ in schedules:
         found = [(r["rank"], r["schedules"][(name, virtual, m)]) for r in per_rank]
         alone = {s: t for _, f in found for s, t in f["alone"].items()}
         split = INPUT_GRAD in REGISTRY[name].kinds
         forward = "split_forward" if split else "forward"
-        stretch, overhead = {}, 0.0
+        costs = {}
         for mode in found[0][1]["runs"]:
             runs = [{"rank": rank, **f["runs"][mode]} for rank, f in found]
             again = mode != "never"  # "always" is the only other mode run: every micro-batch recomputed
@@ -91,31 +99,62 @@ def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequen
                 own = {"B": t["backward"], "I": t["input_grad"], "W": t["weight_grad"]}[kind]
                 return own + (t[forward] if again and kind in ("B", "I") else 0.0)
 
-            ratios = []
+            ratios, steps = [], []
             for k in range(len(runs[0]["timelines"])):
                 acts = [a for r in runs for a in r["timelines"][k]]
                 ratios.append(sum(b - a for *_, a, b in acts) / max(sum(expected(s, kind) for s, kind, *_ in acts), 1e-12))
-            stretch[mode] = max(1.0, statistics.median(ratios)) if ratios else 1.0
-            if mode == "never":
-                overhead = executor_overhead(runs, ranks * virtual, cores)
-        out[(name, virtual)] = (overhead, stretch)
+                steps.append(max(b for *_, b in acts) - min(r["origins"][k] for r in runs))
+            stretch = max(1.0, statistics.median(ratios)) if ratios else 1.0
+            stages = ranks * virtual
+            rows = max(1, numel // STAND_IN_WIDTH)
+            w = [alone[s]["weight_grad"] for s in range(stages)]
+            i = [alone[s]["input_grad"] for s in range(stages)]
+            profile = StageProfile(tuple(alone[s][forward] * stretch for s in range(stages)),
+                                   tuple((i[s] + w[s] if split else alone[s]["backward"]) * stretch for s in range(stages)),
+                                   sum(w) / max(sum(i) + sum(w), 1e-12) if split else 0.5,
+                                   message_bytes=(4.0 * rows * STAND_IN_WIDTH,) * (stages - 1))  # fmt: skip
+            actions = REGISTRY[name].build(ranks, m, virtual)
+            recomputed = tuple(range(m)) if again else ()
+            first = {Action(s, FORWARD, j): alone[s]["nograd_forward"] * stretch for s in range(stages) for j in recomputed}
+            target = statistics.median(steps) if steps else 0.0
+            costs[mode] = (fit_overhead(actions, system, profile, REGISTRY[name].placement(ranks, stages), recomputed, cores,
+                                        first, target), stretch)  # fmt: skip
+        out[(name, virtual, m)] = costs
     return out
+
+
+def fit_overhead(actions, system: SystemCosts, profile: StageProfile, placement, recomputed, cores, durations,
+                 target: float) -> float:  # fmt: skip
+    """The executor overhead per action (seconds, in [0, ``target``]) with which the shared core's step
+    time equals ``target`` (bisection: the step time grows with it); 0 if compute and messages
+    alone already take longer."""
+
+    def step(overhead: float) -> float:
+        costs = replace(system, overheads=replace(system.overheads, action_s=overhead))
+        return predict(actions, costs, profile, placement, recomputed, cores, durations=durations).step_time
+
+    lo, hi = 0.0, target  # no action's overhead exceeds the whole step
+    if step(lo) >= target:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def calibration_schedules(ranks: int, names: Sequence[str], virtuals: Sequence[int], boundary_bytes: Mapping[int, float],
                           layers: int = 2) -> list[tuple[str, int, int, int, int]]:  # fmt: skip
-    """What :func:`calibrate` runs: every (schedule, stages per rank) the plans use, at the middle
-    micro-batch count (a key of ``boundary_bytes``) the schedule accepts, with that count's
-    boundary bytes per micro-batch (as float32 elements), and stand-in stages of one Linear+ReLU block per two of the
+    """What :func:`calibrate` runs: every (schedule, stages per rank, micro-batch count) the plans
+    use (the counts: the keys of ``boundary_bytes``; the executor's waits differ with the count,
+    e.g. interleaved 1F1B's), with that count's boundary bytes per micro-batch (as float32
+    elements), and stand-in stages of one Linear+ReLU block per two of the
     model's ``layers`` a stage gets (the MLP's layers are such pairs): (name, stages per rank,
     micro-batches, elements, blocks per stage)."""
     out = []
     for name in names:
         spec = REGISTRY[name]
         for v in spec.virtual or virtuals:
-            valid = sorted(m for m in boundary_bytes if _accepts(spec, ranks, m, v))
-            if valid:
-                m = valid[len(valid) // 2]
+            for m in sorted(m for m in boundary_bytes if _accepts(spec, ranks, m, v)):
                 out.append((name, v, m, max(1, int(boundary_bytes[m]) // 4), max(1, round(layers / (2 * ranks * v)))))
     return out
 
