@@ -53,6 +53,22 @@ class LayerProfile:
     # Whole stages timed as the executor runs them, by (first layer, layer count)
     # (commlab.costmodel.plan_stages.StageTimes): used over the per-layer sums where present.
     stages: Mapping = field(default_factory=dict)
+    # Storages counted once (commlab.costmodel.plan_profile.profile): ``saved`` leaves out each
+    # layer's input storage; ``saved_input``: its bytes where the layer saved it and the layer
+    # before did not; ``unsaved_output``: the output's bytes where the layer did not save it.
+    saved_input: Sequence[float] = ()
+    unsaved_output: Sequence[float] = ()
+
+    def stage_saved(self, balance: Sequence[int]) -> list[float]:
+        """What each stage's forward keeps per micro-batch beyond its input: its layers' saved
+        storages, each once, and its output (the stash holds it)."""
+        if not self.saved_input:
+            return _stage_sums(self.saved, balance)
+        out = []
+        for a, n in zip(_starts(balance), balance):
+            inner = sum(self.saved_input[a + 1 : a + n])  # the stage's own input is counted as its input
+            out.append(float(sum(self.saved[a : a + n]) + inner + self.unsaved_output[a + n - 1]))
+        return out
 
     def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:
         """What each stage computes under ``balance`` (``split``: the schedule runs I and W), what it
@@ -196,7 +212,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, stages)
                 temporary = temporaries(profile.output, profile.input_bytes, balance)
-                saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
+                saved, params = profile.stage_saved(balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)

@@ -86,17 +86,32 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
 
     timed = best_per_layer(model, sample, split_backward, repeat)
     forward, input_grad, weight_grad = ([t[i] for t in timed] for i in range(3))
+    # Saved bytes are storages, counted once: a ReLU saves its output and the next Linear saves
+    # the same tensor as its input (the executor's ledger counts it once too). So each layer's
+    # count leaves out its input's storage (the stage input is counted on its own, or the layer
+    # before saved it) unless the layer before did not save it (saved_input), and the output's
+    # storage when not saved is what a stage's stash keeps of its last layer anyway (unsaved_output).
+    saved_input, unsaved_output, saved_out_before = [], [], False
     x = sample
     for layer in model:
         x = x.detach().requires_grad_(x.is_floating_point())
         weights = list(layer.parameters())
         with SavedBytes(weights) as counted, torch.enable_grad():
             y = layer(x)
-        saved.append(float(counted.nbytes))
-        output.append(float(y.numel() * y.element_size()))
+        mine, theirs = _storage(y), _storage(x)
+        out_bytes = float(y.numel() * y.element_size())
+        saved.append(float(sum(b for ptr, b in counted.tensors.items() if ptr != theirs)))
+        saved_input.append(float(counted.tensors[theirs]) if theirs in counted.tensors and not saved_out_before else 0.0)
+        saved_out_before = mine in counted.tensors
+        unsaved_output.append(0.0 if saved_out_before else out_bytes)
+        output.append(out_bytes)
         params.append(float(sum(p.numel() * p.element_size() for p in weights)))
         sizes.append([p.numel() * p.element_size() for p in weights if p.requires_grad])
         x = y
     model.zero_grad(set_to_none=True)
     return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
-                        forward, input_grad, weight_grad, sizes)  # fmt: skip
+                        forward, input_grad, weight_grad, sizes, saved_input=saved_input, unsaved_output=unsaved_output)  # fmt: skip
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr() if t.numel() else 0
