@@ -99,3 +99,12 @@ def test_stand_in_costs_are_the_stretch_against_alone_and_the_overhead_the_core_
     # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
     overhead, stretch = costs["always"]
     assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
+
+
+def test_pooled_stand_in_costs_take_the_median_over_microbatch_counts():
+    from commlab.costmodel.plan_standin import pooled
+
+    costs = {("1f1b", 1, m): {"never": (o, x)} for m, o, x in [(2, 1.0, 1.0), (4, 2.0, 1.2), (8, 30.0, 1.1)]}
+    costs[("gpipe", 1, 2)] = {"never": (5.0, 2.0)}
+    out = pooled(costs)
+    assert all(out[("1f1b", 1, m)] == {"never": (2.0, 1.1)} for m in (2, 4, 8)) and out[("gpipe", 1, 2)] == {"never": (5.0, 2.0)}

@@ -39,7 +39,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.costmodel.plan_standin import executor_timelines, schedule_costs, stand_in
+from commlab.costmodel.plan_standin import executor_timelines, pooled, schedule_costs, stand_in
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -112,7 +112,7 @@ def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
     share = cores if shared(ranks, cores) else None
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
-    return system, schedule_costs(per_rank, ranks, schedules, system, share)
+    return system, pooled(schedule_costs(per_rank, ranks, schedules, system, share))
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,

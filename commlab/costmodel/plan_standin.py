@@ -123,6 +123,23 @@ def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, schedules: Sequen
     return out
 
 
+def pooled(costs: Mapping[tuple[str, int, int], Mapping[str, tuple[float, float]]]) -> dict:
+    """``costs`` (:func:`schedule_costs`) with every micro-batch count of a (schedule, stages per
+    rank) given the median over the counts of its overhead and of its stretch, per checkpoint
+    mode: one stand-in step of a few milliseconds is easily disturbed on a shared host (one count
+    of 1F1B once came out at 2.6 ms per action against 0.1-0.5 ms for the others), and the counts'
+    own differences were below that noise."""
+    groups: dict[tuple[str, int], list] = {}
+    for (name, v, _), by_mode in costs.items():
+        groups.setdefault((name, v), []).append(by_mode)
+    out = {}
+    for (name, v, m), by_mode in costs.items():
+        same = groups[(name, v)]
+        out[(name, v, m)] = {mode: (statistics.median(c[mode][0] for c in same), statistics.median(c[mode][1] for c in same))
+                             for mode in by_mode}  # fmt: skip
+    return out
+
+
 def fit_overhead(actions, system: SystemCosts, profile: StageProfile, placement, recomputed, cores, durations,
                  target: float) -> float:  # fmt: skip
     """The executor overhead per action (seconds, in [0, ``target``]) with which the shared core's step
