@@ -2,10 +2,13 @@
 
 Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
 times, and predicted on the shared core (:func:`commlab.costmodel.pipeline.predict`) with the
-bench predictor's lowering and cost terms: per-action compute from the profile, the executor's
-per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
-sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
-are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`, a few seconds). Its peak
+bench predictor's lowering and cost terms: per-action compute from each stage timed whole as the
+executor runs it (:mod:`commlab.costmodel.plan_stages`; per-layer sums where a stage was not
+timed), stretched as compute stretches inside a pipeline, the executor's per-action overhead,
+``alpha + bytes * beta`` per message at the plan's real boundary sizes, sends that complete only
+once the receive is posted, recomputation (a checkpointed micro-batch's first forward without
+grad). Alpha and beta are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`),
+overhead and stretch per schedule on stand-in stages (:mod:`commlab.costmodel.plan_standin`). Its peak
 memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters, their
 gradients and the optimizer's state (:func:`param_copies`), what each stashed micro-batch keeps
 (everything its forward saved, or only the stage input when checkpointed, plus one micro-batch
