@@ -133,8 +133,8 @@ def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeo
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
         if overheads:
             echo("per schedule on stand-in stages, executor overhead per action and compute stretch: "
-                 + ", ".join(f"{n} v={v} m={m} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
-                             for (n, v, m), by_mode in overheads.items()))  # fmt: skip
+                 + ", ".join(f"{n} v={v} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
+                             for (n, v), by_mode in {(n, v): c for (n, v, _), c in overheads.items()}.items()))  # pooled: one per count
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")

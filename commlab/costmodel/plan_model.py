@@ -56,7 +56,7 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
                   **sizes) -> tuple[dict[int, LayerProfile], list[str]]:  # fmt: skip
     """The model ``name`` profiled piece by piece at the micro-batch size of each count, and the
     split points the pieces start at (the first piece starts at the model's input); ``plans``:
-    also time every stage of them whole, with the workload's loss (as :func:`profile_mlp`)."""
+    also time every stage of them whole, with the workload's loss (as :func:`commlab.costmodel.plan_profile.profile_mlp`)."""
     from commlab.models import build_workload
 
     torch.manual_seed(0)
