@@ -234,11 +234,13 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
 @click.option("--validate", "check", is_flag=True, help="then measure every plan that fits on --ranks Gloo ranks, alternating")
+@click.option("--all-plans", is_flag=True,
+              help="--validate: measure every plan, those over the budget too, and judge the pick against the fastest whose measured peak fits")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
 def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, model_name, split_at, batch, dp, bucket_cap_mb,
-         balance_mode, optimizer, predictions, top, calibrate, check, iters, warmup, timeout) -> None:  # fmt: skip
+         balance_mode, optimizer, predictions, top, calibrate, check, all_plans, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
@@ -260,6 +262,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     ms = [m for m in _ints(microbatches, "--microbatches") if m <= batch]
     if not ms:
         raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
+    if all_plans and not check:
+        raise click.BadParameter("--all-plans widens --validate: give --validate too", param_hint="--all-plans")
     if check and ranks < 2:
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
     if check and dp > 1:
@@ -309,8 +313,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if points is not None:
         click.echo(f"split points: {split_points(points, chosen.balance)}")
     if check:
-        _plan_check([p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
-                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip
+        _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
+                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout),
+                    budget if all_plans else None)  # fmt: skip
 
 
 def _against(schedules, ms, world_size, backend, launches, sizes, timeout, csv_path: Path) -> None:
@@ -326,9 +331,10 @@ def _against(schedules, ms, world_size, backend, launches, sizes, timeout, csv_p
     click.echo("\n".join(against.summary(row) for row in rows) + f"\nwrote {csv_path}")
 
 
-def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
+def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None) -> None:
     from commlab.costmodel.plan_check import measure_grid
 
-    click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
+    what = "plans (every one)" if budget is not None else "plans that fit"
+    click.echo(f"\nvalidating: {len(fitting)} {what}, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
-    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common)))
+    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common, budget)))
