@@ -6,6 +6,7 @@
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
+    commlab pipeline plan --ranks 2 --budget-mb 64 --validate --all-plans  ... every plan, judged by measured peaks
     commlab pipeline plan --ranks 2 --dp 2 --budget-mb 64                  ... as one of 2 data-parallel replicas
     commlab pipeline plan --model gpt --ranks 2 --budget-mb 64             ... of any model, split by name
 
