@@ -247,3 +247,24 @@ def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predi
     assert [recomputes("except_last", i, 1) for i in range(1)] == [False]
     with pytest.raises(ValueError, match="unknown checkpoint mode 'sometimes'"):
         checkpointed_microbatches("sometimes", 4)
+
+
+def test_plan_check_with_a_budget_judges_against_plans_whose_measured_peak_fits():
+    from commlab.costmodel.plan_check import report, verdict
+
+    def row(name, measured, peak, chosen=False):
+        return dict(schedule=name, microbatches=2, virtual=1, checkpoint="never", chosen=chosen, predicted_s=measured,
+                    measured_s=measured, q1_s=measured, q3_s=measured, predicted_peak=peak + 1, measured_peak=peak,
+                    peak_bounded=True)  # fmt: skip
+
+    rows = [row("gpipe", 1.0, 30.0), row("1f1b", 1.2, 18.0), row("zb-h1", 1.25, 19.0, chosen=True)]
+    assert verdict(rows)["best"]["schedule"] == "gpipe"  # no budget: the whole grid
+    v = verdict(rows, budget=20.0)  # gpipe's measured peak does not fit
+    assert v["best"]["schedule"] == "1f1b" and v["pick_fits"] and v["pick_over_best"] == pytest.approx(1.25 / 1.2)
+    assert "whose measured peak fits 1.90735e-05 MiB" in report(rows, 20.0)[-1] and "fits: yes" in report(rows, 20.0)[-1]
+    assert not verdict(rows, budget=18.5)["pick_fits"]
+
+
+def test_all_plans_needs_validate():
+    result = CliRunner().invoke(main, ["pipeline", "plan", "--all-plans", "--no-calibrate", "--depth", "2", "--width", "8"])
+    assert result.exit_code == 2 and "--all-plans widens --validate" in result.output

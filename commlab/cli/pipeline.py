@@ -6,6 +6,7 @@
     commlab pipeline bench --microbatches 2,4,8                            commlab vs torch, CSV + figures
     commlab pipeline plan --ranks 2 --budget-mb 64                         fastest plan under a memory budget
     commlab pipeline plan --ranks 2 --budget-mb 64 --validate              ... and its pick measured against the grid
+    commlab pipeline plan --ranks 2 --budget-mb 64 --validate --all-plans  ... every plan, judged by measured peaks
     commlab pipeline plan --ranks 2 --dp 2 --budget-mb 64                  ... as one of 2 data-parallel replicas
     commlab pipeline plan --model gpt --ranks 2 --budget-mb 64             ... of any model, split by name
 
@@ -234,11 +235,13 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
 @click.option("--validate", "check", is_flag=True, help="then measure every plan that fits on --ranks Gloo ranks, alternating")
+@click.option("--all-plans", is_flag=True,
+              help="--validate: measure every plan, those over the budget too, and judge the pick against the fastest whose measured peak fits")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
 def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, model_name, split_at, batch, dp, bucket_cap_mb,
-         balance_mode, optimizer, predictions, top, calibrate, check, iters, warmup, timeout) -> None:  # fmt: skip
+         balance_mode, optimizer, predictions, top, calibrate, check, all_plans, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
@@ -250,14 +253,18 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
     from commlab.costmodel.pipeline import DataParallel
 
-    from commlab.costmodel.plan import best, candidates, no_fit, profile_mlp, table
+    from commlab.costmodel.plan import best, candidates, no_fit, table
+    from commlab.costmodel.plan_profile import profile_mlp
     from commlab.costmodel.plan_calibrate import plan_costs, profile_line
+    from commlab.costmodel.plan_standin import calibration_schedules
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
     ms = [m for m in _ints(microbatches, "--microbatches") if m <= batch]
     if not ms:
         raise click.BadParameter(f"every micro-batch count exceeds the batch of {batch}", param_hint="--microbatches")
+    if all_plans and not check:
+        raise click.BadParameter("--all-plans widens --validate: give --validate too", param_hint="--all-plans")
     if check and ranks < 2:
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
     if check and dp > 1:
@@ -270,20 +277,27 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if split_at is not None and model_name is None:
         raise click.BadParameter("--split-at names split points of --model", param_hint="--split-at")
     points = None
+    # Every stage a plan can have is timed whole, as the executor runs it (costmodel/plan_stages.py).
+    priced = dict(ranks=ranks, virtuals=_ints(virtual, "--virtual"), schedules=names, balance_mode=balance_mode)
     if model_name is None:
-        profiles = profile_mlp(depth, width, batch, ms, ranks * dp)
+        profiles = profile_mlp(depth, width, batch, ms, ranks * dp, priced)
     else:
         from commlab.costmodel.plan_model import profile_model, split_points
 
         try:
-            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","))
+            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","), plans=priced)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    costs = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo)
+    # Each schedule's executor overhead and compute stretch on stand-in stages with a typical
+    # boundary (the median layer output): plan_calibrate.schedule_costs.
+    boundary = {m: sorted(p.output)[len(p.output) // 2] for m, p in profiles.items()}
+    costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
+                                  schedules=calibration_schedules(ranks, names, priced["virtuals"], boundary,
+                                                                  len(next(iter(profiles.values())).seconds)))  # fmt: skip
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
-                       balance_mode=balance_mode, optimizer=optimizer)  # fmt: skip
+                       balance_mode=balance_mode, optimizer=optimizer, overheads=overheads)  # fmt: skip
     if not plans:
         raise click.UsageError("no schedule applies (with --dp, zero-bubble schedules are not supported by the hybrid runtime)")
     budget = budget_mb * 2**20
@@ -300,8 +314,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if points is not None:
         click.echo(f"split points: {split_points(points, chosen.balance)}")
     if check:
-        _plan_check([p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
-                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout))  # fmt: skip
+        _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
+                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout),
+                    budget if all_plans else None)  # fmt: skip
 
 
 def _against(schedules, ms, world_size, backend, launches, sizes, timeout, csv_path: Path) -> None:
@@ -317,9 +332,10 @@ def _against(schedules, ms, world_size, backend, launches, sizes, timeout, csv_p
     click.echo("\n".join(against.summary(row) for row in rows) + f"\nwrote {csv_path}")
 
 
-def _plan_check(fitting, chosen, ranks: int, common: dict) -> None:
+def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None) -> None:
     from commlab.costmodel.plan_check import measure_grid
 
-    click.echo(f"\nvalidating: {len(fitting)} plans that fit, {ranks} Gloo ranks, {common['iters']} timed rounds after "
+    what = "plans (every one)" if budget is not None else "plans that fit"
+    click.echo(f"\nvalidating: {len(fitting)} {what}, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
-    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common)))
+    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common, budget)))

@@ -156,11 +156,12 @@ class Prediction:
 
 def predict(actions: Actions, system: SystemCosts, profile: StageProfile, placement: Sequence[int] | None = None,
             checkpointed: Sequence[int] = (), cores: float | None = None, lookahead: bool = True,
-            dp: DataParallel | None = None) -> Prediction:  # fmt: skip
+            dp: DataParallel | None = None, durations: Mapping[Action, float] | None = None) -> Prediction:  # fmt: skip
     """Predicted step time of ``actions`` under ``system`` and ``profile`` on the shared core
-    (``cores``, ``lookahead``, ``dp``: see :func:`lower`; the default is Gloo's receive posting)."""
+    (``cores``, ``lookahead``, ``dp``, ``durations``: see :func:`lower`; the default is Gloo's receive posting)."""
     rate = sharing(cores) if shared(len(actions), cores) else None
-    result = run_tasks(lower(actions, system, profile, placement, checkpointed, cores=cores, lookahead=lookahead, dp=dp), rate)
+    result = run_tasks(lower(actions, system, profile, placement, checkpointed, cores=cores, lookahead=lookahead, dp=dp,
+                             durations=durations), rate)  # fmt: skip
     return Prediction(result.makespan, result)
 
 

@@ -2,10 +2,13 @@
 
 Every candidate is built from the registry, split by :func:`partition` on profiled per-layer
 times, and predicted on the shared core (:func:`commlab.costmodel.pipeline.predict`) with the
-bench predictor's lowering and cost terms: per-action compute from the profile, the executor's
-per-action overhead, ``alpha + bytes * beta`` per message at the plan's real boundary sizes,
-sends that complete only once the receive is posted, recomputation. Overhead, alpha and beta
-are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`, a few seconds). Its peak
+bench predictor's lowering and cost terms: per-action compute from each stage timed whole as the
+executor runs it (:mod:`commlab.costmodel.plan_stages`; per-layer sums where a stage was not
+timed), stretched as compute stretches inside a pipeline, the executor's per-action overhead,
+``alpha + bytes * beta`` per message at the plan's real boundary sizes, sends that complete only
+once the receive is posted, recomputation (a checkpointed micro-batch's first forward without
+grad). Alpha and beta are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`),
+overhead and stretch per schedule on stand-in stages (:mod:`commlab.costmodel.plan_standin`). Its peak
 memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters, their
 gradients and the optimizer's state (:func:`param_copies`), what each stashed micro-batch keeps
 (everything its forward saved, or only the stage input when checkpointed, plus one micro-batch
@@ -21,18 +24,13 @@ writes them all; :mod:`commlab.costmodel.plan_check` compares them with a ``pipe
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-import torch
-
-from commlab.pipeline.runtime.partition import best_per_layer, partition, profile_times
+from commlab.pipeline.runtime.partition import partition
 from commlab.costmodel.costs import StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
-from commlab.pipeline.runtime.memory import SavedBytes
-from commlab.pipeline.schedule.actions import INPUT_GRAD, Actions, num_microbatches
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, Action, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.registry import REGISTRY
 
@@ -55,6 +53,25 @@ class LayerProfile:
 
     # Each layer's parameter sizes in module order, for data-parallel buckets; empty: one tensor per layer.
     param_sizes: Sequence[Sequence[int]] = ()
+    # Whole stages timed as the executor runs them, by (first layer, layer count)
+    # (commlab.costmodel.plan_stages.StageTimes): used over the per-layer sums where present.
+    stages: Mapping = field(default_factory=dict)
+    # Storages counted once (commlab.costmodel.plan_profile.profile): ``saved`` leaves out each
+    # layer's input storage; ``saved_input``: its bytes where the layer saved it and the layer
+    # before did not; ``unsaved_output``: the output's bytes where the layer did not save it.
+    saved_input: Sequence[float] = ()
+    unsaved_output: Sequence[float] = ()
+
+    def stage_saved(self, balance: Sequence[int]) -> list[float]:
+        """What each stage's forward keeps per micro-batch beyond its input: its layers' saved
+        storages, each once, and its output (the stash holds it)."""
+        if not self.saved_input:
+            return _stage_sums(self.saved, balance)
+        out = []
+        for a, n in zip(_starts(balance), balance):
+            inner = sum(self.saved_input[a + 1 : a + n])  # the stage's own input is counted as its input
+            out.append(float(sum(self.saved[a : a + n]) + inner + self.unsaved_output[a + n - 1]))
+        return out
 
     def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:
         """What each stage computes under ``balance`` (``split``: the schedule runs I and W), what it
@@ -65,6 +82,14 @@ class LayerProfile:
         starts = _starts(balance)
         extra = dict(message_bytes=tuple(float(self.output[e]) for e in ends),
                      param_nbytes=tuple(tuple(int(n) for layer in sizes[a : a + k] for n in layer) for a, k in zip(starts, balance)))
+        ranges = list(zip(starts, balance))
+        if self.stages and all(r in self.stages for r in ranges):
+            timed = [self.stages[r] for r in ranges]
+            if split:
+                i, w = [t.input_grad for t in timed], [t.weight_grad for t in timed]
+                return StageProfile(tuple(t.split_forward for t in timed), tuple(a + b for a, b in zip(i, w)),
+                                    sum(w) / max(sum(i) + sum(w), 1e-12), **extra)  # fmt: skip
+            return StageProfile(tuple(t.forward for t in timed), tuple(t.backward for t in timed), **extra)
         if not self.forward:
             return StageProfile(tuple(t / 3 for t in total), tuple(t * 2 / 3 for t in total), **extra)
         fwd = tuple(_stage_sums(self.forward, balance))
@@ -72,6 +97,14 @@ class LayerProfile:
             i, w = _stage_sums(self.input_grad, balance), _stage_sums(self.weight_grad, balance)
             return StageProfile(fwd, tuple(a + b for a, b in zip(i, w)), sum(w) / max(sum(i) + sum(w), 1e-12), **extra)
         return StageProfile(fwd, tuple(max(t - f, 0.0) for t, f in zip(total, fwd)), **extra)
+
+
+    def nograd_forward(self, balance: Sequence[int]) -> tuple[float, ...] | None:
+        """Each stage's forward without grad (a checkpointed micro-batch's first) where every stage was timed whole."""
+        ranges = list(zip(_starts(balance), balance))
+        if not all(r in self.stages and self.stages[r].nograd_forward > 0 for r in ranges):
+            return None
+        return tuple(self.stages[r].nograd_forward for r in ranges)
 
 
 @dataclass(frozen=True)
@@ -144,7 +177,7 @@ def _starts(balance: Sequence[int]) -> list[int]:
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
                schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
                cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
-               optimizer: str = "none") -> list[Plan]:  # fmt: skip
+               optimizer: str = "none", overheads: Mapping[tuple[str, int, int], Mapping[str, tuple[float, float]]] | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
@@ -153,7 +186,11 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     (:func:`commlab.costmodel.pipeline.sharing`); ``dp``: every stage replicated that many
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
     ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
-    ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts.
+    ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts;
+    ``overheads``: per (schedule, stages per rank, micro-batches) where measured and per checkpoint mode (one not
+    measured: "never"'s), the executor's overhead per action and how much compute stretches
+    against the profile
+    (:func:`commlab.costmodel.plan_calibrate.schedule_costs`); else ``system``'s and none.
     """
     if balance_mode not in ("time", "uniform"):
         raise ValueError(f"balance_mode must be 'time' or 'uniform', got {balance_mode!r}")
@@ -178,15 +215,25 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, stages)
                 temporary = temporaries(profile.output, profile.input_bytes, balance)
-                saved, params = _stage_sums(profile.saved, balance), _stage_sums(profile.params, balance)
+                saved, params = profile.stage_saved(balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
+                by_mode = overheads.get((name, v, m), {}) if overheads else {}
                 # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
                 inputs = [profile.input_bytes, *stage.message_bytes]
+                nograd = profile.nograd_forward(balance)
                 for mode in checkpoints:
+                    costs, stretch = system, 1.0
+                    if by_mode:
+                        action, stretch = by_mode.get(mode, by_mode.get("never"))
+                        costs = replace(system, overheads=replace(system.overheads, action_s=action))
+                    stretched = replace(stage, forward=tuple(f * stretch for f in stage.forward),
+                                        backward=tuple(b * stretch for b in stage.backward))  # fmt: skip
                     recomputed = checkpointed_microbatches(mode, num_microbatches(actions))
-                    step = predict(actions, system, stage, placement, recomputed, cores, dp=dp).step_time
+                    # A checkpointed micro-batch's first forward runs without grad (commlab/pipeline/runtime/executor.py).
+                    first = {Action(s, FORWARD, i): nograd[s] * stretch for s in range(stages) for i in recomputed} if nograd else {}
+                    step = predict(actions, costs, stretched, placement, recomputed, cores, dp=dp, durations=first).step_time
                     peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
@@ -215,71 +262,3 @@ def no_fit(plans: Sequence[Plan], budget_mb: float) -> str:
     return (f"no plan fits {budget_mb:g} MiB per rank: the smallest peak any plan needs is {need:.3f} MiB per rank "
             f"({smallest.schedule}, m={smallest.microbatches}, checkpoint {smallest.checkpoint}); "
             f"try --budget-mb {suggest:g} or more")  # fmt: skip
-
-
-def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int], ranks: int) -> dict[int, LayerProfile]:
-    """The planner's MLP (commlab.models.mlp) profiled at the micro-batch size of each count."""
-    from commlab.models import mlp
-
-    torch.manual_seed(0)
-    model = mlp(depth, width)
-    # Profile with the threads a rank gets (commlab.launch: cores // ranks unless OMP_NUM_THREADS
-    # is set), not the parent's: on a shared machine 2 threads per op can be 20x slower than 1.
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    try:
-        return {m: profile(model, torch.randn(batch // m, width)) for m in microbatches}
-    finally:
-        torch.set_num_threads(threads)
-
-
-def profile(model, sample, repeat: int = 3) -> LayerProfile:
-    """Profile ``model`` (an nn.Sequential) on ``sample`` (one micro-batch): see :class:`LayerProfile`.
-
-    Times are the best of ``repeat``: forward + backward, forward alone, and the split backward's
-    I (``autograd.grad`` for the input only) and W (``backward(inputs=params)``), as the executor
-    runs them (:mod:`commlab.pipeline.runtime.compute`)."""
-    # B (one fused backward) costs less than I + W, so it is timed on its own (profile_times).
-    seconds = profile_times(model, sample, repeat=repeat)
-    saved, output, params, sizes = [], [], [], []
-    sync = torch.cuda.synchronize if sample.is_cuda else (lambda: None)  # time kernels, not launches
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
-    def split_backward(layer, x) -> tuple:
-        """(output, forward, I, W) seconds of one layer, as the executor runs them."""
-        weights = [p for p in layer.parameters() if p.requires_grad]
-        start = now()
-        with torch.enable_grad():
-            y = layer(x)
-        forward = now() - start
-        if not y.requires_grad:
-            return y, forward, 0.0, 0.0
-        g = torch.ones_like(y)
-        mid = now()
-        if x.requires_grad:
-            torch.autograd.grad(y, x, g, retain_graph=True, allow_unused=True)
-        done_i = now()
-        if weights:
-            torch.autograd.backward(y, g, inputs=weights)
-        return y, forward, done_i - mid, now() - done_i
-
-    timed = best_per_layer(model, sample, split_backward, repeat)
-    forward, input_grad, weight_grad = ([t[i] for t in timed] for i in range(3))
-    x = sample
-    for layer in model:
-        x = x.detach().requires_grad_(x.is_floating_point())
-        weights = list(layer.parameters())
-        with SavedBytes(weights) as counted, torch.enable_grad():
-            y = layer(x)
-        saved.append(float(counted.nbytes))
-        output.append(float(y.numel() * y.element_size()))
-        params.append(float(sum(p.numel() * p.element_size() for p in weights)))
-        sizes.append([p.numel() * p.element_size() for p in weights if p.requires_grad])
-        x = y
-    model.zero_grad(set_to_none=True)
-    return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
-                        forward, input_grad, weight_grad, sizes)  # fmt: skip

@@ -11,6 +11,9 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
 - the per-byte cost ``beta``: the slope of a ping-pong between ranks 0 and 1 at the plans' real
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
+- per (schedule, stages per rank) the plans use, the executor's overhead per action and the
+  stretch of compute inside the pipeline, on stand-in stages (:mod:`commlab.costmodel.plan_standin`).
+
 Both then enter the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (its
 point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
 (``--dp``), :func:`allreduce_table` measures the all-reduce table at the data-parallel world
@@ -36,6 +39,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
+from commlab.costmodel.plan_standin import executor_timelines, pooled, schedule_costs, stand_in
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -56,15 +60,15 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 
 
 def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
-    """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), then the timelines
-    of a few steps of the executor on a tiny model, as the bench records them."""
+    """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), the timelines of a
+    few steps of the executor on a tiny model, as the bench records them, and of each schedule in
+    ``common["schedules"]`` ((name, stages per rank, micro-batches, boundary elements per
+    micro-batch, blocks per stage)) on stand-in stages (:func:`~commlab.costmodel.plan_standin.stand_in`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import commlab
-    from commlab.pipeline.runtime.executor import PipelineExecutor
-    from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
     pingpong: dict[int, list[float]] = {}
@@ -83,52 +87,58 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
                 pingpong.setdefault(size, []).append((time.perf_counter() - start) / 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
-    stage = RankStages(model, [1] * rt.world_size)
-    pipe = PipelineExecutor(stage, "1f1b", microbatches=4, loss_fn=F.mse_loss, track_memory=False, timeout=common["timeout"])
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    calibration: dict[str, list] = {"timelines": [], "origins": []}
-    for k in range(1 + common["steps"]):
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
-        if k:
-            calibration["origins"].append(start)
-            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start,
-                                              pipe.started_at + t.end) for t in pipe.timeline])  # fmt: skip
-    return {"rank": rt.rank, "pingpong": pingpong, **calibration}
+    calibration = executor_timelines(model, [1] * rt.world_size, None, "1f1b", 4, torch.randn(8, 4), torch.randn(8, 4),
+                                      F.mse_loss, common)  # fmt: skip
+    families = {}
+    for name, virtual, m, numel, layers in common.get("schedules", ()):
+        families[(name, virtual, m)] = stand_in(rt, name, virtual, m, numel, layers, common)
+    return {"rank": rt.rank, "pingpong": pingpong, **calibration, "schedules": families}
 
 
-def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0) -> SystemCosts:
-    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes."""
+def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
+              schedules: Sequence[tuple] = ()) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
+    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
+    With ``schedules`` (:func:`calibration_schedules`), also each one's executor overhead per
+    action and compute stretch (:func:`schedule_costs`)."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
-        return measured()
+        return measured(), {}
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
-    per_rank = commlab.launch(measure_rank, sizes, {"repeats": repeats, "steps": steps, "timeout": timeout},
-                              world_size=ranks, backend="gloo", timeout=timeout)  # fmt: skip
+    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "schedules": list(schedules), "stand_in_steps": 2 * steps}
+    per_rank = commlab.launch(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout)
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
-    return measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, cores if shared(ranks, cores) else None))
+    share = cores if shared(ranks, cores) else None
+    system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
+    return system, pooled(schedule_costs(per_rank, ranks, schedules, system, share))
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
-               echo: Callable[[str], None] = lambda _l: None) -> SystemCosts:  # fmt: skip
+               echo: Callable[[str], None] = lambda _l: None, schedules: Sequence[tuple[str, int, int, int]] = ()
+               ) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
-    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what."""
+    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
+    With ``schedules`` (:func:`~commlab.costmodel.plan_standin.calibration_schedules`), each one's
+    overhead per action and compute stretch too."""
     profiles = list(profiles)
-    system = measured()
+    system, overheads = measured(), {}
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
-        system = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout)
+        system, overheads = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout,
+                                      schedules=schedules)  # fmt: skip
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
+        if overheads:
+            echo("per schedule on stand-in stages, executor overhead per action and compute stretch: "
+                 + ", ".join(f"{n} v={v} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
+                             for (n, v), by_mode in {(n, v): c for (n, v, _), c in overheads.items()}.items()))  # pooled: one per count
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")
-    return system
+    return system, overheads
 
 
 def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:

@@ -72,13 +72,14 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     return {"rank": rt.rank, "times": times, "peaks": peaks}
 
 
-def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any]) -> list[str]:
-    """Measure every plan of ``fitting`` on ``ranks`` Gloo ranks (:func:`measure_rank`); the report's lines."""
+def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None) -> list[str]:
+    """Measure every plan of ``fitting`` on ``ranks`` Gloo ranks (:func:`measure_rank`); the report's
+    lines (with ``budget`` bytes: judged against the plans whose measured peak fits, :func:`verdict`)."""
     import commlab  # commlab.launch imports torch: loaded only when measuring
 
     specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
     per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
-    return report(summarise(fitting, chosen, per_rank))
+    return report(summarise(fitting, chosen, per_rank), budget)
 
 
 def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,15 +97,20 @@ def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]
     return rows
 
 
-def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The pick's measured step over the grid's best, and whether every predicted peak bounds."""
+def verdict(rows: list[dict[str, Any]], budget: float | None = None) -> dict[str, Any]:
+    """The pick's measured step over the grid's best, and whether every predicted peak bounds.
+    With ``budget`` (bytes per rank), the best is the fastest plan whose *measured* peak fits, and
+    ``pick_fits`` says whether the pick's does: rows may then include plans the planner excluded
+    (their predicted peak over the budget), so an over-cautious memory model shows too."""
     pick = next(r for r in rows if r["chosen"])
-    fastest = min(rows, key=lambda r: r["measured_s"])
-    return {"pick_over_best": pick["measured_s"] / fastest["measured_s"], "best": fastest,
-            "pick": pick, "peaks_bounded": all(r["peak_bounded"] for r in rows)}  # fmt: skip
+    fits = [r for r in rows if budget is None or r["measured_peak"] <= budget] or rows
+    fastest = min(fits, key=lambda r: r["measured_s"])
+    return {"pick_over_best": pick["measured_s"] / fastest["measured_s"], "best": fastest, "pick": pick,
+            "pick_fits": budget is None or pick["measured_peak"] <= budget,
+            "peaks_bounded": all(r["peak_bounded"] for r in rows)}  # fmt: skip
 
 
-def report(rows: list[dict[str, Any]]) -> list[str]:
+def report(rows: list[dict[str, Any]], budget: float | None = None) -> list[str]:
     """The console table of a checked grid, fastest measured first, and the verdict line."""
     lines = [f"{'schedule':<12} {'m':>3} {'v':>2} {'checkpoint':<12} {'pred ms':>8} {'meas ms':>8} {'q1-q3 ms':>13} "
              f"{'pred MiB':>9} {'meas MiB':>9} bound"]  # fmt: skip
@@ -112,11 +118,13 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"{r['schedule']:<12} {r['microbatches']:>3} {r['virtual']:>2} {r['checkpoint']:<12} {r['predicted_s'] * 1e3:8.2f} "
                      f"{r['measured_s'] * 1e3:8.2f} {r['q1_s'] * 1e3:6.2f}-{r['q3_s'] * 1e3:6.2f} {r['predicted_peak'] / 2**20:9.2f} "
                      f"{r['measured_peak'] / 2**20:9.2f} {'yes' if r['peak_bounded'] else 'NO'}{'  <- pick' if r['chosen'] else ''}")  # fmt: skip
-    v = verdict(rows)
+    v = verdict(rows, budget)
     b = v["best"]
-    lines.append(f"pick measured / best measured = {v['pick_over_best']:.3f} (bar 1.05; best: {b['schedule']} m={b['microbatches']} "
-                 f"v={b['virtual']} {b['checkpoint']}); predicted peak bounds measured on every plan and rank: "
-                 f"{'yes' if v['peaks_bounded'] else 'NO'}")  # fmt: skip
+    within = f" whose measured peak fits {budget / 2**20:g} MiB" if budget is not None else ""
+    fits = f"; the pick's measured peak fits: {'yes' if v['pick_fits'] else 'NO'}" if budget is not None else ""
+    lines.append(f"pick measured / best measured{within} = {v['pick_over_best']:.3f} (bar 1.05; best: {b['schedule']} "
+                 f"m={b['microbatches']} v={b['virtual']} {b['checkpoint']}){fits}; predicted peak bounds measured on every "
+                 f"plan and rank: {'yes' if v['peaks_bounded'] else 'NO'}")  # fmt: skip
     return lines
 
 

@@ -4,7 +4,7 @@
 builds) traces the model with the pipeline's own splitter
 (:func:`commlab.pipeline.runtime.traced.trace_stages`) before every candidate split point, at each
 micro-batch size (the traced stages are static-shape, as torch's are). The pieces are then the
-planner's layers: :func:`commlab.costmodel.plan.profile` times them and counts what each saves for
+planner's layers: :func:`commlab.costmodel.plan_profile.profile` times them and counts what each saves for
 backward, and a plan's balance (pieces per stage) names its split points (:func:`split_points`).
 The candidates are every block of the model's longest ``nn.ModuleList``/``nn.Sequential`` (a
 transformer's ``layers.0 ... layers.N-1``) unless named. Every cut must carry one tensor: the
@@ -14,12 +14,13 @@ profile runs pieces one tensor to the next, as it does the MLP's layers.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from commlab.costmodel.plan import LayerProfile, profile
+from commlab.costmodel.plan import LayerProfile
+from commlab.costmodel.plan_profile import profile
 from commlab.pipeline.runtime.traced import check_split_points, trace_stages
 
 
@@ -51,27 +52,37 @@ class _Piece(nn.Module):
 
 
 def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int,
-                  points: Sequence[str] | None = None, **sizes) -> tuple[dict[int, LayerProfile], list[str]]:  # fmt: skip
+                  points: Sequence[str] | None = None, plans: Mapping | None = None,
+                  **sizes) -> tuple[dict[int, LayerProfile], list[str]]:  # fmt: skip
     """The model ``name`` profiled piece by piece at the micro-batch size of each count, and the
-    split points the pieces start at (the first piece starts at the model's input)."""
+    split points the pieces start at (the first piece starts at the model's input); ``plans``:
+    also time every stage of them whole, with the workload's loss (as :func:`commlab.costmodel.plan_profile.profile_mlp`)."""
     from commlab.models import build_workload
 
     torch.manual_seed(0)
     workload = build_workload(name, **sizes)
     model = workload.model
     points = check_split_points(model, list(points)) if points else candidate_points(model)
-    threads = torch.get_num_threads()  # a rank's threads, as profile_mlp does
+    threads = torch.get_num_threads()  # a rank's threads, as :func:`commlab.costmodel.plan_profile.profile_mlp` does
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     try:
-        out = {}
+        out, pieces_at, samples, losses = {}, {}, {}, {}
         for m in microbatches:
-            sample, _ = workload.make_batch(max(1, batch // m), torch.Generator().manual_seed(0))
+            sample, target = workload.make_batch(max(1, batch // m), torch.Generator().manual_seed(0))
             traced = trace_stages(model, points, (sample,))
             if len(traced.carried[0]) != 1:
                 raise ValueError(f"model {name!r} takes {len(traced.carried[0])} input tensors; the planner profiles one")
             pieces = nn.Sequential(*(_Piece(p, k) for k, p in enumerate(traced.parts)))
             out[m] = profile(pieces, sample)
+            pieces_at[m], samples[m] = pieces, sample
+            losses[m] = lambda y, t=target: workload.loss_fn(y, t)
+        if plans is not None:
+            from commlab.costmodel.plan_stages import add_stage_times
+
+            timed = {m: add_stage_times({m: out[m]}, list(pieces_at[m]), samples, losses, plans.get("ranks", ranks), plans["virtuals"],
+                                        plans["schedules"], plans.get("balance_mode", "time"))[m] for m in out}  # fmt: skip
+            out = timed
         return out, points
     finally:
         torch.set_num_threads(threads)

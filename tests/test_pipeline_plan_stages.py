@@ -1,0 +1,110 @@
+"""The planner's per-stage profile: which stages are timed, that their times replace the per-layer sums."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commlab.costmodel.plan import LayerProfile, candidates
+from commlab.costmodel.plan_stages import StageTimes, profile_stages, stage_ranges, with_stages
+from commlab.models import mlp
+
+
+def test_stage_ranges_are_every_stage_a_candidate_plan_can_have():
+    # 6 equal layers on 2 ranks: 2 stages of 3 (v=1), 4 stages 1,1,2,2 (v=2: the later stages get the extra layer).
+    ranges = stage_ranges([1.0] * 6, 2, [1, 2], ["1f1b"], "uniform")
+    assert ranges == {(0, 3), (3, 3)}  # 1f1b is one stage per rank whatever --virtual says
+    ranges = stage_ranges([1.0] * 6, 2, [1, 2], ["1f1b", "interleaved"], "uniform")
+    assert ranges == {(0, 3), (3, 3), (0, 1), (1, 1), (2, 2), (4, 2)}
+    # zb-v always has two stages per rank; by time, a slow first layer stands alone.
+    assert stage_ranges([4.0, 1.0, 1.0, 1.0, 1.0], 2, [1], ["zb-v"], "time") == {(0, 1), (1, 1), (2, 1), (3, 2)}
+
+
+def test_whole_stage_times_replace_the_per_layer_sums():
+    layer = LayerProfile(seconds=[3.0, 3.0, 3.0], saved=[0.0] * 3, output=[8.0] * 3, params=[0.0] * 3, input_bytes=8.0,
+                         forward=[1.0] * 3, input_grad=[1.0] * 3, weight_grad=[1.0] * 3)  # fmt: skip
+    timed = with_stages({4: layer}, {4: {(0, 1): StageTimes(1.5, 2.0, 2.5, 3.0, 1.0),
+                                        (1, 2): StageTimes(2.5, 3.0, 5.0, 4.0, 4.0)}})[4]  # fmt: skip
+    plain, split = timed.stage_profile([1, 2], split=False), timed.stage_profile([1, 2], split=True)
+    assert plain.forward == (1.5, 2.5) and plain.backward == (2.5, 5.0)
+    assert split.forward == (2.0, 3.0) and split.backward == (4.0, 8.0) and split.weight_share == pytest.approx(5 / 12)
+    assert plain.message_bytes == (8.0,)
+    # A balance with a stage never timed falls back to the per-layer sums.
+    assert timed.stage_profile([2, 1], split=False).forward == (2.0, 1.0)
+    # The planner reads them: the stage-timed plan is slower here, as its stages are.
+    (fast,) = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], balance_mode="uniform")
+    assert fast.balance == (1, 2)
+    (slow,) = candidates({4: timed}, 2, [1], ["never"], ["1f1b"], balance_mode="uniform")
+    assert slow.step_time > fast.step_time
+
+
+def test_stages_are_timed_with_the_executors_compute_and_leave_no_gradients():
+    torch.manual_seed(0)
+    model = mlp(2, 16)
+    x, t = torch.randn(4, 16), torch.randint(0, 10, (4,))
+    times = profile_stages(list(model), x, {(0, 2), (2, 3)}, lambda y: F.cross_entropy(y, t), repeat=2)
+    assert set(times) == {(0, 2), (2, 3)}
+    for s in times.values():
+        assert min(s.forward, s.split_forward, s.backward, s.weight_grad) > 0
+    assert times[(2, 3)].input_grad > 0  # the first stage has no input gradient to make
+    assert all(p.grad is None for p in model.parameters())
+    plain = profile_stages(list(model), x, {(0, 5)}, lambda y: F.cross_entropy(y, t), split=False, repeat=1)[(0, 5)]
+    assert plain.input_grad == plain.weight_grad == 0.0 and plain.split_forward == plain.forward
+
+
+def test_each_schedule_is_calibrated_at_its_own_stages_per_rank_and_every_microbatch_count():
+    from commlab.costmodel.plan_standin import calibration_schedules
+
+    boundary = {2: 4096.0, 8: 1024.0}
+    runs = calibration_schedules(2, ["1f1b", "interleaved", "zb-v"], [1, 2], boundary)
+    assert runs == [("1f1b", 1, 2, 1024, 1), ("1f1b", 1, 8, 256, 1), ("interleaved", 1, 2, 1024, 1), ("interleaved", 1, 8, 256, 1),
+                    ("interleaved", 2, 2, 1024, 1), ("interleaved", 2, 8, 256, 1), ("zb-v", 2, 2, 1024, 1), ("zb-v", 2, 8, 256, 1)]  # fmt: skip
+    # Interleaved on 2 ranks x 2 stages needs m >= 4 and a multiple of 2: of 3 and 4 only 4 is left.
+    # Stand-in blocks: one Linear+ReLU per two layers of a stage (21 layers on 4 stages: 3).
+    assert calibration_schedules(2, ["interleaved"], [2], {3: 64.0, 4: 64.0}, 21) == [("interleaved", 2, 4, 16, 3)]
+
+
+def test_per_schedule_overheads_price_only_their_own_plans():
+    from commlab.costmodel.plan_calibrate import measured
+
+    layer = LayerProfile(seconds=[3.0, 3.0], saved=[0.0] * 2, output=[0.0] * 2, params=[0.0] * 2, input_bytes=0.0,
+                         forward=[1.0] * 2)  # fmt: skip
+    system = measured(overhead=0.1)
+    base = {p.schedule: p.step_time for p in candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system)}
+    priced = candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system, overheads={("1f1b", 1, 4): {"never": (0.5, 1.0)}})
+    got = {p.schedule: p.step_time for p in priced}
+    assert got["gpipe"] == base["gpipe"] and got["1f1b"] > base["1f1b"]
+    # A stretch of 2 doubles every action's compute: 1F1B on 2 ranks, 4 micro-batches, no overhead.
+    alone = candidates({4: layer}, 2, [1], ["never"], ["1f1b"])[0].step_time
+    stretched = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], overheads={("1f1b", 1, 4): {"never": (0.0, 2.0)}})[0].step_time
+    assert stretched == pytest.approx(2 * alone)
+
+
+def test_stand_in_costs_are_the_stretch_against_alone_and_the_overhead_the_core_needs():
+    from commlab.costmodel.plan_calibrate import measured
+    from commlab.costmodel.plan_standin import schedule_costs
+
+    # 1F1B, 2 ranks, 1 micro-batch: F0 [0, 1] -> F1 [1.5, 2.5] -> B1 [2.6, 4.6] -> B0 [5.1, 7.1].
+    # Alone the stages took F 0.5, B 1.0: the pipeline's 6 s of compute is twice that.
+    alone = {"forward": 0.5, "split_forward": 0.5, "backward": 1.0, "input_grad": 0.0, "weight_grad": 0.0, "nograd_forward": 0.4}
+
+    def rank(r, timeline):
+        run = {"origins": [0.0], "timelines": [timeline]}
+        return {"rank": r, "schedules": {("1f1b", 1, 1): {"alone": {r: alone}, "runs": {"never": run, "always": run}}}}
+
+    per_rank = [rank(0, [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 5.1, 7.1)]), rank(1, [(1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.6, 4.6)])]
+    ((costs),) = schedule_costs(per_rank, 2, [("1f1b", 1, 1, 4, 1)], measured()).values()
+    # The chain's 6 s of stretched compute, free messages: the 7.1 s step leaves 1.1 s over 4 actions.
+    overhead, stretch = costs["never"]
+    assert stretch == pytest.approx(2.0) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
+    # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
+    overhead, stretch = costs["always"]
+    assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
+
+
+def test_pooled_stand_in_costs_take_the_median_over_microbatch_counts():
+    from commlab.costmodel.plan_standin import pooled
+
+    costs = {("1f1b", 1, m): {"never": (o, x)} for m, o, x in [(2, 1.0, 1.0), (4, 2.0, 1.2), (8, 30.0, 1.1)]}
+    costs[("gpipe", 1, 2)] = {"never": (5.0, 2.0)}
+    out = pooled(costs)
+    assert all(out[("1f1b", 1, m)] == {"never": (2.0, 1.1)} for m in (2, 4, 8)) and out[("gpipe", 1, 2)] == {"never": (5.0, 2.0)}
