@@ -118,7 +118,7 @@ def test_predictions_written_before_a_run_meet_the_bench_rows(tmp_path):
 
 
 def test_plan_command_offers_the_optimizers_the_memory_model_knows():
-    from commlab.cli.pipeline import OPTIMIZERS
+    from commlab.cli.pipeline_options import OPTIMIZERS
     from commlab.costmodel.plan import OPTIMIZER_STATE
 
     assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
