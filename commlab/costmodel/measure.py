@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import resource
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ import torch.distributed as dist
 import commlab
 from commlab import collectives
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
-from commlab.costmodel.measure_queue import copy_contention, queued
+from commlab.costmodel.measure_queue import copy_contention, queued, together
 from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
 
@@ -236,42 +235,12 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
         dist.barrier()
         alone_m.append(timed(clock, lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)))
         dist.barrier()
-        c, m = _together(algorithm, buf, compute, clock, side)
+        c, m = together(algorithm, buf, compute, clock, side)
         both_c.append(c)
         both_m.append(m)
     med = lambda xs: float(statistics.median(xs))  # noqa: E731
     return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
             "comm_both_s": med(both_m), "nbytes": nbytes}
-
-
-def _together(algorithm: str, buf: torch.Tensor, compute, clock, side) -> tuple[float, float]:
-    """(compute, collective) seconds of an all-reduce started with the compute, from one start.
-
-    Where the collective's end is stamped is the clock's business: on the CPU the host is busy
-    computing, so its end is the time its future's callback ran (on the worker thread); on a GPU
-    it runs on a side stream, and its end is an event recorded there after waiting for it."""
-    start = clock.stamp()
-    if side is None:
-        done: list[Any] = []
-        handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
-        handle.get_future().then(lambda _f: done.append(clock.stamp()))
-        compute()
-        compute_end = clock.stamp()
-        handle.wait()
-        deadline = time.monotonic() + 60
-        while not done and time.monotonic() < deadline:  # the callback runs on the worker thread
-            time.sleep(0.0005)
-        end = done[0] if done else clock.stamp()
-    else:
-        side.wait_stream(torch.cuda.current_stream(buf.device))  # starts after `start`
-        with torch.cuda.stream(side):
-            handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
-        compute()
-        compute_end = clock.stamp()
-        with torch.cuda.stream(side):
-            handle.wait()
-            end = clock.stamp(side)
-    return clock.seconds(start, compute_end), clock.seconds(start, end)
 
 
 def _corun(model, workload, batch, reps: int) -> dict[str, float]:

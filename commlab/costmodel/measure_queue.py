@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 MAX_QUEUE = 16
 
@@ -85,6 +86,7 @@ def copy_contention(nbytes: int, reps: int, algorithm: str = "native") -> dict[s
     import torch.distributed as dist
 
     from commlab import collectives
+    from commlab.costmodel.devicetime import clock_for
 
     src, dst, buf = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(3))
 
@@ -104,18 +106,43 @@ def copy_contention(nbytes: int, reps: int, algorithm: str = "native") -> dict[s
         alone_c.append(timed(copy))
         alone_m.append(timed(reduce))
         dist.barrier()
-        done: list[float] = []
-        start = time.perf_counter()
+        c, m = together(algorithm, buf, copy, clock_for(buf.device))
+        both_c.append(c)
+        both_m.append(m)
+    med = lambda xs: float(statistics.median(xs))  # noqa: E731
+    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
+            "comm_both_s": med(both_m), "nbytes": nbytes, "copies": copies}
+
+
+def together(algorithm: str, buf, compute, clock, side=None) -> tuple[float, float]:
+    """(compute, collective) seconds of an all-reduce started with the compute, from one start.
+
+    Where the collective's end is stamped is the clock's business: on the CPU the host is busy
+    computing, so its end is the time its future's callback ran (on the worker thread); on a GPU
+    it runs on a side stream, and its end is an event recorded there after waiting for it."""
+    import torch
+
+    from commlab import collectives
+
+    start = clock.stamp()
+    if side is None:
+        done: list[Any] = []
         handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
-        handle.get_future().then(lambda _f: done.append(time.perf_counter()))
-        copy()
-        copy_end = time.perf_counter()
+        handle.get_future().then(lambda _f: done.append(clock.stamp()))
+        compute()
+        compute_end = clock.stamp()
         handle.wait()
         deadline = time.monotonic() + 60
         while not done and time.monotonic() < deadline:  # the callback runs on the worker thread
             time.sleep(0.0005)
-        both_c.append(copy_end - start)
-        both_m.append((done[0] if done else time.perf_counter()) - start)
-    med = lambda xs: float(statistics.median(xs))  # noqa: E731
-    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
-            "comm_both_s": med(both_m), "nbytes": nbytes, "copies": copies}
+        end = done[0] if done else clock.stamp()
+    else:
+        side.wait_stream(torch.cuda.current_stream(buf.device))  # starts after `start`
+        with torch.cuda.stream(side):
+            handle = collectives.all_reduce(buf, "sum", algorithm=algorithm, async_op=True)
+        compute()
+        compute_end = clock.stamp()
+        with torch.cuda.stream(side):
+            handle.wait()
+            end = clock.stamp(side)
+    return clock.seconds(start, compute_end), clock.seconds(start, end)
