@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from commlab.pipeline.runtime.partition import partition
 from commlab.costmodel.costs import StageProfile, SystemCosts
 from commlab.costmodel.pipeline import DataParallel, checkpointed_microbatches, predict
-from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, Action, Actions, num_microbatches
+from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.registry import REGISTRY
 
@@ -128,17 +128,28 @@ def _stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
 
 def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float], inputs: Sequence[float],
                params: Sequence[float], checkpointed: Sequence[int], param_copies: float = 2.0,
-               temporary: Sequence[float] = ()) -> tuple[float, ...]:  # fmt: skip
+               temporary: Sequence[float] = (), kept: Sequence[float] = ()) -> tuple[float, ...]:  # fmt: skip
     """Predicted peak bytes per rank of one step (see the module docstring); per-stage bytes per
     micro-batch. ``param_copies``: bytes held per parameter byte (:func:`param_copies`);
     ``temporary``: per stage, what its backward allocates on top (:func:`temporaries`): one
-    backward runs at a time on a rank, so the largest of its stages' counts once."""
+    backward runs at a time on a rank, so the largest of its stages' counts once; ``kept``: per
+    stage, the gradients a split backward's I keeps at the weight nodes until its W runs
+    (commlab/pipeline/runtime/weight_split.py), held by every micro-batch between the two."""
     out = []
     for r, lives in enumerate(liveness(actions, checkpointed)):
         local = [s for s, p in enumerate(placement) if p == r]
-        # While an action runs: each live micro-batch's stage input, and what its forward saved
-        # unless checkpointed and not yet recomputed (:func:`liveness`).
-        peak = max((sum(inputs[s] + (saved[s] if full else 0.0) for (s, _), full in live.alive.items()) for live in lives), default=0.0)
+        pending: set[tuple[int, int]] = set()  # I ran, W not yet
+        peak = 0.0
+        for live in lives:
+            # While an action runs: each live micro-batch's stage input, and what its forward saved
+            # unless checkpointed and not yet recomputed (:func:`liveness`), and the kept gradients.
+            held = sum(inputs[s] + (saved[s] if full else 0.0) for (s, _), full in live.alive.items())
+            peak = max(peak, held + (sum(kept[s] for s, _ in pending) if kept else 0.0))
+            key = (live.action.stage, live.action.microbatch)
+            if live.action.kind == INPUT_GRAD:
+                pending.add(key)
+            elif live.action.kind == WEIGHT_GRAD:
+                pending.discard(key)
         buffers = sum(2 * inputs[s] for s in local if s > 0) + sum(2 * inputs[s + 1] for s in local if s + 1 < len(placement))
         extra = max((temporary[s] for s in local), default=0.0) if temporary else 0.0
         out.append(param_copies * sum(params[s] for s in local) + peak + buffers + extra)
@@ -160,14 +171,18 @@ def param_copies(dp: int = 1, optimizer: str = "none") -> float:
     return 2.0 + OPTIMIZER_STATE[optimizer] + (1.0 if dp > 1 else 0.0)
 
 
-def temporaries(output: Sequence[float], input_bytes: float, balance: Sequence[int]) -> list[float]:
+def temporaries(output: Sequence[float], input_bytes: float, balance: Sequence[int],
+                params: Sequence[float] = ()) -> list[float]:
     """Per stage, the bytes its backward allocates beyond the stash and the boundary buffers: while
-    layer l's backward runs, the gradient of its output and the new gradient of its input are
-    both alive (autograd frees the first once the second is made), so the largest
-    ``input[l] + output[l]`` over the stage's layers. Weight gradients accumulate in ``.grad``,
-    counted with the parameters."""
+    layer l's backward runs, the gradient of its output, the new gradient of its input and the new
+    gradients of its parameters are alive together (autograd frees the first once the others are
+    made; a parameter's new gradient is a fresh tensor that AccumulateGrad then adds into the
+    ``.grad`` already held, torch/csrc/autograd/functions/accumulate_grad.h), so the largest
+    ``input[l] + output[l] + params[l]`` over the stage's layers (``.grad`` itself is counted
+    with the parameters)."""
     inputs = [input_bytes, *output[:-1]]
-    return [max(inputs[l] + output[l] for l in range(a, a + n)) for a, n in zip(_starts(balance), balance)]
+    own = list(params) or [0.0] * len(output)
+    return [max(inputs[l] + output[l] + own[l] for l in range(a, a + n)) for a, n in zip(_starts(balance), balance)]
 
 
 def _starts(balance: Sequence[int]) -> list[int]:
@@ -214,7 +229,9 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 if stages > layers:
                     continue
                 balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, stages)
-                temporary = temporaries(profile.output, profile.input_bytes, balance)
+                temporary = temporaries(profile.output, profile.input_bytes, balance, profile.params)
+                # what I keeps for W: each layer's output gradient (commlab/pipeline/runtime/compute.py)
+                kept = _stage_sums(profile.output, balance)
                 saved, params = profile.stage_saved(balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
@@ -234,7 +251,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     # A checkpointed micro-batch's first forward runs without grad (commlab/pipeline/runtime/executor.py).
                     first = {Action(s, FORWARD, i): nograd[s] * stretch for s in range(stages) for i in recomputed} if nograd else {}
                     step = predict(actions, costs, stretched, placement, recomputed, cores, dp=dp, durations=first).step_time
-                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary)
+                    peak = peak_bytes(actions, placement, saved, inputs, params, recomputed, copies, temporary, kept)
                     plans.append(Plan(name, m, v, mode, tuple(balance), step, peak))
     return sorted(plans, key=lambda p: (p.step_time, max(p.peak_bytes)))
 

@@ -5,9 +5,10 @@ a measured grid, and its predicted peak memory bounds the measured one. :func:`m
 runs on every rank of one launch. All plans are built first, then stepped in rounds, each round
 in the opposite order of the one before (plan k never always runs first or after the same
 neighbour), so a load change on a shared machine hits every plan alike. A step's time is the
-slowest rank's, from a barrier, without the memory hooks; peak memory comes from one more step
-per plan with the ledger on: what the executor held (stashes, buffers, sends in flight) plus the
-rank's parameters and their gradients, the terms :func:`commlab.costmodel.plan.peak_bytes` predicts.
+slowest rank's, from a barrier, without the memory hooks; peak memory is what the allocator saw
+in one more step per plan (:func:`commlab.memtrack.track_peak`: allocated minus freed bytes, so
+backward's temporaries and the executor's buffers count) plus the rank's parameters and their
+gradients, the terms :func:`commlab.costmodel.plan.peak_bytes` predicts.
 """
 
 from __future__ import annotations
@@ -62,14 +63,26 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
             step(stage, pipe)
             if i >= common["warmup"]:
                 times[k].append(time.perf_counter() - start)
-    peaks = []
+    from commlab.memtrack import track_peak
+
+    peaks, ledgers = [], []
     for k, p in enumerate(plans):
         model, stage, options, _ = built[k]
         counted = PipelineExecutor(stage, p["schedule"], **options)
         step(stage, counted)
         weights = sum(t.numel() * t.element_size() for t in stage.parameters())
-        peaks.append(counted.memory.peak + 2 * weights)  # parameters and their gradients
-    return {"rank": rt.rank, "times": times, "peaks": peaks}
+        ledgers.append(counted.memory.peak + 2 * weights)  # parameters and their gradients
+        # What the allocator saw in one more step (the ledger misses backward's temporaries and
+        # the executor's own buffers): gradients are kept (zero_grad(set_to_none=False)), so the
+        # window's rise over its start plus parameters and gradients is the step's peak. The
+        # first tracked window can miss frees of blocks allocated before it (commlab/memtrack.py).
+        pipe = built[k][3]
+        with track_peak("cpu"):
+            step(stage, pipe)
+        with track_peak("cpu") as seen:
+            step(stage, pipe)
+        peaks.append(seen.peak_bytes + 2 * weights)
+    return {"rank": rt.rank, "times": times, "peaks": peaks, "ledgers": ledgers}
 
 
 def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None) -> list[str]:
