@@ -47,7 +47,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
         placement = REGISTRY[p["schedule"]].placement(rt.world_size, len(p["balance"]))
         stage = RankStages(model, p["balance"], placement)
         options = dict(microbatches=p["microbatches"], loss_fn=F.cross_entropy, checkpoint=p["checkpoint"], timeout=common["timeout"])
-        built.append((model, stage, options, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
+        built.append((model, stage, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
 
     def step(stage, pipe):
         return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
@@ -56,7 +56,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     for i in range(common["warmup"] + common["iters"]):
         order = range(len(plans)) if i % 2 == 0 else reversed(range(len(plans)))
         for k in order:
-            model, stage, _, pipe = built[k]
+            model, stage, pipe = built[k]
             model.zero_grad(set_to_none=False)
             dist.barrier()
             start = time.perf_counter()
@@ -65,24 +65,19 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
                 times[k].append(time.perf_counter() - start)
     from commlab.memtrack import track_peak
 
-    peaks, ledgers = [], []
-    for k, p in enumerate(plans):
-        model, stage, options, _ = built[k]
-        counted = PipelineExecutor(stage, p["schedule"], **options)
-        step(stage, counted)
+    peaks = []
+    for _, stage, pipe in built:
         weights = sum(t.numel() * t.element_size() for t in stage.parameters())
-        ledgers.append(counted.memory.peak + 2 * weights)  # parameters and their gradients
-        # What the allocator saw in one more step (the ledger misses backward's temporaries and
-        # the executor's own buffers): gradients are kept (zero_grad(set_to_none=False)), so the
-        # window's rise over its start plus parameters and gradients is the step's peak. The
-        # first tracked window can miss frees of blocks allocated before it (commlab/memtrack.py).
-        pipe = built[k][3]
+        # What the allocator saw in a step (the executor's ledger misses backward's temporaries
+        # and its own buffers): gradients are kept (zero_grad(set_to_none=False)), so the window's
+        # rise over its start plus parameters and gradients is the step's peak. The first tracked
+        # window can miss frees of blocks allocated before it (commlab/memtrack.py): a second is read.
         with track_peak("cpu"):
             step(stage, pipe)
         with track_peak("cpu") as seen:
             step(stage, pipe)
-        peaks.append(seen.peak_bytes + 2 * weights)
-    return {"rank": rt.rank, "times": times, "peaks": peaks, "ledgers": ledgers}
+        peaks.append(seen.peak_bytes + 2 * weights)  # parameters and their gradients
+    return {"rank": rt.rank, "times": times, "peaks": peaks}
 
 
 def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None) -> list[str]:
