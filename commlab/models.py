@@ -183,7 +183,10 @@ def build_workload(name: str, **sizes) -> Workload:
         _require(OPTIONAL[name], name)
         return _resnet50() if name == "resnet50" else _bert()
     attr = name.partition(":")[2]
-    model = getattr(import_user_module(name), attr)(**sizes)  # sizes go to the factory
+    try:
+        model = getattr(import_user_module(name), attr)(**sizes)  # sizes go to the factory
+    except TypeError as err:  # a size the factory does not take
+        raise ValueError(f"model {name!r}: {err}") from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"{name} returned {type(model).__name__}, not an nn.Module")
     shape = tuple(getattr(model, "input_shape", ()) or (_first_linear(model).in_features,))
@@ -240,8 +243,8 @@ def _bert() -> Workload:
 def _dense_batch(shape: tuple[int, ...], classes: int | None):
     def make(batch: int, gen: torch.Generator):
         x = torch.randn(batch, *shape, generator=gen)
-        if classes is None:
-            return x, torch.zeros(0)
+        if classes is None:  # the loss ignores it; one per sample, so a pipeline can split it into micro-batches
+            return x, torch.zeros(batch)
         return x, torch.randint(0, classes, (batch,), generator=gen)
 
     return make

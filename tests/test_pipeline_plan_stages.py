@@ -51,16 +51,27 @@ def test_stages_are_timed_with_the_executors_compute_and_leave_no_gradients():
     assert plain.input_grad == plain.weight_grad == 0.0 and plain.split_forward == plain.forward
 
 
-def test_each_schedule_is_calibrated_at_its_own_stages_per_rank_and_every_microbatch_count():
-    from commlab.costmodel.plan_standin import calibration_schedules
+def test_the_calibration_count_is_one_no_plan_uses_and_every_schedule_accepts():
+    from commlab.costmodel.plan_offgrid import calibration_count, every_count
 
-    boundary = {2: 4096.0, 8: 1024.0}
-    runs = calibration_schedules(2, ["1f1b", "interleaved", "zb-v"], [1, 2], boundary)
-    assert runs == [("1f1b", 1, 2, 1024, 1), ("1f1b", 1, 8, 256, 1), ("interleaved", 1, 2, 1024, 1), ("interleaved", 1, 8, 256, 1),
-                    ("interleaved", 2, 2, 1024, 1), ("interleaved", 2, 8, 256, 1), ("zb-v", 2, 2, 1024, 1), ("zb-v", 2, 8, 256, 1)]  # fmt: skip
-    # Interleaved on 2 ranks x 2 stages needs m >= 4 and a multiple of 2: of 3 and 4 only 4 is left.
-    # Stand-in blocks: one Linear+ReLU per two layers of a stage (21 layers on 4 stages: 3).
-    assert calibration_schedules(2, ["interleaved"], [2], {3: 64.0, 4: 64.0}, 21) == [("interleaved", 2, 4, 16, 3)]
+    # 3 and 5 are odd (interleaved needs a multiple of 2 ranks), 4 is a plan's: 6.
+    assert calibration_count([("1f1b", 1), ("interleaved", 2)], 2, [2, 4, 8, 16], 64) == 6
+    assert calibration_count([("1f1b", 1), ("zb-v", 2)], 2, [2, 4, 8, 16], 64) == 3
+    assert calibration_count([("interleaved", 2)], 2, [2, 4], 5) is None  # no count up to the batch
+    costs = every_count({("1f1b", 1): {"never": (0.1, 1.2)}}, [2, 4])
+    assert costs == {("1f1b", 1, 2): {"never": (0.1, 1.2)}, ("1f1b", 1, 4): {"never": (0.1, 1.2)}}
+
+
+def test_calibration_runs_cut_the_model_as_the_plans_do_and_hold_it_against_its_profile():
+    from commlab.costmodel.plan_offgrid import calibration_runs
+
+    layer = LayerProfile(seconds=[3.0, 3.0, 6.0, 6.0], saved=[0.0] * 4, output=[8.0] * 4, params=[0.0] * 4, input_bytes=8.0,
+                         forward=[1.0, 1.0, 2.0, 2.0])  # fmt: skip
+    spec, alone = calibration_runs(layer, 6, 2, [("1f1b", 1), ("zb-v", 2), ("interleaved", 4)], "uniform", {"depth": 4}, 60)
+    # interleaved v=4 needs 8 stages of 4 layers: not run.
+    assert spec == {"depth": 4, "batch": 60, "microbatches": 6, "runs": [("1f1b", [2, 2]), ("zb-v", [1, 1, 1, 1])]}
+    profile, nograd = alone[("1f1b", 1)]
+    assert list(profile.forward) == [2.0, 4.0] and list(nograd) == [2.0, 4.0]  # no stage timed whole: the per-layer sums
 
 
 def test_per_schedule_overheads_price_only_their_own_plans():
@@ -79,32 +90,22 @@ def test_per_schedule_overheads_price_only_their_own_plans():
     assert stretched == pytest.approx(2 * alone)
 
 
-def test_stand_in_costs_are_the_stretch_against_alone_and_the_overhead_the_core_needs():
+def test_offgrid_costs_are_the_stretch_against_the_profile_and_the_overhead_the_core_needs():
+    from commlab.costmodel.costs import StageProfile
     from commlab.costmodel.plan_calibrate import measured
-    from commlab.costmodel.plan_standin import schedule_costs
+    from commlab.costmodel.plan_offgrid import schedule_costs
 
     # 1F1B, 2 ranks, 1 micro-batch: F0 [0, 1] -> F1 [1.5, 2.5] -> B1 [2.6, 4.6] -> B0 [5.1, 7.1].
-    # Alone the stages took F 0.5, B 1.0: the pipeline's 6 s of compute is twice that.
-    alone = {"forward": 0.5, "split_forward": 0.5, "backward": 1.0, "input_grad": 0.0, "weight_grad": 0.0, "nograd_forward": 0.4}
-
-    def rank(r, timeline):
-        run = {"origins": [0.0], "timelines": [timeline]}
-        return {"rank": r, "schedules": {("1f1b", 1, 1): {"alone": {r: alone}, "runs": {"never": run, "always": run}}}}
-
-    per_rank = [rank(0, [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 5.1, 7.1)]), rank(1, [(1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.6, 4.6)])]
-    ((costs),) = schedule_costs(per_rank, 2, [("1f1b", 1, 1, 4, 1)], measured()).values()
+    # Profiled alone the stages took F 0.5, B 1.0: the pipeline's 6 s of compute is twice that.
+    run = {"origins": [0.0], "timelines": [[]]}
+    timelines = {0: [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 5.1, 7.1)], 1: [(1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.6, 4.6)]}
+    per_rank = [{"rank": r, "offgrid": {("1f1b", 1): {mode: {**run, "timelines": [timelines[r]]} for mode in ("never", "always")}}}
+                for r in (0, 1)]  # fmt: skip
+    alone = {("1f1b", 1): (StageProfile((0.5, 0.5), (1.0, 1.0)), (0.4, 0.4))}
+    ((costs),) = schedule_costs(per_rank, 2, alone, 1, measured()).values()
     # The chain's 6 s of stretched compute, free messages: the 7.1 s step leaves 1.1 s over 4 actions.
     overhead, stretch = costs["never"]
     assert stretch == pytest.approx(2.0) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
     # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
     overhead, stretch = costs["always"]
     assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
-
-
-def test_pooled_stand_in_costs_take_the_median_over_microbatch_counts():
-    from commlab.costmodel.plan_standin import pooled
-
-    costs = {("1f1b", 1, m): {"never": (o, x)} for m, o, x in [(2, 1.0, 1.0), (4, 2.0, 1.2), (8, 30.0, 1.1)]}
-    costs[("gpipe", 1, 2)] = {"never": (5.0, 2.0)}
-    out = pooled(costs)
-    assert all(out[("1f1b", 1, m)] == {"never": (2.0, 1.1)} for m in (2, 4, 8)) and out[("gpipe", 1, 2)] == {"never": (5.0, 2.0)}

@@ -131,13 +131,14 @@ def test_plan_validate_measures_the_grid_and_the_predicted_peaks_come_close():
                                        "--schedules", "gpipe,1f1b,zb-h1", "--checkpoint", "never,always", "--validate",
                                        "--iters", "2", "--warmup", "1"], catch_exceptions=False)  # fmt: skip
     assert result.exit_code == 0, result.output
-    table = [ln for ln in result.output.split("validating:")[1].splitlines()[2:-1] if ln.strip() and "USDT" not in ln]
+    table = [ln for ln in result.output.split("validating:")[1].splitlines()[2:-2] if ln.strip() and "USDT" not in ln]
     rows = [ln.replace("<- pick", "").split() for ln in table]
     assert len(rows) == 12 and sum("<- pick" in line for line in table) == 1, table
     for row in rows:
         predicted, measured = float(row[-3]), float(row[-2])
         assert measured > 0 and abs(predicted - measured) <= 0.15 * measured, row
     assert "pick measured / best measured = " in result.output and "every plan and rank:" in result.output
+    assert "(24 comparisons): median |error|" in result.output  # 12 plans, forward and reverse rounds
 
 
 def test_profiled_forward_and_split_backward_set_the_planner_costs():
@@ -268,7 +269,9 @@ def test_plan_check_with_a_budget_judges_against_plans_whose_measured_peak_fits(
     assert verdict(rows)["best"]["schedule"] == "gpipe"  # no budget: the whole grid
     v = verdict(rows, budget=20.0)  # gpipe's measured peak does not fit
     assert v["best"]["schedule"] == "1f1b" and v["pick_fits"] and v["pick_over_best"] == pytest.approx(1.25 / 1.2)
-    assert "whose measured peak fits 1.90735e-05 MiB" in report(rows, 20.0)[-1] and "fits: yes" in report(rows, 20.0)[-1]
+    assert "whose measured peak fits 1.90735e-05 MiB" in report(rows, 20.0)[-2] and "fits: yes" in report(rows, 20.0)[-2]
+    rows[2]["forward_s"], rows[2]["reverse_s"] = 1.25 / 1.05, 1.25 / 1.3  # predicted 5% over one order, 30% over the other
+    assert "(6 comparisons): median |error| 0.0%, worst 30.0% (zb-h1 m=2 v=1 never); within 10%: 5, within 25%: 5" in report(rows)[-1]
     assert not verdict(rows, budget=18.5)["pick_fits"]
 
 

@@ -24,6 +24,7 @@ from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--model", "model_name", help="plan this model instead of the MLP: gpt, transformer or package.module:factory")
+@click.option("--model-args", help="--model: its sizes as key=value,... e.g. d_model=256,layers=8")
 @click.option("--split-at", help="--model: candidate split points, comma-separated names [every block of its longest ModuleList]")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -33,6 +34,7 @@ from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
               help="split layers by profiled time, or in equal counts (as pipeline bench --balance uniform)")
 @click.option("--optimizer", default="none", show_default=True, type=click.Choice(OPTIMIZERS), help="whose state the memory model counts")
 @click.option("--predictions", type=click.Path(dir_okay=False, path_type=Path), help="write every plan's prediction here (CSV)")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="--validate: write every measured plan here (CSV)")
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="plans to list")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="measure the executor's per-action overhead and the per-message cost first (a few seconds on --ranks Gloo ranks)")
@@ -42,8 +44,8 @@ from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="--validate: seconds")
-def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, model_name, split_at, batch, dp, bucket_cap_mb,
-         balance_mode, optimizer, predictions, top, calibrate, check, all_plans, iters, warmup, timeout) -> None:  # fmt: skip
+def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth, width, model_name, model_args, split_at, batch, dp,
+         bucket_cap_mb, balance_mode, optimizer, predictions, out, top, calibrate, check, all_plans, iters, warmup, timeout) -> None:  # fmt: skip
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
@@ -58,7 +60,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     from commlab.costmodel.plan import best, candidates, no_fit, table
     from commlab.costmodel.plan_profile import profile_mlp
     from commlab.costmodel.plan_calibrate import plan_costs, profile_line
-    from commlab.costmodel.plan_standin import calibration_schedules
+    from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs, every_count
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -74,29 +76,37 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if dp > 1 and not calibrate and profile_line(dp) is None:
         raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
-    if model_name is not None and check:
-        raise click.BadParameter("--validate measures the MLP only", param_hint="--model")
+    if out is not None and not check:
+        raise click.BadParameter("--out writes what --validate measures: give --validate too", param_hint="--out")
+    if model_args is not None and model_name is None:
+        raise click.BadParameter("--model-args sizes --model", param_hint="--model-args")
+    sizes = _sizes(model_name, model_args)
     if split_at is not None and model_name is None:
         raise click.BadParameter("--split-at names split points of --model", param_hint="--split-at")
     points = None
     # Every stage a plan can have is timed whole, as the executor runs it (costmodel/plan_stages.py).
     priced = dict(ranks=ranks, virtuals=_ints(virtual, "--virtual"), schedules=names, balance_mode=balance_mode)
+    families = sorted({(n, v) for n in names for v in (REGISTRY[n].virtual or priced["virtuals"])})
+    # Each schedule also runs on the model at a count no plan uses, profiled too (costmodel/plan_offgrid.py).
+    count = calibration_count(families, ranks, ms, batch) if calibrate and ranks > 1 and dp == 1 else None
+    profiled = ms + [count] if count else ms
     if model_name is None:
-        profiles = profile_mlp(depth, width, batch, ms, ranks * dp, priced)
+        profiles = profile_mlp(depth, width, batch, profiled, ranks * dp, priced)
     else:
         from commlab.costmodel.plan_model import profile_model, split_points
 
         try:
-            profiles, points = profile_model(model_name, batch, ms, ranks * dp, split_at and split_at.split(","), plans=priced)
+            profiles, points = profile_model(model_name, batch, profiled, ranks * dp, split_at and split_at.split(","), plans=priced,
+                                             **sizes)  # fmt: skip
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    # Each schedule's executor overhead and compute stretch on stand-in stages with a typical
-    # boundary (the median layer output): plan_calibrate.schedule_costs.
-    boundary = {m: sorted(p.output)[len(p.output) // 2] for m, p in profiles.items()}
-    costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
-                                  schedules=calibration_schedules(ranks, names, priced["virtuals"], boundary,
-                                                                  len(next(iter(profiles.values())).seconds)))  # fmt: skip
+    offgrid = None
+    if count:
+        model = {"model": model_name, "sizes": sizes, "points": points} if model_name else {"depth": depth, "width": width}
+        offgrid = calibration_runs(profiles.pop(count), count, ranks, families, balance_mode, model, batch)
+    costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo, offgrid=offgrid)
+    overheads = every_count(overheads, ms)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
                        balance_mode=balance_mode, optimizer=optimizer, overheads=overheads)  # fmt: skip
@@ -116,15 +126,32 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if points is not None:
         click.echo(f"split points: {split_points(points, chosen.balance)}")
     if check:
-        _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks,
-                    dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout),
-                    budget if all_plans else None)  # fmt: skip
+        common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
+        if model_name is not None:
+            common.update(model=model_name, sizes=sizes, points=points)
+        _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks, common,
+                    budget if all_plans else None, out)  # fmt: skip
 
 
-def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None) -> None:
+def _sizes(model_name: str | None, model_args: str | None) -> dict:
+    """--model-args parsed and checked against --model before anything is profiled."""
+    if model_name is None:
+        return {}
+    from commlab.models import check_workload
+    from commlab.sweep.options import parse_model_args
+
+    try:
+        sizes = parse_model_args(model_args or "")
+        check_workload(model_name, **sizes)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--model-args") from None
+    return sizes
+
+
+def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None, out: Path | None = None) -> None:
     from commlab.costmodel.plan_check import measure_grid
 
     what = "plans (every one)" if budget is not None else "plans that fit"
     click.echo(f"\nvalidating: {len(fitting)} {what}, {ranks} Gloo ranks, {common['iters']} timed rounds after "
                f"{common['warmup']}, plans alternating forward / backward each round")  # fmt: skip
-    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common, budget)))
+    click.echo("\n".join(measure_grid(fitting, chosen, ranks, common, budget, out)))

@@ -61,6 +61,18 @@ class LayerProfile:
     # before did not; ``unsaved_output``: the output's bytes where the layer did not save it.
     saved_input: Sequence[float] = ()
     unsaved_output: Sequence[float] = ()
+    # A traced model's pieces (commlab.costmodel.plan_model.weight_node_bytes): what a split
+    # backward's I keeps at each piece's weight nodes. Empty: an nn.Sequential, whose layers'
+    # output gradients are what I keeps.
+    kept_nodes: Sequence[float] = ()
+
+    def stage_kept(self, balance: Sequence[int]) -> list[float]:
+        """Per stage, what a split backward's I keeps for W per micro-batch: each layer's output
+        gradient (an nn.Sequential, commlab/pipeline/runtime/compute.py), or for a traced stage
+        (one graph) its output gradient and the gradients at its weight nodes."""
+        if not self.kept_nodes:
+            return _stage_sums(self.output, balance)
+        return [float(self.output[a + n - 1] + sum(self.kept_nodes[a : a + n])) for a, n in zip(_starts(balance), balance)]
 
     def stage_saved(self, balance: Sequence[int]) -> list[float]:
         """What each stage's forward keeps per micro-batch beyond its input: its layers' saved
@@ -230,8 +242,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                     continue
                 balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, stages)
                 temporary = temporaries(profile.output, profile.input_bytes, balance, profile.params)
-                # what I keeps for W: each layer's output gradient (commlab/pipeline/runtime/compute.py)
-                kept = _stage_sums(profile.output, balance)
+                kept = profile.stage_kept(balance)  # what I keeps for W
                 saved, params = profile.stage_saved(balance), _stage_sums(profile.params, balance)
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)

@@ -12,7 +12,8 @@ the same two terms once before it prices any plan, on the ranks it plans for (Gl
   boundary sizes (one-way time = half the round trip), a least-squares line.
 
 - per (schedule, stages per rank) the plans use, the executor's overhead per action and the
-  stretch of compute inside the pipeline, on stand-in stages (:mod:`commlab.costmodel.plan_standin`).
+  stretch of compute inside the pipeline, from the model's own runs at a micro-batch count no
+  plan uses (:mod:`commlab.costmodel.plan_offgrid`).
 
 Both then enter the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (its
 point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
@@ -28,7 +29,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.costmodel.plan_standin import executor_timelines, pooled, schedule_costs, stand_in
+from commlab.costmodel.plan_offgrid import executor_timelines, run_rank, schedule_costs
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -61,14 +62,14 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 
 def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), the timelines of a
-    few steps of the executor on a tiny model, as the bench records them, and of each schedule in
-    ``common["schedules"]`` ((name, stages per rank, micro-batches, boundary elements per
-    micro-batch, blocks per stage)) on stand-in stages (:func:`~commlab.costmodel.plan_standin.stand_in`)."""
+    few steps of the executor on a tiny model, as the bench records them, and with
+    ``common["offgrid"]`` the model's own runs off the plans' grid (:func:`commlab.costmodel.plan_offgrid.run_rank`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import commlab
+    from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
     pingpong: dict[int, list[float]] = {}
@@ -87,54 +88,57 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
                 pingpong.setdefault(size, []).append((time.perf_counter() - start) / 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
-    calibration = executor_timelines(model, [1] * rt.world_size, None, "1f1b", 4, torch.randn(8, 4), torch.randn(8, 4),
-                                      F.mse_loss, common)  # fmt: skip
-    families = {}
-    for name, virtual, m, numel, layers in common.get("schedules", ()):
-        families[(name, virtual, m)] = stand_in(rt, name, virtual, m, numel, layers, common)
-    return {"rank": rt.rank, "pingpong": pingpong, **calibration, "schedules": families}
+    calibration = executor_timelines(model, RankStages(model, [1] * rt.world_size), "1f1b", 4, torch.randn(8, 4),
+                                     torch.randn(8, 4), F.mse_loss, common)  # fmt: skip
+    own = run_rank({**common, "steps": common["offgrid_steps"]}) if common.get("offgrid") else {}
+    return {"rank": rt.rank, "pingpong": pingpong, **calibration, "offgrid": own}
 
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              schedules: Sequence[tuple] = ()) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
+              offgrid: tuple[dict, Mapping] | None = None) -> tuple[SystemCosts, dict[tuple[str, int], dict[str, tuple[float, float]]]]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
-    With ``schedules`` (:func:`calibration_schedules`), also each one's executor overhead per
-    action and compute stretch (:func:`schedule_costs`)."""
+    With ``offgrid`` (:func:`commlab.costmodel.plan_offgrid.calibration_runs`: what to run and
+    its stages' profiled times), also each schedule's executor overhead per action and compute
+    stretch on the model (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`), keyed by
+    (schedule, stages per rank)."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
         return measured(), {}
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
-    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "schedules": list(schedules), "stand_in_steps": 2 * steps}
+    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "offgrid_steps": 2 * steps,
+              "offgrid": offgrid[0] if offgrid else None}  # fmt: skip
     per_rank = commlab.launch(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout)
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
     share = cores if shared(ranks, cores) else None
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
-    return system, pooled(schedule_costs(per_rank, ranks, schedules, system, share))
+    if not offgrid:
+        return system, {}
+    return system, schedule_costs(per_rank, ranks, offgrid[1], offgrid[0]["microbatches"], system, share)
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
-               echo: Callable[[str], None] = lambda _l: None, schedules: Sequence[tuple[str, int, int, int]] = ()
-               ) -> tuple[SystemCosts, dict[tuple[str, int, int], dict[str, tuple[float, float]]]]:  # fmt: skip
+               echo: Callable[[str], None] = lambda _l: None, offgrid: tuple[dict, Mapping] | None = None
+               ) -> tuple[SystemCosts, dict[tuple[str, int], dict[str, tuple[float, float]]]]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
     and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
-    With ``schedules`` (:func:`~commlab.costmodel.plan_standin.calibration_schedules`), each one's
-    overhead per action and compute stretch too."""
+    With ``offgrid``, each schedule's overhead per action and compute stretch too (:func:`calibrate`)."""
     profiles = list(profiles)
     system, overheads = measured(), {}
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
         system, overheads = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout,
-                                      schedules=schedules)  # fmt: skip
+                                      offgrid=offgrid)  # fmt: skip
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
         if overheads:
-            echo("per schedule on stand-in stages, executor overhead per action and compute stretch: "
+            echo(f"per schedule, from the model's own runs at {offgrid[0]['microbatches']} micro-batches (a count no plan uses), "
+                 "executor overhead per action and compute stretch: "
                  + ", ".join(f"{n} v={v} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
-                             for (n, v), by_mode in {(n, v): c for (n, v, _), c in overheads.items()}.items()))  # pooled: one per count
+                             for (n, v), by_mode in overheads.items()))  # fmt: skip
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")

@@ -25,34 +25,65 @@ from commlab.costmodel.plan import Plan
 from commlab.pipeline.schedule.registry import REGISTRY
 
 
-def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
-    """Every plan's step times (one per round) and peak bytes on this rank (run by commlab.launch)."""
+def plans_of_the_model(common: dict[str, Any]):
+    """The model ``common`` names, its mini-batch and loss, and a function that builds a plan's
+    stages on this rank: the MLP (``depth``, ``width``) cut by balance, a fresh copy per plan, or a
+    ``model`` (with ``sizes`` and its split ``points``) cut by name at the plan's split points and
+    traced at its micro-batch size, as ``Stage(model, split_points=...)`` runs it for a user."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
-    import commlab
-    from commlab.models import mlp
-    from commlab.pipeline.runtime.executor import PipelineExecutor
     from commlab.pipeline.runtime.stages import RankStages
 
-    rt = commlab.Runtime.current()
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(common["batch"], common["width"], generator=gen)
-    y = torch.randint(0, 10, (common["batch"],), generator=gen)
+    if common.get("model") is None:
+        from commlab.models import mlp
+
+        x = torch.randn(common["batch"], common["width"], generator=gen)
+        y = torch.randint(0, 10, (common["batch"],), generator=gen)
+
+        def build(p, placement):
+            torch.manual_seed(0)
+            model = mlp(common["depth"], common["width"])
+            return model, RankStages(model, p["balance"], placement)
+
+        return x, y, F.cross_entropy, build
+    from commlab.costmodel.plan_model import split_points
+    from commlab.models import build_workload
+
+    torch.manual_seed(0)
+    workload = build_workload(common["model"], **common.get("sizes", {}))
+    x, y = workload.make_batch(common["batch"], gen)
+
+    def build_traced(p, placement):
+        example = x[: common["batch"] // p["microbatches"]]
+        cut = split_points(common["points"], p["balance"])
+        return workload.model, RankStages(workload.model, split_points=cut, example_args=(example,), placement=placement)
+
+    return x, y, workload.loss_fn, build_traced
+
+
+def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
+    """Every plan's step times (one per round) and peak bytes on this rank (run by commlab.launch)."""
+    import torch.distributed as dist
+
+    import commlab
+    from commlab.pipeline.runtime.executor import PipelineExecutor
+
+    rt = commlab.Runtime.current()
+    x, y, loss_fn, build = plans_of_the_model(common)
     built = []
     for p in plans:
-        torch.manual_seed(0)
-        model = mlp(common["depth"], common["width"])
         placement = REGISTRY[p["schedule"]].placement(rt.world_size, len(p["balance"]))
-        stage = RankStages(model, p["balance"], placement)
-        options = dict(microbatches=p["microbatches"], loss_fn=F.cross_entropy, checkpoint=p["checkpoint"], timeout=common["timeout"])
+        model, stage = build(p, placement)
+        options = dict(microbatches=p["microbatches"], loss_fn=loss_fn, checkpoint=p["checkpoint"], timeout=common["timeout"])
         built.append((model, stage, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
 
     def step(stage, pipe):
         return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
 
     times: list[list[float]] = [[] for _ in plans]
+    rounds = range(common["warmup"], common["warmup"] + common["iters"])
     for i in range(common["warmup"] + common["iters"]):
         order = range(len(plans)) if i % 2 == 0 else reversed(range(len(plans)))
         for k in order:
@@ -77,32 +108,62 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
         with track_peak("cpu") as seen:
             step(stage, pipe)
         peaks.append(seen.peak_bytes + 2 * weights)  # parameters and their gradients
-    return {"rank": rt.rank, "times": times, "peaks": peaks}
+    # Which timed rounds ran the plans in their forward order (the others: in reverse).
+    return {"rank": rt.rank, "times": times, "peaks": peaks, "forward": [i % 2 == 0 for i in rounds]}
 
 
-def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None) -> list[str]:
+def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None,
+                 out=None) -> list[str]:  # fmt: skip
     """Measure every plan of ``fitting`` on ``ranks`` Gloo ranks (:func:`measure_rank`); the report's
-    lines (with ``budget`` bytes: judged against the plans whose measured peak fits, :func:`verdict`)."""
+    lines (with ``budget`` bytes: judged against the plans whose measured peak fits, :func:`verdict`);
+    ``out``: the rows written there as a CSV too."""
     import commlab  # commlab.launch imports torch: loaded only when measuring
 
     specs = [dict(schedule=p.schedule, microbatches=p.microbatches, checkpoint=p.checkpoint, balance=list(p.balance)) for p in fitting]
     per_rank = commlab.launch(measure_rank, specs, common, world_size=ranks, backend="gloo", timeout=common["timeout"])
-    return report(summarise(fitting, chosen, per_rank), budget)
+    rows = summarise(fitting, chosen, per_rank)
+    if out is not None:
+        write_rows(out, rows)
+    return report(rows, budget)
 
 
 def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per plan: predicted and measured step (slowest rank, median and spread), peaks."""
+    """One row per plan: predicted and measured step (slowest rank, median and spread; also the
+    medians of the rounds run in forward and in reverse order), peaks."""
     rows = []
+    forward = per_rank[0].get("forward") or []
     for k, p in enumerate(plans):
         steps = [max(ts) for ts in zip(*(r["times"][k] for r in per_rank))]
         q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3
+        ahead = [t for t, f in zip(steps, forward) if f] or steps
+        behind = [t for t, f in zip(steps, forward) if not f] or steps
         measured_peak = [r["peaks"][k] for r in sorted(per_rank, key=lambda r: r["rank"])]
         rows.append(dict(schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual, checkpoint=p.checkpoint,
                          balance="-".join(map(str, p.balance)), chosen=p == chosen, predicted_s=p.step_time,
                          measured_s=statistics.median(steps), q1_s=q[0], q3_s=q[2],
+                         forward_s=statistics.median(ahead), reverse_s=statistics.median(behind),
                          predicted_peak=max(p.peak_bytes), measured_peak=max(measured_peak),
                          peak_bounded=all(a >= b for a, b in zip(p.peak_bytes, measured_peak))))  # fmt: skip
     return rows
+
+
+def step_errors(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The predicted step against the measured one over a checked grid (:func:`summarise`): median
+    and worst of |predicted / measured - 1| against the rounds run in forward order and against
+    those run in reverse, both taken together, and the row of the worst."""
+    def rel(r, key):
+        return abs(r["predicted_s"] / r.get(key, r["measured_s"]) - 1.0)
+
+    pairs = [(rel(r, key), r) for r in rows for key in ("forward_s", "reverse_s")]
+    worst = max(pairs, key=lambda e: e[0])
+    return {"median_abs": statistics.median(e for e, _ in pairs), "worst_abs": worst[0], "worst": worst[1],
+            "within_10": sum(e <= 0.10 for e, _ in pairs), "within_25": sum(e <= 0.25 for e, _ in pairs), "count": len(pairs)}
+
+
+def write_rows(path, rows: Sequence[dict[str, Any]]) -> None:
+    """A checked grid's rows (:func:`summarise`) as a CSV at ``path``, atomically."""
+    keys = list(rows[0])
+    write_text(path, "\n".join([",".join(keys), *(",".join(str(r[k]) for k in keys) for r in rows)]) + "\n")
 
 
 def verdict(rows: list[dict[str, Any]], budget: float | None = None) -> dict[str, Any]:
@@ -133,6 +194,12 @@ def report(rows: list[dict[str, Any]], budget: float | None = None) -> list[str]
     lines.append(f"pick measured / best measured{within} = {v['pick_over_best']:.3f} (bar 1.05; best: {b['schedule']} "
                  f"m={b['microbatches']} v={b['virtual']} {b['checkpoint']}){fits}; predicted peak bounds measured on every "
                  f"plan and rank: {'yes' if v['peaks_bounded'] else 'NO'}")  # fmt: skip
+    e = step_errors(rows)
+    w = e["worst"]
+    lines.append(f"step time predicted before the run, against the rounds run forward and those run in reverse "
+                 f"({e['count']} comparisons): median |error| {e['median_abs'] * 100:.1f}%, worst {e['worst_abs'] * 100:.1f}% "
+                 f"({w['schedule']} m={w['microbatches']} v={w['virtual']} {w['checkpoint']}); within 10%: {e['within_10']}, "
+                 f"within 25%: {e['within_25']}")  # fmt: skip
     return lines
 
 

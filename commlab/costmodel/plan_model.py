@@ -19,19 +19,41 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from dataclasses import replace
+
 from commlab.costmodel.plan import LayerProfile
 from commlab.costmodel.plan_profile import profile
 from commlab.pipeline.runtime.traced import check_split_points, trace_stages
 
 
-def candidate_points(model: nn.Module) -> list[str]:
-    """Every block of the model's longest ModuleList / Sequential, by name (``layers.0``, ...)."""
+def candidate_points(model: nn.Module, sample: torch.Tensor | None = None) -> list[str]:
+    """Every block of the model's longest ModuleList / Sequential, by name (``layers.0``, ...),
+    but the first when forward calls it before anything else (given ``sample``, one micro-batch):
+    a cut there would leave the first stage empty."""
     lists = [(name, m) for name, m in model.named_modules() if name and isinstance(m, (nn.ModuleList, nn.Sequential))]
     if not lists:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks to cut between: "
                          "name the split points (--split-at)")  # fmt: skip
     name, blocks = max(lists, key=lambda nm: len(nm[1]))
-    return [f"{name}.{k}" for k in range(len(blocks))]
+    points = [f"{name}.{k}" for k in range(len(blocks))]
+    # The first module forward calls that is not a container of the blocks (the encoder around them).
+    first = next((n for n in _called(model, sample) if not points[0].startswith(n + ".")), None) if sample is not None else None
+    if first is not None and (first == points[0] or first.startswith(points[0] + ".")):
+        points = points[1:]
+    return points
+
+
+def _called(model: nn.Module, sample: torch.Tensor) -> list[str]:
+    """The names of the submodules ``model``'s forward calls on ``sample``, in the order called (a forward pre-hook on each)."""
+    called: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, n=n: called.append(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            model(sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    return called
 
 
 class _Piece(nn.Module):
@@ -62,7 +84,8 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
     torch.manual_seed(0)
     workload = build_workload(name, **sizes)
     model = workload.model
-    points = check_split_points(model, list(points)) if points else candidate_points(model)
+    first, _ = workload.make_batch(1, torch.Generator().manual_seed(0))
+    points = check_split_points(model, list(points)) if points else candidate_points(model, first)
     threads = torch.get_num_threads()  # a rank's threads, as :func:`commlab.costmodel.plan_profile.profile_mlp` does
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
@@ -74,7 +97,7 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
             if len(traced.carried[0]) != 1:
                 raise ValueError(f"model {name!r} takes {len(traced.carried[0])} input tensors; the planner profiles one")
             pieces = nn.Sequential(*(_Piece(p, k) for k, p in enumerate(traced.parts)))
-            out[m] = profile(pieces, sample)
+            out[m] = replace(profile(pieces, sample), kept_nodes=weight_node_bytes(pieces, sample))
             pieces_at[m], samples[m] = pieces, sample
             losses[m] = lambda y, t=target: workload.loss_fn(y, t)
         if plans is not None:
@@ -86,6 +109,30 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
         return out, points
     finally:
         torch.set_num_threads(threads)
+
+
+def weight_node_bytes(pieces: nn.Sequential, sample: torch.Tensor) -> list[float]:
+    """Per piece, the bytes a split backward's I keeps at its weight nodes for W: a traced stage is
+    one autograd graph, split at each node with parameters below it (the gradients arriving at a
+    Linear's addmm, a LayerNorm, ...: commlab/pipeline/runtime/weight_split.py), not only at its
+    output. Measured by running that split on each piece; 0 where it does not apply (an input
+    without gradient, no parameters, tied weights: W then runs the whole graph)."""
+    from commlab.pipeline.runtime.weight_split import split_input_grad
+
+    out, x = [], sample
+    for k, piece in enumerate(pieces):
+        # The first stage's input is the model's: no gradient, so its I does nothing and W runs whole.
+        x = x.detach().requires_grad_(k > 0 and x.is_floating_point())
+        params = [p for p in piece.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            y = piece(x)
+        split = split_input_grad([y], [torch.ones_like(y)], [x], params) if x.requires_grad and y.requires_grad and params else None
+        kept = split[1] if split is not None and split[1] is not None else []
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                    for _, grads, _ in kept for g in grads if isinstance(g, torch.Tensor)}  # fmt: skip
+        out.append(float(sum(storages.values())))
+        x = y.detach()
+    return out
 
 
 def split_points(points: Sequence[str], balance: Sequence[int]) -> list[str]:
