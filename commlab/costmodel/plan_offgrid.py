@@ -12,7 +12,8 @@ micro-batch count that no plan uses (:func:`calibration_count`: 6 for counts 2, 
 ranks), without and with checkpointing (:func:`run_rank`), cut as the plans cut it. Against the
 profile of the same stages at that micro-batch size (taken with the rest of the profile):
 
-- the stretch: the actions' measured seconds over the profiled ones, median over steps, at least 1;
+- the stretch: the actions' measured seconds over the profiled ones, median over steps (below 1 too:
+  the profile alternates two micro-batches, and a pipeline may run its actions warmer);
 - the overhead: what the executor adds per action for the shared core to give the run's measured
   step (:func:`fit_overhead`), its compute stretched and its messages priced by the
   point-to-point line: whatever the core does not model lands here, per schedule.
@@ -130,7 +131,7 @@ def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, runs: Mapping[tup
                 acts = [a for r in found for a in r["timelines"][k]]
                 ratios.append(sum(b - a for *_, a, b in acts) / max(sum(expected(s, kind) for s, kind, *_ in acts), 1e-12))
                 steps.append(max(b for *_, b in acts) - min(r["origins"][k] for r in found))
-            stretch = max(1.0, statistics.median(ratios)) if ratios else 1.0
+            stretch = statistics.median(ratios) if ratios else 1.0
             stretched = replace(profile, forward=tuple(f * stretch for f in profile.forward),
                                 backward=tuple(b * stretch for b in profile.backward))  # fmt: skip
             actions = REGISTRY[name].build(ranks, m, virtual)
