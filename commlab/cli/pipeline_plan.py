@@ -105,7 +105,8 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if count:
         model = {"model": model_name, "sizes": sizes, "points": points} if model_name else {"depth": depth, "width": width}
         offgrid = calibration_runs(profiles.pop(count), count, ranks, families, balance_mode, model, batch)
-    costs, overheads = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo, offgrid=offgrid)
+    costs, overheads, references = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
+                                              offgrid=offgrid)  # fmt: skip
     overheads = every_count(overheads, ms)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
@@ -129,6 +130,10 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
         if model_name is not None:
             common.update(model=model_name, sizes=sizes, points=points)
+        if references:  # one calibration run, stepped among the plans: how far the machine's speed moved since
+            name, balance = next(((n, b) for n, b in offgrid[0]["runs"] if n == "1f1b"), offgrid[0]["runs"][0])
+            common["reference"] = dict(schedule=name, balance=balance, microbatches=count, checkpoint="never",
+                                       seconds=references[(name, len(balance) // ranks)])  # fmt: skip
         _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks, common,
                     budget if all_plans else None, out)  # fmt: skip
 

@@ -16,9 +16,10 @@ Modules (one job each):
   memory limit behind ``commlab tune --stage``;
 - pipeline.py: a pipeline schedule's step lowered onto the core (and, in pipeline x data
   parallel, each stage's buckets after its last backward); pipeline_calibrate.py: its costs from
-  a run's own timelines; plan.py, plan_profile.py, plan_stages.py, plan_calibrate.py,
-  plan_standin.py, plan_check.py: the planner, its per-layer and per-stage profiles, its
-  plan-time costs (per schedule on stand-in stages), and its predictions checked against measurement;
+  a run's own timelines; plan.py, plan_profile.py, plan_model.py, plan_stages.py, plan_calibrate.py,
+  plan_offgrid.py, plan_check.py: the planner, its per-layer and per-stage profiles, its
+  plan-time costs (per schedule from the model's runs off the plans' grid), and its predictions
+  checked against measurement;
 - calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py,
   the reduce-scatter and all-gather tables in measure_sharded.py) and caching them as a profile
   keyed by workload and machine;

@@ -8,7 +8,8 @@ timed), stretched as compute stretches inside a pipeline, the executor's per-act
 ``alpha + bytes * beta`` per message at the plan's real boundary sizes, sends that complete only
 once the receive is posted, recomputation (a checkpointed micro-batch's first forward without
 grad). Alpha and beta are measured once at plan time (:mod:`commlab.costmodel.plan_calibrate`),
-overhead and stretch per schedule on stand-in stages (:mod:`commlab.costmodel.plan_standin`). Its peak
+overhead and stretch per schedule from the model's own runs at a count no plan uses
+(:mod:`commlab.costmodel.plan_offgrid`). Its peak
 memory per rank is predicted from the schedule's liveness (:func:`peak_bytes`): parameters, their
 gradients and the optimizer's state (:func:`param_copies`), what each stashed micro-batch keeps
 (everything its forward saved, or only the stage input when checkpointed, plus one micro-batch

@@ -40,7 +40,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.costmodel.plan_offgrid import executor_timelines, run_rank, schedule_costs
+from commlab.costmodel.plan_offgrid import executor_timelines, reference_steps, run_rank, schedule_costs
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -95,16 +95,16 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              offgrid: tuple[dict, Mapping] | None = None) -> tuple[SystemCosts, dict[tuple[str, int], dict[str, tuple[float, float]]]]:  # fmt: skip
+              offgrid: tuple[dict, Mapping] | None = None) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
     With ``offgrid`` (:func:`commlab.costmodel.plan_offgrid.calibration_runs`: what to run and
     its stages' profiled times), also each schedule's executor overhead per action and compute
     stretch on the model (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`), keyed by
-    (schedule, stages per rank)."""
+    (schedule, stages per rank), and those runs' steps (:func:`~commlab.costmodel.plan_offgrid.reference_steps`)."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
     if ranks < 2:
-        return measured(), {}
+        return measured(), {}, {}
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
     common = {"repeats": repeats, "steps": steps, "timeout": timeout, "offgrid_steps": 2 * steps,
               "offgrid": offgrid[0] if offgrid else None}  # fmt: skip
@@ -115,23 +115,23 @@ def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int
     share = cores if shared(ranks, cores) else None
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
     if not offgrid:
-        return system, {}
-    return system, schedule_costs(per_rank, ranks, offgrid[1], offgrid[0]["microbatches"], system, share)
+        return system, {}, {}
+    return system, schedule_costs(per_rank, ranks, offgrid[1], offgrid[0]["microbatches"], system, share), reference_steps(per_rank)
 
 
 def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
                echo: Callable[[str], None] = lambda _l: None, offgrid: tuple[dict, Mapping] | None = None
-               ) -> tuple[SystemCosts, dict[tuple[str, int], dict[str, tuple[float, float]]]]:  # fmt: skip
+               ) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
     and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
-    With ``offgrid``, each schedule's overhead per action and compute stretch too (:func:`calibrate`)."""
+    With ``offgrid``, each schedule's overhead per action and compute stretch too, and its calibration run's step (:func:`calibrate`)."""
     profiles = list(profiles)
-    system, overheads = measured(), {}
+    system, overheads, steps = measured(), {}, {}
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
-        system, overheads = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout,
-                                      offgrid=offgrid)  # fmt: skip
+        system, overheads, steps = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout,
+                                             offgrid=offgrid)  # fmt: skip
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
         if overheads:
@@ -142,7 +142,7 @@ def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeo
     if dp > 1:
         system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")
-    return system, overheads
+    return system, overheads, steps
 
 
 def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
