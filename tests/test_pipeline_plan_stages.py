@@ -109,3 +109,12 @@ def test_offgrid_costs_are_the_stretch_against_the_profile_and_the_overhead_the_
     # Checkpointed, the same timeline: alone F 0.4 (no grad), B 1.0 + 0.5 (recomputed): 3.8 s, 6 / 3.8 in the pipeline.
     overhead, stretch = costs["always"]
     assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
+
+def test_co_run_stage_times_are_the_median_over_ranks():
+    from commlab.costmodel.plan_stages import StageTimes, co_run
+
+    def times(f):
+        return StageTimes(f, f, 2 * f, f, f, f / 2).__dict__
+
+    per_rank = [{4: {(0, 2): times(1.0)}}, {4: {(0, 2): times(3.0)}}, {4: {(0, 2): times(2.5)}}]
+    assert co_run(per_rank) == {4: {(0, 2): StageTimes(2.5, 2.5, 5.0, 2.5, 2.5, 1.25)}}

@@ -61,6 +61,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     from commlab.costmodel.plan_profile import profile_mlp
     from commlab.costmodel.plan_calibrate import plan_costs, profile_line
     from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs, every_count
+    from commlab.costmodel.plan_stages import needs_split, stage_ranges
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -84,29 +85,36 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if split_at is not None and model_name is None:
         raise click.BadParameter("--split-at names split points of --model", param_hint="--split-at")
     points = None
-    # Every stage a plan can have is timed whole, as the executor runs it (costmodel/plan_stages.py).
+    # Every stage a plan can have is timed whole, as the executor runs it (costmodel/plan_stages.py):
+    # in the calibration launch, every rank at once, as a pipeline's ranks compute; else here.
     priced = dict(ranks=ranks, virtuals=_ints(virtual, "--virtual"), schedules=names, balance_mode=balance_mode)
+    co_run = calibrate and ranks > 1 and dp == 1
     families = sorted({(n, v) for n in names for v in (REGISTRY[n].virtual or priced["virtuals"])})
     # Each schedule also runs on the model at a count no plan uses, profiled too (costmodel/plan_offgrid.py).
-    count = calibration_count(families, ranks, ms, batch) if calibrate and ranks > 1 and dp == 1 else None
+    count = calibration_count(families, ranks, ms, batch) if co_run else None
     profiled = ms + [count] if count else ms
     if model_name is None:
-        profiles = profile_mlp(depth, width, batch, profiled, ranks * dp, priced)
+        profiles = profile_mlp(depth, width, batch, profiled, ranks * dp, None if co_run else priced)
     else:
         from commlab.costmodel.plan_model import profile_model, split_points
 
         try:
-            profiles, points = profile_model(model_name, batch, profiled, ranks * dp, split_at and split_at.split(","), plans=priced,
-                                             **sizes)  # fmt: skip
+            profiles, points = profile_model(model_name, batch, profiled, ranks * dp, split_at and split_at.split(","),
+                                             plans=None if co_run else priced, **sizes)  # fmt: skip
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
     parallel = DataParallel(dp, bucket_cap_mb=bucket_cap_mb) if dp > 1 else None
-    offgrid = None
+    model = {"model": model_name, "sizes": sizes, "points": points} if model_name else {"depth": depth, "width": width}
+    stages = offgrid = None
+    if co_run:
+        stages = {"model": model, "batch": batch, "split": needs_split(names),
+                  "ranges": {m: sorted(stage_ranges(p.seconds, ranks, priced["virtuals"], names, balance_mode)) for m, p in profiles.items()}}
     if count:
-        model = {"model": model_name, "sizes": sizes, "points": points} if model_name else {"depth": depth, "width": width}
-        offgrid = calibration_runs(profiles.pop(count), count, ranks, families, balance_mode, model, batch)
-    costs, overheads, references = plan_costs(profiles.values(), ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo,
-                                              offgrid=offgrid)  # fmt: skip
+        offgrid = (calibration_runs(profiles[count], count, ranks, families, balance_mode, model, batch)[0],
+                   lambda p: calibration_runs(p, count, ranks, families, balance_mode, model, batch)[1])  # fmt: skip
+    costs, overheads, profiles = plan_costs(profiles, ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo, stages=stages,
+                                            offgrid=offgrid)  # fmt: skip
+    profiles.pop(count, None)
     overheads = every_count(overheads, ms)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
@@ -130,10 +138,6 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         common = dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
         if model_name is not None:
             common.update(model=model_name, sizes=sizes, points=points)
-        if references:  # one calibration run, stepped among the plans: how far the machine's speed moved since
-            name, balance = next(((n, b) for n, b in offgrid[0]["runs"] if n == "1f1b"), offgrid[0]["runs"][0])
-            common["reference"] = dict(schedule=name, balance=balance, microbatches=count, checkpoint="never",
-                                       seconds=references[(name, len(balance) // ranks)])  # fmt: skip
         _plan_check(plans if all_plans else [p for p in plans if max(p.peak_bytes) <= budget], chosen, ranks, common,
                     budget if all_plans else None, out)  # fmt: skip
 

@@ -40,7 +40,8 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.costmodel.plan_offgrid import executor_timelines, reference_steps, run_rank, schedule_costs
+from commlab.costmodel.plan_offgrid import executor_timelines, run_rank, schedule_costs
+from commlab.costmodel.plan_stages import rank_stage_times
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -62,8 +63,9 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 
 def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), the timelines of a
-    few steps of the executor on a tiny model, as the bench records them, and with
-    ``common["offgrid"]`` the model's own runs off the plans' grid (:func:`commlab.costmodel.plan_offgrid.run_rank`)."""
+    few steps of the executor on a tiny model, as the bench records them, with ``common["stage_times"]``
+    the model's stages timed on every rank at once (:func:`commlab.costmodel.plan_stages.rank_stage_times`),
+    and with ``common["offgrid"]`` its own runs off the plans' grid (:func:`commlab.costmodel.plan_offgrid.run_rank`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -90,59 +92,69 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
     calibration = executor_timelines(model, RankStages(model, [1] * rt.world_size), "1f1b", 4, torch.randn(8, 4),
                                      torch.randn(8, 4), F.mse_loss, common)  # fmt: skip
+    stages = rank_stage_times(common["stage_times"]) if common.get("stage_times") else {}
     own = run_rank({**common, "steps": common["offgrid_steps"]}) if common.get("offgrid") else {}
-    return {"rank": rt.rank, "pingpong": pingpong, **calibration, "offgrid": own}
+    return {"rank": rt.rank, "pingpong": pingpong, **calibration, "stage_times": stages, "offgrid": own}
 
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              offgrid: tuple[dict, Mapping] | None = None) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
-    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks; ``sizes``: the plans' boundary bytes.
-    With ``offgrid`` (:func:`commlab.costmodel.plan_offgrid.calibration_runs`: what to run and
-    its stages' profiled times), also each schedule's executor overhead per action and compute
-    stretch on the model (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`), keyed by
-    (schedule, stages per rank), and those runs' steps (:func:`~commlab.costmodel.plan_offgrid.reference_steps`)."""
+              stages: Mapping | None = None, offgrid: Mapping | None = None) -> tuple[SystemCosts, list[dict[str, Any]]]:  # fmt: skip
+    """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks (``sizes``: the plans' boundary
+    bytes), with ``stages`` (:func:`~commlab.costmodel.plan_stages.rank_stage_times`'s spec) the
+    model's stages, with ``offgrid`` (:func:`~commlab.costmodel.plan_offgrid.run_rank`'s) its
+    runs off the grid; returns the costs and every rank's measurements."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating
 
-    if ranks < 2:
-        return measured(), {}, {}
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
-    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "offgrid_steps": 2 * steps,
-              "offgrid": offgrid[0] if offgrid else None}  # fmt: skip
+    common = {"repeats": repeats, "steps": steps, "timeout": timeout, "offgrid_steps": 2 * steps, "stage_times": stages,
+              "offgrid": offgrid}  # fmt: skip
     per_rank = commlab.launch(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout)
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
+    system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, _share(ranks)))
+    return system, per_rank
+
+
+def _share(ranks: int) -> int | None:
     cores = os.cpu_count()  # ranks beyond the cores: their waits for a core are not overhead
-    share = cores if shared(ranks, cores) else None
-    system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, share))
-    if not offgrid:
-        return system, {}, {}
-    return system, schedule_costs(per_rank, ranks, offgrid[1], offgrid[0]["microbatches"], system, share), reference_steps(per_rank)
+    return cores if shared(ranks, cores) else None
 
 
-def plan_costs(profiles, ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
-               echo: Callable[[str], None] = lambda _l: None, offgrid: tuple[dict, Mapping] | None = None
-               ) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
+def plan_costs(profiles: Mapping[int, Any], ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
+               echo: Callable[[str], None] = lambda _l: None, stages: Mapping | None = None,
+               offgrid: tuple[Mapping, Callable] | None = None) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
-    one per micro-batch size): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
-    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says what.
-    With ``offgrid``, each schedule's overhead per action and compute stretch too, and its calibration run's step (:func:`calibrate`)."""
-    profiles = list(profiles)
-    system, overheads, steps = measured(), {}, {}
+    one per micro-batch count): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
+    and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says
+    what. With ``stages``, the profiles' stages are timed there, every rank at once
+    (:func:`~commlab.costmodel.plan_stages.co_run`); with ``offgrid`` (the runs' spec, and a
+    function from the profile at their count to each run's stages as profiled: :func:`commlab.costmodel.plan_offgrid.calibration_runs`),
+    each schedule's overhead per action and compute stretch (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`).
+    Returns the costs, those per (schedule, stages per rank), and the profiles."""
+    from commlab.costmodel.plan_stages import co_run, with_stages
+
+    profiles = dict(profiles)
+    system, overheads = measured(), {}
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
-        system, overheads, steps = calibrate(ranks, sorted({int(b) for p in profiles for b in p.output}), timeout=timeout,
-                                             offgrid=offgrid)  # fmt: skip
+        system, per_rank = calibrate(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout,
+                                     stages=stages, offgrid=offgrid[0] if offgrid else None)  # fmt: skip
+        if stages:
+            profiles = with_stages(profiles, co_run([r["stage_times"] for r in per_rank]))
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
-             f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte")  # fmt: skip
-        if overheads:
-            echo(f"per schedule, from the model's own runs at {offgrid[0]['microbatches']} micro-batches (a count no plan uses), "
+             f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte"
+             + (", every stage timed on every rank at once" if stages else ""))  # fmt: skip
+        if offgrid:
+            count = offgrid[0]["microbatches"]
+            overheads = schedule_costs(per_rank, ranks, offgrid[1](profiles[count]), count, system, _share(ranks))
+            echo(f"per schedule, from the model's own runs at {count} micro-batches (a count no plan uses), "
                  "executor overhead per action and compute stretch: "
                  + ", ".join(f"{n} v={v} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())
                              for (n, v), by_mode in overheads.items()))  # fmt: skip
     if dp > 1:
-        system, source = with_allreduce(system, dp, int(sum(profiles[0].params)), measure=measure, timeout=timeout)
+        system, source = with_allreduce(system, dp, int(sum(next(iter(profiles.values())).params)), measure=measure, timeout=timeout)
         echo(f"all-reduce {source}")
-    return system, overheads, steps
+    return system, overheads, profiles
 
 
 def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:

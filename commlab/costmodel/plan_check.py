@@ -4,7 +4,8 @@ The planner's acceptance: its pick, measured, is within 5% of the fastest plan o
 a measured grid, and its predicted peak memory bounds the measured one. :func:`measure_rank`
 runs on every rank of one launch. All plans are built first, then stepped in rounds, each round
 in the opposite order of the one before (plan k never always runs first or after the same
-neighbour), so a load change on a shared machine hits every plan alike. A step's time is the
+neighbour), so a load change on a shared machine hits every plan alike; each visit steps a plan
+twice and times the second, as a training job steps it (after a step of its own). A step's time is the
 slowest rank's, from a barrier, without the memory hooks; peak memory is what the allocator saw
 in one more step per plan (:func:`commlab.memtrack.track_peak`: allocated minus freed bytes, so
 backward's temporaries and the executor's buffers count) plus the rank's parameters and their
@@ -78,34 +79,22 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
         model, stage = build(p, placement)
         options = dict(microbatches=p["microbatches"], loss_fn=loss_fn, checkpoint=p["checkpoint"], timeout=common["timeout"])
         built.append((model, stage, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
-    ref = common.get("reference")
-    if ref:  # the calibration's own run, at its mini-batch (commlab.costmodel.plan_offgrid.run_rank)
-        rx, ry, _, rbuild = plans_of_the_model({**common, "batch": ref["microbatches"] * (common["batch"] // ref["microbatches"])})
-        rmodel, rstage = rbuild(ref, REGISTRY[ref["schedule"]].placement(rt.world_size, len(ref["balance"])))
-        rpipe = PipelineExecutor(rstage, ref["schedule"], track_memory=False, microbatches=ref["microbatches"], loss_fn=loss_fn,
-                                 timeout=common["timeout"])  # fmt: skip
-
-    def step(stage, pipe, inputs=(x, y)):
-        return pipe.step(inputs[0] if stage.is_first else None, target=inputs[1] if stage.is_last else None)
+    def step(stage, pipe):
+        return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
 
     times: list[list[float]] = [[] for _ in plans]
-    reference: list[float] = []
     rounds = range(common["warmup"], common["warmup"] + common["iters"])
     for i in range(common["warmup"] + common["iters"]):
-        if ref:
-            rmodel.zero_grad(set_to_none=False)
-            dist.barrier()
-            start = time.perf_counter()
-            step(rstage, rpipe, (rx, ry))
-            if i >= common["warmup"]:
-                reference.append(time.perf_counter() - start)
         order = range(len(plans)) if i % 2 == 0 else reversed(range(len(plans)))
         for k in order:
             model, stage, pipe = built[k]
-            model.zero_grad(set_to_none=False)
-            dist.barrier()
-            start = time.perf_counter()
-            step(stage, pipe)
+            # A training job steps one plan over and over: each visit times a plan's step after
+            # one of its own, not right after another plan's, whose memory it would find in cache.
+            for j in range(1 + common.get("settle", 1)):
+                model.zero_grad(set_to_none=False)
+                dist.barrier()
+                start = time.perf_counter()
+                step(stage, pipe)
             if i >= common["warmup"]:
                 times[k].append(time.perf_counter() - start)
     from commlab.memtrack import track_peak
@@ -123,7 +112,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
             step(stage, pipe)
         peaks.append(seen.peak_bytes + 2 * weights)  # parameters and their gradients
     # Which timed rounds ran the plans in their forward order (the others: in reverse).
-    return {"rank": rt.rank, "times": times, "peaks": peaks, "forward": [i % 2 == 0 for i in rounds], "reference": reference}
+    return {"rank": rt.rank, "times": times, "peaks": peaks, "forward": [i % 2 == 0 for i in rounds]}
 
 
 def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict[str, Any], budget: float | None = None,
@@ -138,23 +127,7 @@ def measure_grid(fitting: Sequence[Plan], chosen: Plan, ranks: int, common: dict
     rows = summarise(fitting, chosen, per_rank)
     if out is not None:
         write_rows(out, rows)
-    return report(rows, budget) + drift(rows, per_rank, common.get("reference"))
-
-
-def drift(rows: Sequence[dict[str, Any]], per_rank: list[dict[str, Any]], reference: dict[str, Any] | None) -> list[str]:
-    """How far the machine's speed moved between calibration and measurement: the calibration's
-    own run (off the plans' grid) stepped in every round beside the plans, against its step at
-    calibration; and the step errors were every prediction scaled by that ratio. A diagnostic:
-    the ratio is read from the measurement rounds, so the scaled errors are not predictions made
-    before the run (those are :func:`step_errors`')."""
-    if not reference or not per_rank[0].get("reference"):
-        return []
-    now = statistics.median(max(ts) for ts in zip(*(r["reference"] for r in per_rank)))
-    ratio = now / reference["seconds"]
-    e = step_errors([{**r, "predicted_s": r["predicted_s"] * ratio} for r in rows])
-    return [f"machine speed: the calibration's {reference['schedule']} run at {reference['microbatches']} micro-batches (no plan) "
-            f"took {reference['seconds'] * 1e3:.2f} ms at calibration, {now * 1e3:.2f} ms among these rounds (x{ratio:.3f}); "
-            f"every prediction scaled by that: median |error| {e['median_abs'] * 100:.1f}%, worst {e['worst_abs'] * 100:.1f}%"]
+    return report(rows, budget)
 
 
 def summarise(plans: Sequence[Plan], chosen: Plan, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

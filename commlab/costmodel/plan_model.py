@@ -73,6 +73,17 @@ class _Piece(nn.Module):
         return out
 
 
+def pieces_at_size(workload, points: Sequence[str], size: int, name: str = "the model"):
+    """The workload's model traced at micro-batches of ``size`` and cut before each of ``points``:
+    its pieces as an nn.Sequential of one tensor in and out, one micro-batch, and its loss on it."""
+    sample, target = workload.make_batch(size, torch.Generator().manual_seed(0))
+    traced = trace_stages(workload.model, points, (sample,))
+    if len(traced.carried[0]) != 1:
+        raise ValueError(f"model {name!r} takes {len(traced.carried[0])} input tensors; the planner profiles one")
+    pieces = nn.Sequential(*(_Piece(p, k) for k, p in enumerate(traced.parts)))
+    return pieces, sample, (lambda y, t=target: workload.loss_fn(y, t))
+
+
 def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int,
                   points: Sequence[str] | None = None, plans: Mapping | None = None,
                   **sizes) -> tuple[dict[int, LayerProfile], list[str]]:  # fmt: skip
@@ -92,14 +103,9 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
     try:
         out, pieces_at, samples, losses = {}, {}, {}, {}
         for m in microbatches:
-            sample, target = workload.make_batch(max(1, batch // m), torch.Generator().manual_seed(0))
-            traced = trace_stages(model, points, (sample,))
-            if len(traced.carried[0]) != 1:
-                raise ValueError(f"model {name!r} takes {len(traced.carried[0])} input tensors; the planner profiles one")
-            pieces = nn.Sequential(*(_Piece(p, k) for k, p in enumerate(traced.parts)))
+            pieces, sample, losses[m] = pieces_at_size(workload, points, max(1, batch // m), name)
             out[m] = replace(profile(pieces, sample), kept_nodes=weight_node_bytes(pieces, sample))
             pieces_at[m], samples[m] = pieces, sample
-            losses[m] = lambda y, t=target: workload.loss_fn(y, t)
         if plans is not None:
             from commlab.costmodel.plan_stages import add_stage_times
 

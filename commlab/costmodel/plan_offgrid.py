@@ -91,14 +91,13 @@ def executor_timelines(model, stage, schedule: str, m: int, x, y, loss_fn, commo
 
     pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
                             checkpoint=checkpoint)  # fmt: skip
-    calibration: dict[str, list] = {"timelines": [], "origins": [], "walls": []}
+    calibration: dict[str, list] = {"timelines": [], "origins": []}
     for k in range(1 + common["steps"]):
         model.zero_grad(set_to_none=False)
         dist.barrier()
         start = time.perf_counter()
         pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
         if k:
-            calibration["walls"].append(time.perf_counter() - start)  # as plan_check times a plan's step
             calibration["origins"].append(start)
             calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start,
                                               pipe.started_at + t.end) for t in pipe.timeline])  # fmt: skip
@@ -162,18 +161,6 @@ def fit_overhead(actions, system: SystemCosts, profile: StageProfile, placement,
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
     return (lo + hi) / 2
-
-
-def reference_steps(per_rank: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
-    """Per (schedule, stages per rank), the calibration run's step without checkpointing as
-    :mod:`commlab.costmodel.plan_check` times a plan's (the slowest rank's wall time of ``step``
-    from a barrier; median over steps): ``--validate`` steps the same run among the plans, to
-    tell how much the machine's speed moved between calibration and measurement."""
-    out = {}
-    for key in per_rank[0]["offgrid"]:
-        walls = [r["offgrid"][key]["never"]["walls"] for r in per_rank]
-        out[key] = statistics.median(max(ts) for ts in zip(*walls))
-    return out
 
 
 def every_count(costs: Mapping[tuple[str, int], Mapping[str, tuple[float, float]]], microbatches: Sequence[int]) -> dict:
