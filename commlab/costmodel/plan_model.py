@@ -110,7 +110,7 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
             from commlab.costmodel.plan_stages import add_stage_times
 
             timed = {m: add_stage_times({m: out[m]}, list(pieces_at[m]), samples, losses, plans.get("ranks", ranks), plans["virtuals"],
-                                        plans["schedules"], plans.get("balance_mode", "time"))[m] for m in out}  # fmt: skip
+                                        plans["schedules"], plans.get("balance_mode", "time"), whole=True)[m] for m in out}  # fmt: skip
             out = timed
         return out, points
     finally:

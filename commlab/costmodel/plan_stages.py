@@ -62,7 +62,8 @@ def needs_split(schedules: Iterable[str]) -> bool:
     return any(INPUT_GRAD in REGISTRY[name].kinds for name in schedules)
 
 
-def stage_timer(layers: Sequence, sample, loss: Callable | None = None, *, split: bool = True) -> Callable[[], dict]:
+def stage_timer(layers: Sequence, sample, loss: Callable | None = None, *, split: bool = True,
+                whole: bool = False) -> Callable[[], dict]:  # fmt: skip
     """A function that runs one round of timing one stage (``layers``: its modules in order) on
     ``sample``, its input for one micro-batch (a leaf; requiring grad unless it is the model's
     input), and returns its seconds by key (F, Fn, B; with ``split`` also Fs, I, W); ``loss(y)``:
@@ -73,7 +74,9 @@ def stage_timer(layers: Sequence, sample, loss: Callable | None = None, *, split
 
     from commlab.pipeline.runtime.compute import forward_layers, input_grad, weight_grad
 
-    module = nn.Sequential(*layers)
+    # ``whole``: a traced model's stage, one graph that the executor's split backward cuts at its
+    # weight nodes (commlab/pipeline/runtime/weight_split.py), not layer by layer as an nn.Sequential.
+    module = _Chain(layers) if whole else nn.Sequential(*layers)
 
     def root(y):  # what a backward starts from: the loss, or the output with its incoming gradient
         return (loss(y), None) if loss is not None else (y, torch.ones_like(y))
@@ -126,9 +129,27 @@ def time_stage(layers: Sequence, sample, loss: Callable | None = None, *, split:
     return times
 
 
+def _Chain(layers: Sequence):
+    """``layers`` run in a row as one module that is not an nn.Sequential (a traced stage's form)."""
+    from torch import nn
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(layers)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Chain()
+
+
 def profile_stages(layers: Sequence, sample, ranges: Iterable[tuple[int, int]], loss: Callable | None = None, *,
-                   split: bool = True, repeat: int = 11) -> dict[tuple[int, int], StageTimes]:  # fmt: skip
-    """Every (first layer, count) in ``ranges`` of the model's ``layers`` timed (:func:`stage_timer`),
+                   split: bool = True, repeat: int = 11, whole: bool = False) -> dict[tuple[int, int], StageTimes]:  # fmt: skip
+    """Every (first layer, count) in ``ranges`` of the model's ``layers`` timed (:func:`stage_timer`;
+    ``whole``: as a traced stage, one graph),
     each stage on the input the layers before it make from ``sample`` (one micro-batch); ``loss``
     is added to the stage that ends at the last layer. The stages take turns, one round each,
     ``repeat`` times, so a passing burst of load on a shared host hits them all alike; medians."""
@@ -143,7 +164,7 @@ def profile_stages(layers: Sequence, sample, ranges: Iterable[tuple[int, int]], 
     for start, n in sorted(set(ranges)):
         x = inputs[start].detach().requires_grad_(start > 0 and inputs[start].is_floating_point())
         last = start + n == len(layers)
-        timers[(start, n)] = stage_timer(layers[start : start + n], x, loss if last else None, split=split)
+        timers[(start, n)] = stage_timer(layers[start : start + n], x, loss if last else None, split=split, whole=whole)
         timers[(start, n)]()  # allocates
     rounds: dict[tuple[int, int], list] = {r: [] for r in timers}
     for _ in range(repeat):
@@ -161,14 +182,14 @@ def with_stages(profiles: Mapping[int, object], stages: Mapping[int, Mapping[tup
 
 def add_stage_times(profiles: Mapping[int, object], layers: Sequence, samples: Mapping[int, object],
                     losses: Mapping[int, Callable] | None, ranks: int, virtuals: Sequence[int], schedules: Iterable[str],
-                    balance_mode: str = "time") -> dict:  # fmt: skip
+                    balance_mode: str = "time", whole: bool = False) -> dict:  # fmt: skip
     """``profiles`` (per micro-batch count) with every candidate stage timed (:func:`profile_stages`)
     on ``samples[m]``, the last stage with ``losses[m]``; ranges from :func:`stage_ranges`."""
     schedules = list(schedules)
     stages = {}
     for m, p in profiles.items():
         ranges = stage_ranges(p.seconds, ranks, virtuals, schedules, balance_mode)
-        stages[m] = profile_stages(layers, samples[m], ranges, (losses or {}).get(m), split=needs_split(schedules))
+        stages[m] = profile_stages(layers, samples[m], ranges, (losses or {}).get(m), split=needs_split(schedules), whole=whole)
     return with_stages(profiles, stages)
 
 
@@ -205,7 +226,8 @@ def rank_stage_times(spec: Mapping) -> dict[int, dict[tuple[int, int], dict[str,
     for m, ranges in spec["ranges"].items():
         layers, sample, loss = layers_at_size(spec["model"], spec["batch"], m)
         dist.barrier()
-        timed = profile_stages(layers, sample, [tuple(r) for r in ranges], loss, split=spec["split"])
+        timed = profile_stages(layers, sample, [tuple(r) for r in ranges], loss, split=spec["split"],
+                               whole=spec["model"].get("model") is not None)  # a traced model's stages are whole graphs
         out[m] = {r: t.__dict__ for r, t in timed.items()}
     return out
 
