@@ -61,9 +61,13 @@ def _accepts(spec, ranks: int, m: int, v: int) -> bool:
 def run_rank(common: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict]]:
     """On every rank of the calibration launch: each (schedule, balance) of ``common["offgrid"]["runs"]``
     on the model ``common["offgrid"]`` describes (as :func:`commlab.costmodel.plan_check.measure_rank`
-    takes it) at its ``microbatches``, with each mode of :data:`CHECKPOINTS`: the timelines of
-    :func:`executor_timelines`, keyed by (schedule, stages per rank)."""
+    takes it) at its ``microbatches``, with each mode of :data:`CHECKPOINTS`, keyed by (schedule,
+    stages per rank) and mode: each timed step's timeline and start (:func:`timed_step`). The runs
+    take turns, ``common["steps"]`` rounds in alternating order, each visit one step after one of
+    its own, as ``pipeline plan --validate`` measures the plans: a burst of load on a shared host
+    hits every schedule's calibration alike."""
     from commlab.costmodel.plan_check import plans_of_the_model
+    from commlab.pipeline.runtime.executor import PipelineExecutor
 
     import commlab
 
@@ -71,36 +75,52 @@ def run_rank(common: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict]]:
     spec = common["offgrid"]
     m = spec["microbatches"]
     x, y, loss_fn, build = plans_of_the_model({**spec, "batch": m * (spec["batch"] // m)})
-    out = {}
+    runs = []
     for name, balance in spec["runs"]:
-        placement = REGISTRY[name].placement(rt.world_size, len(balance))
-        model, stage = build({"balance": balance, "microbatches": m}, placement)
-        out[(name, len(balance) // rt.world_size)] = {
-            mode: executor_timelines(model, stage, name, m, x, y, loss_fn, common, mode) for mode in CHECKPOINTS}
+        model, stage = build({"balance": balance, "microbatches": m}, REGISTRY[name].placement(rt.world_size, len(balance)))
+        for mode in CHECKPOINTS:
+            pipe = PipelineExecutor(stage, name, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
+                                    checkpoint=mode)  # fmt: skip
+            runs.append(((name, len(balance) // rt.world_size), mode, model, stage, pipe))
+    out: dict[tuple[str, int], dict[str, dict]] = {}
+    for k in range(common["steps"]):
+        for key, mode, model, stage, pipe in runs if k % 2 == 0 else reversed(runs):
+            timed_step(model, stage, pipe, x, y)  # settles: the timed step follows one of its own
+            origin, timeline = timed_step(model, stage, pipe, x, y)
+            found = out.setdefault(key, {}).setdefault(mode, {"timelines": [], "origins": []})
+            found["origins"].append(origin)
+            found["timelines"].append(timeline)
     return out
+
+
+def timed_step(model, stage, pipe, x, y) -> tuple[float, list]:
+    """One step of ``pipe`` on ``stage`` (of ``model``) from a barrier: its start and its timeline
+    as the bench records it, (stage, kind, micro-batch, start, end) per action."""
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=False)
+    dist.barrier()
+    start = time.perf_counter()
+    pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    return start, [(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start, pipe.started_at + t.end)
+                   for t in pipe.timeline]  # fmt: skip
 
 
 def executor_timelines(model, stage, schedule: str, m: int, x, y, loss_fn, common: dict[str, Any],
                        checkpoint: str = "never") -> dict[str, list]:  # fmt: skip
     """A few steps (``common["steps"]``, after one untimed) of the real executor on ``stage``
     (a :class:`~commlab.pipeline.runtime.stages.RankStages` of ``model``): each step's timeline
-    as the bench records it, (stage, kind, micro-batch, start, end), and its start."""
-    import torch.distributed as dist
-
+    and start (:func:`timed_step`)."""
     from commlab.pipeline.runtime.executor import PipelineExecutor
 
     pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
                             checkpoint=checkpoint)  # fmt: skip
     calibration: dict[str, list] = {"timelines": [], "origins": []}
     for k in range(1 + common["steps"]):
-        model.zero_grad(set_to_none=False)
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        origin, timeline = timed_step(model, stage, pipe, x, y)
         if k:
-            calibration["origins"].append(start)
-            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start,
-                                              pipe.started_at + t.end) for t in pipe.timeline])  # fmt: skip
+            calibration["origins"].append(origin)
+            calibration["timelines"].append(timeline)
     return calibration
 
 
