@@ -92,3 +92,13 @@ def test_plan_options_that_need_another_are_refused_before_anything_runs():
                        (["--model", FIXTURE, "--model-args", "colour=2"], "unexpected keyword argument 'colour'")):  # fmt: skip
         result = CliRunner().invoke(main, ["pipeline", "plan", "--no-calibrate", *args])
         assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_the_last_stage_keeps_what_the_loss_saves():
+    # Cross-entropy keeps its log-softmax, as large as the logits: the last stage's stash holds it.
+    profiles, _ = profile_model("transformer", 8, [2], 2, vocab=64, d_model=16, layers=2, heads=2, seq=4)
+    p = profiles[2]
+    logits = 4 * 4 * 64 * 4.0  # 4 samples x 4 tokens x 64 classes, float32
+    assert p.output[-1] == logits and logits <= p.loss_saved <= logits + 1024  # and the int64 targets
+    plain = [s - (p.loss_saved if k == 1 else 0.0) for k, s in enumerate(p.stage_saved([1, len(p.seconds) - 1]))]
+    assert plain[1] > 0 and p.stage_saved([1, len(p.seconds) - 1])[1] == plain[1] + p.loss_saved

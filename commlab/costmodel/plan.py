@@ -66,6 +66,9 @@ class LayerProfile:
     # backward's I keeps at each piece's weight nodes. Empty: an nn.Sequential, whose layers'
     # output gradients are what I keeps.
     kept_nodes: Sequence[float] = ()
+    # What the loss saves for its backward per micro-batch (cross-entropy: its log-softmax, as
+    # large as the logits), held by the last stage's stash with the rest (plan_profile.loss_saved_bytes).
+    loss_saved: float = 0.0
 
     def stage_kept(self, balance: Sequence[int]) -> list[float]:
         """Per stage, what a split backward's I keeps for W per micro-batch: each layer's output
@@ -77,13 +80,15 @@ class LayerProfile:
 
     def stage_saved(self, balance: Sequence[int]) -> list[float]:
         """What each stage's forward keeps per micro-batch beyond its input: its layers' saved
-        storages, each once, and its output (the stash holds it)."""
+        storages, each once, and its output (the stash holds it); the last stage also the loss's."""
         if not self.saved_input:
-            return _stage_sums(self.saved, balance)
-        out = []
-        for a, n in zip(_starts(balance), balance):
-            inner = sum(self.saved_input[a + 1 : a + n])  # the stage's own input is counted as its input
-            out.append(float(sum(self.saved[a : a + n]) + inner + self.unsaved_output[a + n - 1]))
+            out = _stage_sums(self.saved, balance)
+        else:
+            out = []
+            for a, n in zip(_starts(balance), balance):
+                inner = sum(self.saved_input[a + 1 : a + n])  # the stage's own input is counted as its input
+                out.append(float(sum(self.saved[a : a + n]) + inner + self.unsaved_output[a + n - 1]))
+        out[-1] += self.loss_saved
         return out
 
     def stage_profile(self, balance: Sequence[int], split: bool) -> StageProfile:

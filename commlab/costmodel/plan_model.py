@@ -22,7 +22,7 @@ from torch import nn
 from dataclasses import replace
 
 from commlab.costmodel.plan import LayerProfile
-from commlab.costmodel.plan_profile import profile
+from commlab.costmodel.plan_profile import loss_saved_bytes, profile
 from commlab.pipeline.runtime.traced import check_split_points, trace_stages
 
 
@@ -104,7 +104,8 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
         out, pieces_at, samples, losses = {}, {}, {}, {}
         for m in microbatches:
             pieces, sample, losses[m] = pieces_at_size(workload, points, max(1, batch // m), name)
-            out[m] = replace(profile(pieces, sample), kept_nodes=weight_node_bytes(pieces, sample))
+            out[m] = replace(profile(pieces, sample), kept_nodes=weight_node_bytes(pieces, sample),
+                             loss_saved=loss_saved_bytes(pieces, sample, losses[m]))  # fmt: skip
             pieces_at[m], samples[m] = pieces, sample
         if plans is not None:
             from commlab.costmodel.plan_stages import add_stage_times

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,13 +39,13 @@ def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int],
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     try:
         samples = {m: torch.randn(batch // m, width) for m in microbatches}
-        profiles = {m: profile(model, samples[m]) for m in microbatches}
+        targets = {m: torch.randint(0, 10, (batch // m,)) for m in microbatches}  # the bench's loss: cross-entropy, 10 classes
+        losses = {m: (lambda y, t=targets[m]: F.cross_entropy(y, t)) for m in microbatches}
+        profiles = {m: replace(profile(model, samples[m]), loss_saved=loss_saved_bytes(model, samples[m], losses[m])) for m in microbatches}
         if plans is None:
             return profiles
         from commlab.costmodel.plan_stages import add_stage_times
 
-        targets = {m: torch.randint(0, 10, (batch // m,)) for m in microbatches}  # the bench's loss: cross-entropy, 10 classes
-        losses = {m: (lambda y, t=targets[m]: F.cross_entropy(y, t)) for m in microbatches}
         return add_stage_times(profiles, list(model), samples, losses, plans.get("ranks", ranks), plans["virtuals"], plans["schedules"],
                                plans.get("balance_mode", "time"))  # fmt: skip
     finally:
@@ -111,6 +112,17 @@ def profile(model, sample, repeat: int = 3) -> LayerProfile:
     model.zero_grad(set_to_none=True)
     return LayerProfile(seconds, saved, output, params, float(sample.numel() * sample.element_size()),
                         forward, input_grad, weight_grad, sizes, saved_input=saved_input, unsaved_output=unsaved_output)  # fmt: skip
+
+
+def loss_saved_bytes(model, sample, loss) -> float:
+    """The bytes ``loss`` saves for its backward on ``model``'s output for ``sample``, beyond that
+    output itself (cross-entropy keeps its log-softmax, as large as the logits)."""
+    with torch.enable_grad():
+        y = model(sample)
+        with SavedBytes([y]) as counted:
+            loss(y)
+    model.zero_grad(set_to_none=True)
+    return float(counted.nbytes)
 
 
 def _storage(t) -> int:
