@@ -41,7 +41,6 @@ from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, Sys
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
 from commlab.costmodel.plan_offgrid import executor_timelines, run_rank, schedule_costs
-from commlab.costmodel.plan_stages import rank_stage_times
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -64,7 +63,7 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     """On every rank (commlab.launch): ping-pong times per size (ranks 0 and 1), the timelines of a
     few steps of the executor on a tiny model, as the bench records them, with ``common["stage_times"]``
-    the model's stages timed on every rank at once (:func:`commlab.costmodel.plan_stages.rank_stage_times`),
+    the model's stages timed on every rank at once (:func:`commlab.costmodel.plan_model.rank_stage_times`),
     and with ``common["offgrid"]`` its own runs off the plans' grid (:func:`commlab.costmodel.plan_offgrid.run_rank`)."""
     import torch
     import torch.distributed as dist
@@ -92,6 +91,8 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
     calibration = executor_timelines(model, RankStages(model, [1] * rt.world_size), "1f1b", 4, torch.randn(8, 4),
                                      torch.randn(8, 4), F.mse_loss, common)  # fmt: skip
+    from commlab.costmodel.plan_model import rank_stage_times
+
     stages = rank_stage_times(common["stage_times"]) if common.get("stage_times") else {}
     own = run_rank({**common, "steps": common["offgrid_steps"]}) if common.get("offgrid") else {}
     return {"rank": rt.rank, "pingpong": pingpong, **calibration, "stage_times": stages, "offgrid": own}
@@ -100,7 +101,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
               stages: Mapping | None = None, offgrid: Mapping | None = None) -> tuple[SystemCosts, list[dict[str, Any]]]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks (``sizes``: the plans' boundary
-    bytes), with ``stages`` (:func:`~commlab.costmodel.plan_stages.rank_stage_times`'s spec) the
+    bytes), with ``stages`` (:func:`~commlab.costmodel.plan_model.rank_stage_times`'s spec) the
     model's stages, with ``offgrid`` (:func:`~commlab.costmodel.plan_offgrid.run_rank`'s) its
     runs off the grid; returns the costs and every rank's measurements."""
     import commlab  # commlab.launch imports torch: loaded only when calibrating

@@ -8,13 +8,15 @@ planner's layers: :func:`commlab.costmodel.plan_profile.profile` times them and 
 backward, and a plan's balance (pieces per stage) names its split points (:func:`split_points`).
 The candidates are every block of the model's longest ``nn.ModuleList``/``nn.Sequential`` (a
 transformer's ``layers.0 ... layers.N-1``) unless named. Every cut must carry one tensor: the
-profile runs pieces one tensor to the next, as it does the MLP's layers.
+profile runs pieces one tensor to the next, as it does the MLP's layers. On the ranks of the
+calibration launch, :func:`rank_stage_times` builds the model (or the MLP) again and times its
+candidate stages there, every rank at once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -147,3 +149,43 @@ def split_points(points: Sequence[str], balance: Sequence[int]) -> list[str]:
     stage cuts before the first piece of every stage but the first."""
     starts = [sum(balance[:s]) for s in range(1, len(balance))]
     return [points[k - 1] for k in starts]
+
+
+def layers_at_size(model: Mapping, batch: int, m: int) -> tuple[list, object, Callable]:
+    """On a rank: the planned model's layers (``model`` as :func:`commlab.costmodel.plan_check.measure_rank`
+    describes it: the MLP's ``depth`` and ``width``, or ``model``, ``sizes`` and the ``points``
+    its pieces start at), one micro-batch at ``m`` micro-batches of ``batch``, and its loss."""
+    import torch
+    import torch.nn.functional as F
+
+    size = max(1, batch // m)
+    torch.manual_seed(0)
+    if model.get("model") is None:
+        from commlab.models import mlp
+
+        net = mlp(model["depth"], model["width"])
+        sample, target = torch.randn(size, model["width"]), torch.randint(0, 10, (size,))  # the bench's loss
+        return list(net), sample, (lambda y: F.cross_entropy(y, target))
+    from commlab.models import build_workload
+
+    pieces, sample, loss = pieces_at_size(build_workload(model["model"], **model.get("sizes", {})), model["points"], size)
+    return list(pieces), sample, loss
+
+
+def rank_stage_times(spec: Mapping) -> dict[int, dict[tuple[int, int], dict[str, float]]]:
+    """On every rank of the calibration launch: every stage of ``spec["ranges"]`` (per micro-batch
+    count) timed whole (:func:`~commlab.costmodel.plan_stages.profile_stages`), every rank timing the same stages at once, so
+    each computes while the others do, as the ranks of a pipeline do (alone, a 16 x 512 Linear
+    stage's backward came out up to 1.17x faster than inside one)."""
+    import torch.distributed as dist
+
+    from commlab.costmodel.plan_stages import profile_stages
+
+    out = {}
+    for m, ranges in spec["ranges"].items():
+        layers, sample, loss = layers_at_size(spec["model"], spec["batch"], m)
+        dist.barrier()
+        timed = profile_stages(layers, sample, [tuple(r) for r in ranges], loss, split=spec["split"],
+                               whole=spec["model"].get("model") is not None)  # a traced model's stages are whole graphs
+        out[m] = {r: t.__dict__ for r, t in timed.items()}
+    return out

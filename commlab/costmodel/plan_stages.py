@@ -193,47 +193,8 @@ def add_stage_times(profiles: Mapping[int, object], layers: Sequence, samples: M
     return with_stages(profiles, stages)
 
 
-def layers_at_size(model: Mapping, batch: int, m: int) -> tuple[list, object, Callable]:
-    """On a rank: the planned model's layers (``model`` as :func:`commlab.costmodel.plan_check.measure_rank`
-    describes it: the MLP's ``depth`` and ``width``, or ``model``, ``sizes`` and the ``points``
-    its pieces start at), one micro-batch at ``m`` micro-batches of ``batch``, and its loss."""
-    import torch
-    import torch.nn.functional as F
-
-    size = max(1, batch // m)
-    torch.manual_seed(0)
-    if model.get("model") is None:
-        from commlab.models import mlp
-
-        net = mlp(model["depth"], model["width"])
-        sample, target = torch.randn(size, model["width"]), torch.randint(0, 10, (size,))  # the bench's loss
-        return list(net), sample, (lambda y: F.cross_entropy(y, target))
-    from commlab.costmodel.plan_model import pieces_at_size
-    from commlab.models import build_workload
-
-    pieces, sample, loss = pieces_at_size(build_workload(model["model"], **model.get("sizes", {})), model["points"], size)
-    return list(pieces), sample, loss
-
-
-def rank_stage_times(spec: Mapping) -> dict[int, dict[tuple[int, int], dict[str, float]]]:
-    """On every rank of the calibration launch: every stage of ``spec["ranges"]`` (per micro-batch
-    count) timed whole (:func:`profile_stages`), every rank timing the same stages at once, so
-    each computes while the others do, as the ranks of a pipeline do (alone, a 16 x 512 Linear
-    stage's backward came out up to 1.17x faster than inside one)."""
-    import torch.distributed as dist
-
-    out = {}
-    for m, ranges in spec["ranges"].items():
-        layers, sample, loss = layers_at_size(spec["model"], spec["batch"], m)
-        dist.barrier()
-        timed = profile_stages(layers, sample, [tuple(r) for r in ranges], loss, split=spec["split"],
-                               whole=spec["model"].get("model") is not None)  # a traced model's stages are whole graphs
-        out[m] = {r: t.__dict__ for r, t in timed.items()}
-    return out
-
-
 def co_run(per_rank: Sequence[Mapping[int, Mapping]]) -> dict[int, dict[tuple[int, int], StageTimes]]:
-    """Every rank's :func:`rank_stage_times` as one :class:`StageTimes` per stage: the median over ranks of each time."""
+    """Every rank's :func:`commlab.costmodel.plan_model.rank_stage_times` as one :class:`StageTimes` per stage: the median over ranks of each time."""
     out: dict[int, dict[tuple[int, int], StageTimes]] = {}
     for m, stages in per_rank[0].items():
         out[m] = {r: StageTimes(**{k: statistics.median(rank[m][r][k] for rank in per_rank) for k in t}) for r, t in stages.items()}
