@@ -54,3 +54,41 @@ class Block(nn.Module):
 
 def blocks(d_model: int = 256, layers: int = 2, heads: int = 4, seq: int = 32) -> Block:
     return Block(d_model, layers, heads, seq)
+
+
+class MixerBlock(nn.Module):
+    """An MLP-Mixer block (Tolstikhin et al., 2021): an MLP across tokens, then one across channels."""
+
+    def __init__(self, tokens: int, channels: int, token_hidden: int, channel_hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
+        self.tokens = nn.Sequential(nn.Linear(tokens, token_hidden), nn.GELU(), nn.Linear(token_hidden, tokens))
+        self.channels = nn.Sequential(nn.Linear(channels, channel_hidden), nn.GELU(), nn.Linear(channel_hidden, channels))
+
+    def forward(self, x):
+        x = x + self.tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channels(self.norm2(x))
+
+
+class Mixer(nn.Module):
+    """Patch embedding, ``depth`` Mixer blocks in a ModuleList, a norm, mean over tokens, a head."""
+
+    def __init__(self, tokens: int = 64, patch: int = 48, channels: int = 96, depth: int = 6, token_hidden: int = 128,
+                 channel_hidden: int = 384, classes: int = 10):  # fmt: skip
+        super().__init__()
+        self.input_shape = (tokens, patch)
+        self.embed = nn.Linear(patch, channels)
+        self.blocks = nn.ModuleList(MixerBlock(tokens, channels, token_hidden, channel_hidden) for _ in range(depth))
+        self.norm = nn.LayerNorm(channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(dim=1))
+
+
+def mixer(tokens: int = 64, patch: int = 48, channels: int = 96, depth: int = 6, token_hidden: int = 128,
+          channel_hidden: int = 384) -> Mixer:  # fmt: skip
+    return Mixer(tokens, patch, channels, depth, token_hidden, channel_hidden)

@@ -70,9 +70,11 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import commlab
+    from commlab.bench.ddp_bench import keep_freed_memory
     from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
+    keep_freed_memory()  # as the plans are measured (commlab.costmodel.plan_check.measure_rank)
     pingpong: dict[int, list[float]] = {}
     for size in sizes:
         buf = torch.empty(max(1, size // 4), dtype=torch.float32)

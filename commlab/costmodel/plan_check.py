@@ -69,9 +69,15 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     import torch.distributed as dist
 
     import commlab
+    from commlab.bench.ddp_bench import keep_freed_memory
     from commlab.pipeline.runtime.executor import PipelineExecutor
 
     rt = commlab.Runtime.current()
+    # glibc's dynamic mmap threshold rises with the largest block freed, so whether a plan's 1 MB
+    # activations come back as fresh pages depended on which plan ran before it (the convnet's
+    # interleaved m=8 v=2 measured 78 ms in one run, 106 in another): fixed thresholds, as in the
+    # planner's calibration and `commlab bench ddp`.
+    keep_freed_memory()
     x, y, loss_fn, build = plans_of_the_model(common)
     built = []
     for p in plans:
