@@ -70,7 +70,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import commlab
-    from commlab.bench.ddp_bench import keep_freed_memory
+    from commlab._malloc import keep_freed_memory
     from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()

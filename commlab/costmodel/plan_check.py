@@ -69,7 +69,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     import torch.distributed as dist
 
     import commlab
-    from commlab.bench.ddp_bench import keep_freed_memory
+    from commlab._malloc import keep_freed_memory
     from commlab.pipeline.runtime.executor import PipelineExecutor
 
     rt = commlab.Runtime.current()
