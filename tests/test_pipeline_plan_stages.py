@@ -52,24 +52,24 @@ def test_stages_are_timed_with_the_executors_compute_and_leave_no_gradients():
 
 
 def test_the_calibration_count_is_one_no_plan_uses_and_every_schedule_accepts():
-    from commlab.costmodel.plan_offgrid import calibration_count, every_count
+    from commlab.costmodel.plan_offgrid import calibration_count
 
     # 3 and 5 are odd (interleaved needs a multiple of 2 ranks), 4 is a plan's: 6.
     assert calibration_count([("1f1b", 1), ("interleaved", 2)], 2, [2, 4, 8, 16], 64) == 6
     assert calibration_count([("1f1b", 1), ("zb-v", 2)], 2, [2, 4, 8, 16], 64) == 3
     assert calibration_count([("interleaved", 2)], 2, [2, 4], 5) is None  # no count up to the batch
-    costs = every_count({("1f1b", 1): {"never": (0.1, 1.2)}}, [2, 4])
-    assert costs == {("1f1b", 1, 2): {"never": (0.1, 1.2)}, ("1f1b", 1, 4): {"never": (0.1, 1.2)}}
 
 
 def test_calibration_runs_cut_the_model_as_the_plans_do_and_hold_it_against_its_profile():
-    from commlab.costmodel.plan_offgrid import calibration_runs
+    from commlab.costmodel.plan_offgrid import calibration_runs, profiled_runs
 
     layer = LayerProfile(seconds=[3.0, 3.0, 6.0, 6.0], saved=[0.0] * 4, output=[8.0] * 4, params=[0.0] * 4, input_bytes=8.0,
                          forward=[1.0, 1.0, 2.0, 2.0])  # fmt: skip
-    spec, alone = calibration_runs(layer, 6, 2, [("1f1b", 1), ("zb-v", 2), ("interleaved", 4)], "uniform", {"depth": 4}, 60)
+    spec = calibration_runs(layer, 6, 2, [("1f1b", 1), ("zb-v", 2), ("interleaved", 4)], "uniform", {"depth": 4}, 60)
+    alone = profiled_runs(layer, spec, 2)
     # interleaved v=4 needs 8 stages of 4 layers: not run.
     assert spec == {"depth": 4, "batch": 60, "microbatches": 6, "runs": [("1f1b", [2, 2]), ("zb-v", [1, 1, 1, 1])]}
+    assert set(alone) == {("1f1b", 1), ("zb-v", 2)}
     profile, nograd = alone[("1f1b", 1)]
     assert list(profile.forward) == [2.0, 4.0] and list(nograd) == [2.0, 4.0]  # no stage timed whole: the per-layer sums
 
@@ -81,12 +81,12 @@ def test_per_schedule_overheads_price_only_their_own_plans():
                          forward=[1.0] * 2)  # fmt: skip
     system = measured(overhead=0.1)
     base = {p.schedule: p.step_time for p in candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system)}
-    priced = candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system, overheads={("1f1b", 1, 4): {"never": (0.5, 1.0)}})
+    priced = candidates({4: layer}, 2, [1], ["never"], ["1f1b", "gpipe"], system, overheads={("1f1b", 1): {"never": (0.5, 1.0)}})
     got = {p.schedule: p.step_time for p in priced}
     assert got["gpipe"] == base["gpipe"] and got["1f1b"] > base["1f1b"]
     # A stretch of 2 doubles every action's compute: 1F1B on 2 ranks, 4 micro-batches, no overhead.
     alone = candidates({4: layer}, 2, [1], ["never"], ["1f1b"])[0].step_time
-    stretched = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], overheads={("1f1b", 1, 4): {"never": (0.0, 2.0)}})[0].step_time
+    stretched = candidates({4: layer}, 2, [1], ["never"], ["1f1b"], overheads={("1f1b", 1): {"never": (0.0, 2.0)}})[0].step_time
     assert stretched == pytest.approx(2 * alone)
 
 

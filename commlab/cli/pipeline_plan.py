@@ -60,7 +60,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     from commlab.costmodel.plan import best, candidates, no_fit, table
     from commlab.costmodel.plan_profile import profile_mlp
     from commlab.costmodel.plan_calibrate import plan_costs, profile_line
-    from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs, every_count
+    from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs
     from commlab.costmodel.plan_stages import needs_split, stage_ranges
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
@@ -110,12 +110,10 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         stages = {"model": model, "batch": batch, "split": needs_split(names),
                   "ranges": {m: sorted(stage_ranges(p.seconds, ranks, priced["virtuals"], names, balance_mode)) for m, p in profiles.items()}}
     if count:
-        offgrid = (calibration_runs(profiles[count], count, ranks, families, balance_mode, model, batch)[0],
-                   lambda p: calibration_runs(p, count, ranks, families, balance_mode, model, batch)[1])  # fmt: skip
+        offgrid = calibration_runs(profiles[count], count, ranks, families, balance_mode, model, batch)
     costs, overheads, profiles = plan_costs(profiles, ranks, dp, measure=calibrate, timeout=timeout, echo=click.echo, stages=stages,
                                             offgrid=offgrid)  # fmt: skip
     profiles.pop(count, None)
-    overheads = every_count(overheads, ms)
     # Ranks beyond the cores share them: each rank's compute slows while others compute.
     plans = candidates(profiles, ranks, _ints(virtual, "--virtual"), modes, names, costs, os.cpu_count(), parallel,
                        balance_mode=balance_mode, optimizer=optimizer, overheads=overheads)  # fmt: skip

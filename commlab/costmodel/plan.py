@@ -210,7 +210,7 @@ def _starts(balance: Sequence[int]) -> list[int]:
 def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Sequence[int], checkpoints: Sequence[str],
                schedules: Sequence[str] | None = None, system: SystemCosts = SystemCosts(),
                cores: int | None = None, dp: DataParallel | None = None, *, balance_mode: str = "time",
-               optimizer: str = "none", overheads: Mapping[tuple[str, int, int], Mapping[str, tuple[float, float]]] | None = None) -> list[Plan]:  # fmt: skip
+               optimizer: str = "none", overheads: Mapping[tuple[str, int], Mapping[str, tuple[float, float]]] | None = None) -> list[Plan]:  # fmt: skip
     """Every valid combination with its predicted step time and peak memory, fastest first.
 
     ``profiles[m]`` was taken at the micro-batch size the mini-batch has when split in m;
@@ -220,10 +220,10 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
     times, its DDP buckets after its last backward (:func:`commlab.costmodel.pipeline.step_tail`);
     ``balance_mode``: split layers by profiled time ("time") or in equal counts ("uniform", as
     ``pipeline bench --balance uniform``); ``optimizer``: whose state the memory model counts;
-    ``overheads``: per (schedule, stages per rank, micro-batches) where measured and per checkpoint mode (one not
+    ``overheads``: per (schedule, stages per rank) where measured and per checkpoint mode (one not
     measured: "never"'s), the executor's overhead per action and how much compute stretches
-    against the profile
-    (:func:`commlab.costmodel.plan_calibrate.schedule_costs`); else ``system``'s and none.
+    against the profile, the same at every micro-batch count
+    (:func:`commlab.costmodel.plan_offgrid.schedule_costs`); else ``system``'s and none.
     """
     if balance_mode not in ("time", "uniform"):
         raise ValueError(f"balance_mode must be 'time' or 'uniform', got {balance_mode!r}")
@@ -253,7 +253,7 @@ def candidates(profiles: Mapping[int, LayerProfile], ranks: int, virtuals: Seque
                 placement = spec.placement(ranks, stages)
                 actions = spec.build(ranks, m, v)
                 stage = profile.stage_profile(balance, INPUT_GRAD in spec.kinds)
-                by_mode = overheads.get((name, v, m), {}) if overheads else {}
+                by_mode = overheads.get((name, v), {}) if overheads else {}
                 # Stage s > 0 receives the boundary that stage.message_bytes[s - 1] prices.
                 inputs = [profile.input_bytes, *stage.message_bytes]
                 nograd = profile.nograd_forward(balance)

@@ -40,7 +40,7 @@ from commlab.costmodel.calibrate import DEFAULT_PROFILE, table_sizes
 from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, SystemCosts, cost_from_entry, fit_table
 from commlab.costmodel.pipeline import shared
 from commlab.costmodel.pipeline_calibrate import comm_latency, executor_overhead
-from commlab.costmodel.plan_offgrid import executor_timelines, run_rank, schedule_costs
+from commlab.costmodel.plan_offgrid import executor_timelines, profiled_runs, run_rank, schedule_costs
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -71,6 +71,7 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
     import commlab
     from commlab._malloc import keep_freed_memory
+    from commlab.costmodel.plan_model import rank_stage_times
     from commlab.pipeline.runtime.stages import RankStages
 
     rt = commlab.Runtime.current()
@@ -93,8 +94,6 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
     calibration = executor_timelines(model, RankStages(model, [1] * rt.world_size), "1f1b", 4, torch.randn(8, 4),
                                      torch.randn(8, 4), F.mse_loss, common)  # fmt: skip
-    from commlab.costmodel.plan_model import rank_stage_times
-
     stages = rank_stage_times(common["stage_times"]) if common.get("stage_times") else {}
     own = run_rank({**common, "steps": common["offgrid_steps"]}) if common.get("offgrid") else {}
     return {"rank": rt.rank, "pingpong": pingpong, **calibration, "stage_times": stages, "offgrid": own}
@@ -125,14 +124,14 @@ def _share(ranks: int) -> int | None:
 
 def plan_costs(profiles: Mapping[int, Any], ranks: int, dp: int = 1, *, measure: bool = True, timeout: float = 120.0,
                echo: Callable[[str], None] = lambda _l: None, stages: Mapping | None = None,
-               offgrid: tuple[Mapping, Callable] | None = None) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
+               offgrid: Mapping | None = None) -> tuple[SystemCosts, dict, dict]:  # fmt: skip
     """The planner's costs for these layer profiles (:class:`commlab.costmodel.plan.LayerProfile`,
     one per micro-batch count): :func:`calibrate` on ``ranks`` ranks when ``measure`` (else zero),
     and with ``dp`` > 1 the all-reduce at ``dp`` ranks (:func:`with_allreduce`); ``echo`` says
     what. With ``stages``, the profiles' stages are timed there, every rank at once
-    (:func:`~commlab.costmodel.plan_stages.co_run`); with ``offgrid`` (the runs' spec, and a
-    function from the profile at their count to each run's stages as profiled: :func:`commlab.costmodel.plan_offgrid.calibration_runs`),
-    each schedule's overhead per action and compute stretch (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`).
+    (:func:`~commlab.costmodel.plan_stages.co_run`); with ``offgrid`` (the runs' spec,
+    :func:`commlab.costmodel.plan_offgrid.calibration_runs`; ``profiles`` has their count), each
+    schedule's overhead per action and compute stretch (:func:`~commlab.costmodel.plan_offgrid.schedule_costs`).
     Returns the costs, those per (schedule, stages per rank), and the profiles."""
     from commlab.costmodel.plan_stages import co_run, with_stages
 
@@ -141,15 +140,16 @@ def plan_costs(profiles: Mapping[int, Any], ranks: int, dp: int = 1, *, measure:
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
         system, per_rank = calibrate(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout,
-                                     stages=stages, offgrid=offgrid[0] if offgrid else None)  # fmt: skip
+                                     stages=stages, offgrid=offgrid)  # fmt: skip
         if stages:
             profiles = with_stages(profiles, co_run([r["stage_times"] for r in per_rank]))
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte"
              + (", every stage timed on every rank at once" if stages else ""))  # fmt: skip
         if offgrid:
-            count = offgrid[0]["microbatches"]
-            overheads = schedule_costs(per_rank, ranks, offgrid[1](profiles[count]), count, system, _share(ranks))
+            count = offgrid["microbatches"]
+            alone = profiled_runs(profiles[count], offgrid, ranks)
+            overheads = schedule_costs(per_rank, ranks, alone, count, system, _share(ranks))
             echo(f"per schedule, from the model's own runs at {count} micro-batches (a count no plan uses), "
                  "executor overhead per action and compute stretch: "
                  + ", ".join(f"{n} v={v} " + " ".join(f"{mode} {o * 1e6:.0f} us x{x:.2f}" for mode, (o, x) in by_mode.items())

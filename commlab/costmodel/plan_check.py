@@ -96,7 +96,7 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
             model, stage, pipe = built[k]
             # A training job steps one plan over and over: each visit times a plan's step after
             # one of its own, not right after another plan's, whose memory it would find in cache.
-            for j in range(1 + common.get("settle", 1)):
+            for _ in range(2):
                 model.zero_grad(set_to_none=False)
                 dist.barrier()
                 start = time.perf_counter()
@@ -171,7 +171,8 @@ def step_errors(rows: Sequence[dict[str, Any]], keys: Sequence[str] = ("forward_
 
 
 def write_rows(path, rows: Sequence[dict[str, Any]]) -> None:
-    """A checked grid's rows (:func:`summarise`) as a CSV at ``path``, atomically."""
+    """Rows of one shape (a checked grid's, :func:`summarise`; predictions, :func:`prediction_rows`)
+    as a CSV at ``path``, atomically."""
     keys = list(rows[0])
     write_text(path, "\n".join([",".join(keys), *(",".join(str(r[k]) for k in keys) for r in rows)]) + "\n")
 
@@ -229,8 +230,7 @@ def prediction_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
 def write_predictions(path, plans: Sequence[Plan]) -> int:
     """:func:`prediction_rows` as a CSV at ``path`` (atomically); returns how many rows."""
     rows = prediction_rows(plans)
-    lines = [",".join(KEY + ("predicted_s", "predicted_peak")), *(",".join(str(v) for v in r.values()) for r in rows)]
-    write_text(path, "\n".join(lines) + "\n")
+    write_rows(path, rows)
     return len(rows)
 
 

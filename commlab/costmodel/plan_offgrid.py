@@ -183,27 +183,26 @@ def fit_overhead(actions, system: SystemCosts, profile: StageProfile, placement,
     return (lo + hi) / 2
 
 
-def every_count(costs: Mapping[tuple[str, int], Mapping[str, tuple[float, float]]], microbatches: Sequence[int]) -> dict:
-    """``costs`` keyed as the planner looks them up: (schedule, stages per rank, micro-batches) for every count."""
-    return {(name, v, m): dict(by_mode) for (name, v), by_mode in costs.items() for m in microbatches}
-
-
 def calibration_runs(profile: Any, count: int, ranks: int, schedules: Sequence[tuple[str, int]], balance_mode: str,
-                     model: Mapping[str, Any], batch: int) -> tuple[dict, dict]:  # fmt: skip
-    """What the calibration launch runs and what it is held against: the spec :func:`run_rank`
-    takes (``model`` described as :func:`commlab.costmodel.plan_check.measure_rank` takes it, each
-    (schedule, stages per rank) of ``schedules`` cut as the plans cut it) and, per (schedule,
-    stages per rank), its stages as ``profile`` (the :class:`~commlab.costmodel.plan.LayerProfile`
-    at ``count``) timed them alone: (StageProfile, forward without grad per stage)."""
+                     model: Mapping[str, Any], batch: int) -> dict:  # fmt: skip
+    """What the calibration launch runs (:func:`run_rank`'s spec): ``model`` (described as
+    :func:`commlab.costmodel.plan_check.measure_rank` takes it) at ``count`` micro-batches of
+    ``batch``, each (schedule, stages per rank) of ``schedules`` cut as the plans cut it, by
+    ``profile`` (the :class:`~commlab.costmodel.plan.LayerProfile` at ``count``)."""
     from commlab.pipeline.runtime.partition import partition
 
     layers = len(profile.seconds)
-    runs, alone = [], {}
-    for name, v in schedules:
-        if ranks * v > layers:
-            continue
-        balance = partition(profile.seconds if balance_mode == "time" else [1.0] * layers, ranks * v)
+    runs = [(name, list(partition(profile.seconds if balance_mode == "time" else [1.0] * layers, ranks * v)))
+            for name, v in schedules if ranks * v <= layers]  # fmt: skip
+    return {**model, "batch": batch, "microbatches": count, "runs": runs}
+
+
+def profiled_runs(profile: Any, spec: Mapping[str, Any], ranks: int) -> dict[tuple[str, int], tuple]:
+    """Per (schedule, stages per rank) of ``spec`` (:func:`calibration_runs`), its stages as
+    ``profile`` (at the runs' count, with its stages timed whole) has them alone: what
+    :func:`schedule_costs` holds the runs against, (StageProfile, forward without grad per stage)."""
+    out = {}
+    for name, balance in spec["runs"]:
         stages = profile.stage_profile(balance, INPUT_GRAD in REGISTRY[name].kinds)
-        runs.append((name, list(balance)))
-        alone[(name, v)] = (stages, profile.nograd_forward(balance) or stages.forward)
-    return {**model, "batch": batch, "microbatches": count, "runs": runs}, alone
+        out[(name, len(balance) // ranks)] = (stages, profile.nograd_forward(balance) or stages.forward)
+    return out
