@@ -28,8 +28,8 @@ import commlab
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
 from commlab.memtrack import live_bytes, track_peak
-from commlab.sweep import sharding
-from commlab.sweep.spec import Config
+from commlab.sweep import wrap as sharding
+from commlab.runs.config import Config
 
 
 def _unlabelled(name: str):
