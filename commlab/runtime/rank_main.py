@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.runtime.devices import rank_device
+from commlab.runtime.threads import use_rank_threads
 
 
 def rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> None:
@@ -23,9 +24,7 @@ def rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> No
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     # Gloo picks its transport interface from the hostname unless told: keep it on loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Like torchrun, do not let N ranks each start a thread per core on a shared machine.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    use_rank_threads(world_size)  # not a thread per core in each of N ranks (the rule's docstring)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank_device(backend, rank))
