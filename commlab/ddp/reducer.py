@@ -32,7 +32,8 @@ from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
 from commlab.ddp import inflight
 from commlab.ddp.policy import BucketPolicy, checked
-from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
+from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog
+from commlab.runtime.timer import make_clock
 from commlab.ddp.unused import UnusedParameters
 
 

@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import sys
-import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ import torch.distributed as dist
 import commlab
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
+from commlab.runtime.threads import use_rank_threads
+from commlab.runtime.timer import WallClock, timed_steps
 from commlab.memtrack import live_bytes, track_peak
 from commlab.sweep import wrap as sharding
 from commlab.runs.config import Config
@@ -50,12 +51,11 @@ class Trainer:
     target: Any
 
     def now(self) -> float:
-        if self.rt.device.type == "cuda":
-            torch.cuda.synchronize(self.rt.device)
-        return time.perf_counter()
+        return WallClock(self.rt.device).stamp()
 
     def step(self, label=_unlabelled) -> dict[str, float]:
-        """One optimizer step; ``label`` (torch.profiler.record_function when profiling) names its phases."""
+        """One optimizer step; ``label`` (torch.profiler.record_function when profiling) names its
+        phases; returns their seconds, the whole step's included."""
         loss_fn, ddp, x, y = self.workload.loss_fn, self.ddp, self.inputs, self.target
         start = self.now()
         for _ in range(self.cfg.accumulate - 1):
@@ -81,7 +81,7 @@ def prepare(cfg: Config) -> Trainer:
     # The configuration's thread count, whatever the launcher chose (commlab.launch gives
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
     # world size is what makes a scaling efficiency mean something.
-    torch.set_num_threads(cfg.threads)
+    use_rank_threads(cfg.world_size, fixed=cfg.threads)
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
@@ -105,14 +105,16 @@ def measure(cfg: Config) -> dict[str, Any]:
     rt, ddp = trainer.rt, trainer.ddp
     steps: list[dict[str, float]] = []
     before = 0
-    for i in range(cfg.warmup + cfg.iters):
-        if i == cfg.warmup:
-            if cfg.stage == 0:
-                ddp.reset_timings()
-            before = len(ddp.iteration_timings)
-            steps.clear()
-        steps.append(trainer.step())
 
+    def forget_warmup() -> None:
+        nonlocal before
+        if cfg.stage == 0:
+            ddp.reset_timings()
+        before = len(ddp.iteration_timings)
+        steps.clear()
+
+    # The step times itself, phase by phase (Trainer.step); the loop's own seconds are not used.
+    timed_steps(lambda: steps.append(trainer.step()), cfg.iters, cfg.warmup, warmed=forget_warmup)
     timings = list(ddp.iteration_timings)[before:]
     if len(timings) != len(steps):
         raise RuntimeError(f"the wrapper recorded {len(timings)} synchronised iterations for {len(steps)} steps")
