@@ -3,12 +3,13 @@
     entry = profile_for(workload, backend="gloo", world_size=2, path=PROFILE)   # cached or fresh
 
 One launch at the calibrated world size does everything (see measure.py for what and why); it
-never runs a multi-rank DDP iteration. The entry is keyed as commlab/costmodel/calibration/cache.py says.
+never runs a multi-rank DDP iteration. The launch, its threads and its steadiness are every
+calibration's (commlab/costmodel/calibration/run.py); the entry is keyed as
+commlab/costmodel/calibration/cache.py says.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from commlab.costmodel.calibration import cache as prof
 from commlab.costmodel.terms import uncertainty
 from commlab.costmodel.terms.costs import fit_table, solve_contention
 from commlab.costmodel.calibration.queueing import paired_seconds
+from commlab.costmodel.calibration.run import run_calibration
+from commlab.runtime.threads import threads_per_rank
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
 DEFAULT_ALGORITHMS = ("native", "ring")
@@ -39,10 +42,8 @@ class Workload:
 
 
 def default_threads(world_size: int) -> int:
-    """What commlab.launch gives each local rank when OMP_NUM_THREADS is not set."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """What commlab.launch gives each local rank (commlab/runtime/threads.py's rule)."""
+    return threads_per_rank(world_size)
 
 
 def parameter_sizes(workload: Workload) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -75,7 +76,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
               sharded: bool = False) -> dict[str, Any]:
     """Measure and return a profile entry (does not write it). ``sharded``: also the reduce-scatter
     and all-gather of every algorithm sharded data parallelism has (commlab/sharded/comm.py)."""
-    import commlab
+    from commlab.costmodel.calibration.measure import calibrate_rank  # torch: loaded when calibrating
 
     threads = threads or default_threads(world_size)
     nbytes, shapes = parameter_sizes(workload)
@@ -83,39 +84,18 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     spec = {"model": workload.model, "model_kwargs": workload.kwargs(), "batch_per_rank": workload.batch_per_rank,
             "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
             "warmup": 2, "sharded_algorithms": sharded_algorithms(world_size) if sharded else []}
-    begin = time.monotonic()
-    from commlab.costmodel.calibration.measure import calibrate_rank
-
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
          f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
          "typically 15-50 s ...")
-    load_before, running_before = os.getloadavg()[0], runnable_now()
-    results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
-    load_after = os.getloadavg()[0]
-    entry = assemble(results, spec, nbytes, shapes,
+    run = run_calibration(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout,
+                          spread=spread_of, threads=threads)
+    entry = assemble(run.results, spec, nbytes, shapes,
                      prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                                    model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
-    entry["calibration_s"] = time.monotonic() - begin
-    steadiness = uncertainty.judge(spread_of(results), load_before, load_after, cpus=os.cpu_count() or 1,
-                                   own_threads=world_size * threads, seconds=entry["calibration_s"],
-                                   running_before=running_before)
-    entry["steadiness"] = steadiness.as_json()
-    echo(f"calibrated in {entry['calibration_s']:.1f} s; {steadiness.describe()}")
+    entry["calibration_s"] = run.seconds
+    entry["steadiness"] = run.steadiness.as_json()
+    echo(f"calibrated in {entry['calibration_s']:.1f} s; {run.steadiness.describe()}")
     return entry
-
-
-def runnable_now(samples: int = 10, every_s: float = 0.05) -> float | None:
-    """Threads other than this one runnable right now (Linux /proc/loadavg's fourth field,
-    averaged over ``samples``), or None where the kernel does not say."""
-    counts = []
-    for _ in range(samples):
-        try:
-            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
-        except (OSError, IndexError):
-            return None
-        counts.append(max(int(running) - 1, 0))
-        time.sleep(every_s)
-    return sum(counts) / len(counts)
 
 
 def spread_of(results: list[dict]) -> float:
