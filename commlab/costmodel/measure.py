@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import collectives
+from commlab._malloc import keep_freed_memory
 from commlab.costmodel.devicetime import allocator_state, calibration_device, clock_for, timed, to_device
 from commlab.costmodel.measure_queue import copy_contention, queued, together
 from commlab.costmodel.measure_sharded import activation_bytes, fresh_memory, time_sharded
@@ -43,6 +44,9 @@ from commlab.models import build_workload
 
 
 def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    # glibc's heap thresholds fixed before anything is allocated, as in every measured run
+    # (commlab/sweep/worker.py): which allocations fault must be the same here and there.
+    keep_freed_memory()
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     rank, world = dist.get_rank(), dist.get_world_size()
