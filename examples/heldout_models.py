@@ -100,13 +100,13 @@ def mixer(tokens: int = 64, patch: int = 48, channels: int = 96, depth: int = 6,
 class WideHead(nn.Module):
     """A small MLP trunk and one vocabulary-sized output projection, as a language model's head.
 
-    At the default sizes the head's weight (12000 x 1024 fp32, 46.9 MiB) is over glibc's 32 MiB
-    mmap threshold (commlab/_malloc.py) and most of the model's 57 MiB: its gradient is fresh
-    pages every step, the trunk's 4 MiB ones never. It is ready first in backward, so with
-    buckets of 1-64 MB it rides alone or with a few trunk layers.
+    At the default sizes the head's weight (7000 x 1280 fp32, 34.2 MiB) is over glibc's 32 MiB
+    mmap threshold (commlab/_malloc.py) and over half of a 64 MiB bucket: its gradient is fresh
+    pages every step, the trunk's 6.25 MiB ones never. It is ready first in backward, so with
+    buckets of 1-32 MiB it rides alone, and one 64 MiB bucket holds the whole 61.7 MiB model.
     """
 
-    def __init__(self, features: int = 512, width: int = 1024, depth: int = 3, vocab: int = 12000):
+    def __init__(self, features: int = 512, width: int = 1280, depth: int = 5, vocab: int = 7000):
         super().__init__()
         self.input_shape = (features,)
         layers: list[nn.Module] = [nn.Linear(features, width), nn.ReLU()]
@@ -119,5 +119,5 @@ class WideHead(nn.Module):
         return self.head(self.trunk(x))
 
 
-def wide_head(features: int = 512, width: int = 1024, depth: int = 3, vocab: int = 12000) -> WideHead:
+def wide_head(features: int = 512, width: int = 1280, depth: int = 5, vocab: int = 7000) -> WideHead:
     return WideHead(features, width, depth, vocab)
