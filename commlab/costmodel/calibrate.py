@@ -172,7 +172,8 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
-                    # pages first touched in the profiled forward+backward (fresh gradients)
+                    # pages first touched in the profiled forward+backward: a record (the
+                    # gradients over glibc's mmap threshold, every step and every layout alike)
                     "profiled_fresh_bytes": ddp.get("fresh_bytes", 0),
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
                                                               "many_buckets": ddp["small_run"]},

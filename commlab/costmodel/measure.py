@@ -173,7 +173,7 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
-        # pages first touched in forward+backward (fresh gradients, commlab/costmodel/lower.py)
+        # pages first touched in forward+backward (the gradients over the mmap threshold: commlab/_malloc.py)
         "fresh_bytes": med([r["fresh_bytes"] for r in rows]),
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
