@@ -123,7 +123,16 @@ def spread_of(results: list[dict]) -> float:
     all-reduce size of each algorithm, and rank 0's forward + backward inside DDP)."""
     series = [s for r in results for per_size in r.get("collective_samples", {}).values() for s in per_size]
     series.append(results[0]["ddp"].get("step_samples", []))
+    series.append(results[0].get("corun", {}).get("together_samples", []))  # the co-run turns too
     return uncertainty.overall_spread(series)
+
+
+def corun_factor(corun: dict) -> float:
+    """The compute stretch when every rank computes at once (pure): the quickest turn together
+    over the quickest alone. Other jobs only add time, in bursts that hit some turns and not
+    others, so the minima are the ranks' own contention; the medians where no samples were kept."""
+    alone, together = corun.get("alone_samples") or [corun["alone_s"]], corun.get("together_samples") or [corun["together_s"]]
+    return min(together) / min(alone) if min(alone) > 0 else 1.0
 
 
 def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
@@ -163,7 +172,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                                              for i in range(len(spec["sizes"]))])
                                for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
     corun = results[0]["corun"]
-    factor = corun["together_s"] / corun["alone_s"] if corun["alone_s"] > 0 and len(results) > 1 else 1.0
+    factor = corun_factor(corun) if len(results) > 1 else 1.0
     return {
         "key": key,
         "created": time.time(),

@@ -247,15 +247,19 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
             "comm_both_s": med(both_m), "nbytes": nbytes}
 
 
-def _corun(model, workload, batch, reps: int) -> dict[str, float]:
-    """Step 4: rank 0 computing alone, then every rank computing at once."""
+def _corun(model, workload, batch, reps: int) -> dict[str, Any]:
+    """Step 4: rank 0 computing alone, then every rank computing at once, in turns.
+
+    Every sample is kept: other jobs on the machine only ever add time, and a burst of theirs
+    hits some turns and not others (a calibration once read 2.0 here where the measured steps
+    said 1.2), so the factor is taken from the quickest of each (:func:`commlab.costmodel.calibrate.corun_factor`)."""
     rank = dist.get_rank()
     alone, together = [], []
-    for _ in range(reps):
+    for _ in range(max(reps, 9)):  # each turn is one forward+backward or two: cheap
         dist.barrier()
         if rank == 0:
             alone.append(_compute(model, workload, batch))
         dist.barrier()
         together.append(_compute(model, workload, batch))
     return {"alone_s": float(statistics.median(alone)) if alone else 0.0,
-            "together_s": float(statistics.median(together))}
+            "together_s": float(statistics.median(together)), "alone_samples": alone, "together_samples": together}
