@@ -1,7 +1,7 @@
 """glibc's heap thresholds fixed, so that where malloc happens to place a block does not decide a timing.
 
 Used by the benchmarks (``commlab bench ddp``, ``bench sharded``), the sweep's ranks
-(commlab/sweep/worker.py), the DDP calibration's ranks (commlab/costmodel/measure.py) and the
+(commlab/sweep/worker.py), the DDP calibration's ranks (commlab/costmodel/calibration/measure.py) and the
 pipeline planner's calibration and ``--validate`` ranks: whatever compares or predicts times runs
 with them fixed, so that the calibration's allocations behave as the measured runs' do.
 
@@ -10,7 +10,7 @@ bytes is mmapped when allocated and unmapped when freed, so one allocated every 
 after ``zero_grad(set_to_none=True)``) is fresh pages every step, faulted on first write; a smaller
 block comes from the heap, which keeps what was freed (trim threshold 1 GiB), so after the first
 step it faults no more. Neither depends on the DDP's bucket layout (its buffers live as long as
-the buckets), which is why the DDP predictor has no term for it (commlab/costmodel/lower.py).
+the buckets), which is why the DDP predictor has no term for it (commlab/costmodel/lowering/ddp.py).
 """
 
 from __future__ import annotations

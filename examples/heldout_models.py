@@ -3,7 +3,7 @@
     commlab predict --model examples.heldout_models:convnet --model-args channels=64 ...
 
 (run from the repository root, or with it on PYTHONPATH). The predictor was calibrated and
-tuned on the built-in MLP only; these are its held-out workloads (commlab/costmodel/validate.py).
+tuned on the built-in MLP only; these are its held-out workloads (commlab/validation/ddp.py).
 The pipeline planner's held-out check (``commlab pipeline plan --model ... --validate``) runs
 ``mixer``, written for it and first run with the planner's method fixed (docs/measurements.md); the DDP
 predictor's ``--part head`` runs ``wide_head``, written for a gradient over glibc's mmap threshold.

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from commlab.costmodel.alpha_beta import fit_alpha_beta, least_squares_line, nonnegative_line
+from commlab.costmodel.terms.alpha_beta import fit_alpha_beta, least_squares_line, nonnegative_line
 
 
 def _brute_force(x, y):

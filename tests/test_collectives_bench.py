@@ -9,7 +9,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from commlab.costmodel.alpha_beta import bandwidths, busbw_factor, fit_alpha_beta, format_size, least_squares_line, parse_size, size_sweep
+from commlab.costmodel.terms.alpha_beta import (
+    bandwidths,
+    busbw_factor,
+    fit_alpha_beta,
+    least_squares_line,
+    size_sweep,
+)
+from commlab.runs.traffic import format_size, parse_size
 from commlab.cli.bench import bench_collectives
 from commlab.bench.collectives_report import combine_ranks, fit_line, fit_table, footer_lines, format_table
 from commlab.bench.collectives_plugins import rank_data, reduced

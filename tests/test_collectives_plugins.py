@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab.bench import collectives_plugins as plugins
-from commlab.costmodel.alpha_beta import busbw_factor
+from commlab.costmodel.terms.alpha_beta import busbw_factor
 from commlab.bench.collectives_bench import choose
 from commlab.bench.collectives_report import combine_ranks, fit_table, footer_lines, format_table
 from commlab.bench.collectives_run import run_rank

@@ -9,9 +9,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import commlab
-from commlab.costmodel import lower
-from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step
-from commlab.costmodel.predict import predict_config
+from commlab.costmodel.lowering import ddp as lower
+from commlab.costmodel.lowering.ddp import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.search.predict import predict_config
 from commlab.ddp.assignment import TensorSpec, buckets_from_ready_order, initial_buckets
 from commlab.ddp.policy import (
     DEFAULT_POLICY,
@@ -22,7 +22,7 @@ from commlab.ddp.policy import (
     policy_names,
     register,
 )
-from commlab.sweep.spec import build_plan, merge
+from commlab.runs.grid import build_grid, merge
 
 MIB = 1 << 20
 
@@ -101,13 +101,13 @@ def test_the_predictor_prices_the_policy_by_name_or_instance():
 
 
 def test_a_sweep_spec_names_the_policy_and_the_prediction_uses_it():
-    plan = build_plan(merge({"bucket_policy": "test_pairs,size_cap"}, {"overlap": "on"}))
+    plan = build_grid(merge({"bucket_policy": "test_pairs,size_cap"}, {"overlap": "on"}))
     assert [c.bucket_policy for c in plan.configs] == ["test_pairs", "size_cap"]
     assert "-test_pairs-" in plan.configs[0].id and "size_cap" not in plan.configs[1].id
     rec = predict_config(plan.configs[0], _four_params())
     assert rec["config"]["bucket_policy"] == "test_pairs" and {b["nbytes"] for b in rec["buckets"]} == {2 * MIB}
     with pytest.raises(ValueError, match="unknown bucket policy 'nope'"):
-        build_plan(merge({"bucket_policy": "nope"}, {}))
+        build_grid(merge({"bucket_policy": "nope"}, {}))
     with pytest.raises(ValueError, match="unknown bucket policy 'nope'"):
         commlab.DistributedDataParallel(_model(), bucket_policy="nope")  # before any process group is needed
 
@@ -129,7 +129,7 @@ def test_registry_and_the_default_size_cap_policy():
 
 
 def test_the_tuner_searches_the_policies_it_is_given():
-    from commlab.costmodel.tuning import search, step_time
+    from commlab.costmodel.search.tune import search, step_time
 
     costs = _four_params()
     rec = search({"native": costs}, grid_mb=(25.0,), overlaps=(True,), first_buckets=(None,), policies=("test_pairs",))

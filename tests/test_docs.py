@@ -83,7 +83,7 @@ def package_graph(modules: dict[str, set[str]], packages: list[str]) -> dict[str
 
 def test_line_budgets():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
-    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 780  # ~40 lines per major part
+    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 800  # one short section per package
 
 
 def test_the_checks_find_what_they_look_for():

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commlab.pipeline import KINDS, Kind, as_actions, liveness, lower_comm, register_kind, simulate, validate
-from commlab.costmodel.costs import PointToPoint, StageProfile, SystemCosts
-from commlab.costmodel.pipeline import predict
+from commlab.costmodel.terms.costs import PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.lowering.pipeline import predict
 from commlab.pipeline.runtime.executor import HANDLERS, PipelineExecutor
 from commlab.pipeline.runtime.stages import RankStages
 from commlab.pipeline.schedule.validate import problems

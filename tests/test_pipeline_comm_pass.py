@@ -3,7 +3,7 @@
 import pytest
 
 from commlab.pipeline import REGISTRY, build, liveness, lower_comm, peak_in_flight, send_waits
-from commlab.costmodel.plan import peak_bytes
+from commlab.costmodel.planner.plan import peak_bytes
 from commlab.pipeline.schedule.comm import Comm, compute_only
 from commlab.pipeline.schedule.actions import flatten
 from commlab.pipeline.schedule.validate import comm_problems

@@ -6,12 +6,12 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.costmodel import plan_calibrate
-from commlab.costmodel.buckets import bucket_tasks
-from commlab.costmodel.costs import CollectiveCost, PointToPoint, StageProfile, SystemCosts
-from commlab.costmodel.pipeline import DataParallel, lower, predict
-from commlab.costmodel.plan import LayerProfile, candidates
-from commlab.costmodel.profile import machine_id
+from commlab.costmodel.planner import calibrate as plan_calibrate
+from commlab.costmodel.lowering.buckets import bucket_tasks
+from commlab.costmodel.terms.costs import CollectiveCost, PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.lowering.pipeline import DataParallel, lower, predict
+from commlab.costmodel.planner.plan import LayerProfile, candidates
+from commlab.costmodel.calibration.cache import machine_id
 from commlab.pipeline import build
 from commlab.sim import Task
 
@@ -37,7 +37,7 @@ def test_hybrid_step_is_the_hand_built_task_graph():
     ]
     assert got == {t.name: t for t in hand}
     assert [TABLE(n) for n in (100, 200, 300)] == pytest.approx([0.1, 0.2, 0.3])
-    # The same buckets the shared DDP piece makes (commlab/costmodel/buckets.py).
+    # The same buckets the shared DDP piece makes (commlab/costmodel/lowering/buckets.py).
     assert [got[f"s0.allreduce{k}"] for k in range(2)] == bucket_tasks([100, 300], TABLE, after=("0B0",), channel="dp0",
                                                                         prefix="s0.allreduce")  # fmt: skip
     result = predict(gp, SYSTEM, stage, dp=ONE_EACH).result
@@ -98,7 +98,7 @@ def test_plan_dp_takes_the_calibration_profile_line(tmp_path, monkeypatch):
 def test_predictions_written_before_a_run_meet_the_bench_rows(tmp_path):
     import csv
 
-    from commlab.costmodel.plan_check import against_bench, errors, write_predictions
+    from commlab.validation.planner import against_bench, errors, write_predictions
 
     layer = LayerProfile(seconds=[3.0] * 4, saved=[0.0] * 4, output=[10.0] * 4, params=[0.0] * 4, input_bytes=0.0)
     plans = candidates({2: layer, 4: layer}, 2, [1], ["never", "always"], ["gpipe", "1f1b"], balance_mode="uniform")
@@ -119,7 +119,7 @@ def test_predictions_written_before_a_run_meet_the_bench_rows(tmp_path):
 
 def test_plan_command_offers_the_optimizers_the_memory_model_knows():
     from commlab.cli.pipeline_options import OPTIMIZERS
-    from commlab.costmodel.plan import OPTIMIZER_STATE
+    from commlab.costmodel.planner.plan import OPTIMIZER_STATE
 
     assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
 

@@ -3,8 +3,8 @@
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.costmodel.plan import candidates
-from commlab.costmodel.plan_model import candidate_points, profile_model, split_points
+from commlab.costmodel.planner.plan import candidates
+from commlab.costmodel.planner.model import candidate_points, profile_model, split_points
 from pipeline_plan_fixture import chain
 
 FIXTURE = "pipeline_plan_fixture:chain"
@@ -50,7 +50,7 @@ def test_a_block_that_forward_calls_first_is_no_split_point():
 def test_a_traced_stage_keeps_its_weight_nodes_gradients_for_w():
     import torch
 
-    from commlab.costmodel.plan_model import _Piece, weight_node_bytes
+    from commlab.costmodel.planner.model import _Piece, weight_node_bytes
     from commlab.pipeline.runtime.traced import trace_stages
 
     model, x = chain(width=16, depth=2), torch.randn(8, 16)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commlab.costmodel.plan import LayerProfile, candidates
-from commlab.costmodel.plan_stages import StageTimes, profile_stages, stage_ranges, with_stages
+from commlab.costmodel.planner.plan import LayerProfile, candidates
+from commlab.costmodel.planner.stages import StageTimes, profile_stages, stage_ranges, with_stages
 from commlab.models import mlp
 
 
@@ -52,7 +52,7 @@ def test_stages_are_timed_with_the_executors_compute_and_leave_no_gradients():
 
 
 def test_the_calibration_count_is_one_no_plan_uses_and_every_schedule_accepts():
-    from commlab.costmodel.plan_offgrid import calibration_count
+    from commlab.costmodel.planner.offgrid import calibration_count
 
     # 3 and 5 are odd (interleaved needs a multiple of 2 ranks), 4 is a plan's: 6.
     assert calibration_count([("1f1b", 1), ("interleaved", 2)], 2, [2, 4, 8, 16], 64) == 6
@@ -61,7 +61,7 @@ def test_the_calibration_count_is_one_no_plan_uses_and_every_schedule_accepts():
 
 
 def test_calibration_runs_cut_the_model_as_the_plans_do_and_hold_it_against_its_profile():
-    from commlab.costmodel.plan_offgrid import calibration_runs, profiled_runs
+    from commlab.costmodel.planner.offgrid import calibration_runs, profiled_runs
 
     layer = LayerProfile(seconds=[3.0, 3.0, 6.0, 6.0], saved=[0.0] * 4, output=[8.0] * 4, params=[0.0] * 4, input_bytes=8.0,
                          forward=[1.0, 1.0, 2.0, 2.0])  # fmt: skip
@@ -75,7 +75,7 @@ def test_calibration_runs_cut_the_model_as_the_plans_do_and_hold_it_against_its_
 
 
 def test_per_schedule_overheads_price_only_their_own_plans():
-    from commlab.costmodel.plan_calibrate import measured
+    from commlab.costmodel.planner.calibrate import measured
 
     layer = LayerProfile(seconds=[3.0, 3.0], saved=[0.0] * 2, output=[0.0] * 2, params=[0.0] * 2, input_bytes=0.0,
                          forward=[1.0] * 2)  # fmt: skip
@@ -91,9 +91,9 @@ def test_per_schedule_overheads_price_only_their_own_plans():
 
 
 def test_offgrid_costs_are_the_stretch_against_the_profile_and_the_overhead_the_core_needs():
-    from commlab.costmodel.costs import StageProfile
-    from commlab.costmodel.plan_calibrate import measured
-    from commlab.costmodel.plan_offgrid import schedule_costs
+    from commlab.costmodel.terms.costs import StageProfile
+    from commlab.costmodel.planner.calibrate import measured
+    from commlab.costmodel.planner.offgrid import schedule_costs
 
     # 1F1B, 2 ranks, 1 micro-batch: F0 [0, 1] -> F1 [1.5, 2.5] -> B1 [2.6, 4.6] -> B0 [5.1, 7.1].
     # Profiled alone the stages took F 0.5, B 1.0: the pipeline's 6 s of compute is twice that.
@@ -111,7 +111,7 @@ def test_offgrid_costs_are_the_stretch_against_the_profile_and_the_overhead_the_
     assert stretch == pytest.approx(6 / 3.8) and overhead == pytest.approx(1.1 / 4, rel=1e-6)
 
 def test_co_run_stage_times_are_the_median_over_ranks():
-    from commlab.costmodel.plan_stages import StageTimes, co_run
+    from commlab.costmodel.planner.stages import StageTimes, co_run
 
     def times(f):
         return StageTimes(f, f, 2 * f, f, f, f / 2).__dict__

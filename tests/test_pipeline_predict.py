@@ -7,10 +7,17 @@ from click.testing import CliRunner
 
 from commlab.cli import main
 from commlab.pipeline import build, simulate
-from commlab.costmodel.plan import LayerProfile, best, candidates, param_copies, peak_bytes, temporaries
-from commlab.costmodel.costs import CollectiveCost, Overheads, PointToPoint, StageProfile, SystemCosts
-from commlab.costmodel.pipeline import DataParallel, lower, predict
-from commlab.costmodel.plan_calibrate import measured as calibration
+from commlab.costmodel.planner.plan import (
+    LayerProfile,
+    best,
+    candidates,
+    param_copies,
+    peak_bytes,
+    temporaries,
+)
+from commlab.costmodel.terms.costs import CollectiveCost, Overheads, PointToPoint, StageProfile, SystemCosts
+from commlab.costmodel.lowering.pipeline import DataParallel, lower, predict
+from commlab.costmodel.planner.calibrate import measured as calibration
 
 
 def Costs(forward, backward, weight_share=0.5, message_bytes=(), alpha=0.0, beta=0.0, overhead=0.0, optimizer=0.0):
@@ -163,7 +170,7 @@ def _measured(actions, costs, shift):
 
 
 def test_planner_prices_a_plan_exactly_as_the_bench_predictor():
-    from commlab.costmodel.pipeline_calibrate import calibrated_costs, predicted_step
+    from commlab.costmodel.calibration.pipeline import calibrated_costs, predicted_step
     actions = build("1f1b", 2, 4)
     per_rank = _measured(actions, Costs([1.0, 1.5], [2.0, 3.0], alpha=0.3, overhead=0.2), shift=0.2)
     system, bench = calibrated_costs(per_rank, 2)
@@ -179,7 +186,7 @@ def test_planner_prices_a_plan_exactly_as_the_bench_predictor():
 
 
 def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
-    from commlab.costmodel.plan_calibrate import fit_line
+    from commlab.costmodel.planner.calibrate import fit_line
 
     layer = LayerProfile(seconds=[3.0, 3.0, 3.0, 3.0], saved=[0.0] * 4, output=[100.0, 400.0, 100.0, 7.0], params=[0.0] * 4,
                          input_bytes=0.0, forward=[1.0] * 4)  # fmt: skip
@@ -202,8 +209,8 @@ def test_planner_prices_boundary_bytes_and_recomputation_on_the_core():
 
 
 def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
-    from commlab.costmodel.pipeline_calibrate import calibrated_costs, predicted_step
-    from commlab.costmodel.pipeline import sharing
+    from commlab.costmodel.calibration.pipeline import calibrated_costs, predicted_step
+    from commlab.costmodel.lowering.pipeline import sharing
 
     actions, costs = build("1f1b", 3, 6), Costs([1.0, 1.5, 1.0], [2.0, 3.0, 2.0])
     alone = predict(actions, *costs).step_time
@@ -235,7 +242,7 @@ def test_more_ranks_than_cores_share_them_and_calibration_inverts_it():
 
 
 def test_waiting_for_a_core_is_not_executor_overhead():
-    from commlab.costmodel.pipeline_calibrate import idle_breakdown
+    from commlab.costmodel.calibration.pipeline import idle_breakdown
 
     # Rank 1's input arrives at 1 but it starts at 2; meanwhile ranks 0 and 2 compute, so on 2
     # cores it could have had 2/3 of a core: 2/3 s of overhead, not 1 s.
@@ -246,7 +253,7 @@ def test_waiting_for_a_core_is_not_executor_overhead():
 
 
 def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predictor():
-    from commlab.costmodel.pipeline import checkpointed_microbatches
+    from commlab.costmodel.lowering.pipeline import checkpointed_microbatches
     from commlab.pipeline.schedule.validate import recomputes
 
     assert checkpointed_microbatches("never", 4) == ()
@@ -258,7 +265,7 @@ def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predi
 
 
 def test_plan_check_with_a_budget_judges_against_plans_whose_measured_peak_fits():
-    from commlab.costmodel.plan_check import report, verdict
+    from commlab.validation.planner import report, verdict
 
     def row(name, measured, peak, chosen=False):
         return dict(schedule=name, microbatches=2, virtual=1, checkpoint="never", chosen=chosen, predicted_s=measured,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from commlab.costmodel.buckets import bucket_tasks
-from commlab.costmodel.costs import CollectiveCost, Contention, DDPProfile, Overheads, SystemCosts
-from commlab.costmodel.lower import DDPSetting, breakdown, simulate_step, step_costs
+from commlab.costmodel.lowering.buckets import bucket_tasks
+from commlab.costmodel.terms.costs import CollectiveCost, Contention, DDPProfile, Overheads, SystemCosts
+from commlab.costmodel.lowering.ddp import DDPSetting, breakdown, simulate_step, step_costs
 from commlab.sim import Task, simulate
 
 MIB = 1 << 20
@@ -65,7 +65,7 @@ def test_system_costs_and_a_profile_price_a_ddp_step():
 
 
 def test_assign_gives_a_stage_its_buckets_from_the_ddp_policy():
-    from commlab.costmodel.buckets import assign
+    from commlab.costmodel.lowering.buckets import assign
     from commlab.ddp.assignment import TensorSpec, buckets_from_ready_order
 
     sizes, order = (MIB // 2,) * 4 + (3 * MIB,), (4, 3, 2, 1, 0)

@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.costmodel import profile as prof
-from commlab.costmodel.calibrate import Workload, default_threads, parameter_sizes
-from commlab.costmodel.costs import fit_table
-from commlab.sweep.spec import build_plan, merge
-from commlab.sweep.store import read_tables, tables
+from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.calibration.driver import Workload, default_threads, parameter_sizes
+from commlab.costmodel.terms.costs import fit_table
+from commlab.runs.grid import build_grid, merge
+from commlab.runs.store import read_tables, tables
 
 STEADY = {"steady": True, "spread": 0.05, "load_before": 0.2, "load_after": 1.1, "others_load": 0.2, "cpus": 2,
           "reasons": []}
@@ -58,7 +58,7 @@ def test_predict_writes_the_sweeps_files_ids_and_columns(tmp_path, profile):
     assert r.exit_code == 0, r.output
     run_dir = tmp_path / "p"
     iterations, buckets, runs = read_tables(run_dir)
-    plan = build_plan(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01,0.02,1"}))
+    plan = build_grid(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01,0.02,1"}))
     assert list(runs["config"]) == [c.id for c in plan.configs]  # the measured sweep's ids
     empty = tables([])
     for got, want in zip((iterations, buckets, runs), empty):
@@ -262,7 +262,7 @@ def test_tune_and_calibrate_offer_no_sweep_run_options(command):
 
 
 def test_comparison_legend_names_what_differs_in_words():
-    from commlab.costmodel.compare import series_label
+    from commlab.validation.compare import series_label
 
     values = {"model": "mlp", "model_args": "", "world_size": 4, "algorithm": "ring", "overlap": False}
     assert series_label(values, ["world_size", "overlap"]) == "world 4, overlap off"
@@ -274,7 +274,7 @@ def test_tune_answers_the_same_from_an_empty_cache_and_a_warm_one(tmp_path, monk
     """Every registered algorithm is calibrated and searched, whatever the cache held before
     (calibrate is replaced by the synthetic entry: no process is spawned)."""
     from commlab.collectives import algorithm_names
-    from commlab.costmodel import calibrate as cal
+    from commlab.costmodel.calibration import driver as cal
 
     calls = []
 

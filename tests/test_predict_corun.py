@@ -2,7 +2,7 @@
 
 import pytest
 
-from commlab.costmodel.calibrate import corun_factor, spread_of
+from commlab.costmodel.calibration.driver import corun_factor, spread_of
 
 
 def test_corun_is_the_quickest_together_over_the_quickest_alone():

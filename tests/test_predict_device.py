@@ -1,7 +1,7 @@
 """Calibration's device and clock: the CPU path here, the GPU path where a GPU is present.
 
 The calibration code is one path; only the device (the model, batch and buffers) and the clock
-(perf_counter or CUDA events) differ, and those are chosen by commlab/costmodel/devicetime.py.
+(perf_counter or CUDA events) differ, and those are chosen by commlab/costmodel/calibration/devicetime.py.
 The selection is tested everywhere; the GPU calibration runs only with CUDA (scripts/gpu_check.py).
 """
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from commlab.costmodel.devicetime import (
+from commlab.costmodel.calibration.devicetime import (
     allocator_state,
     calibration_device,
     clock_for,
@@ -58,7 +58,7 @@ def test_cuda_events_time_the_gpu_not_the_host():
 @needs_cuda
 def test_gpu_calibration_measures_on_the_device(tmp_path):
     """One NCCL rank calibrates a small MLP: everything on the GPU, CUDA-event times, allocator state."""
-    from commlab.costmodel.calibrate import Workload, calibrate
+    from commlab.costmodel.calibration.driver import Workload, calibrate
 
     entry = calibrate(Workload("mlp", "depth=2,width=256", 16), backend="nccl", world_size=1,
                       algorithms=("native",), timeout=300.0)

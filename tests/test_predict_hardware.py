@@ -3,8 +3,8 @@ compute from FLOPs, and predictions labelled with their assumptions. Pure: no pr
 
 import pytest
 
-from commlab.costmodel import flops, nccl
-from commlab.costmodel.hardware import allreduce_cost, flops_profile, load_preset, preset_names
+from commlab.costmodel.hardware import flops, nccl
+from commlab.costmodel.hardware.presets import allreduce_cost, flops_profile, load_preset, preset_names
 
 A100 = nccl.Network(gpus_per_node=8, nvlink_busbw=240.0, nic_busbw=24.0, nics_per_node=8, channels=16, arch="ampere",
                     net_overhead_us=2.0)

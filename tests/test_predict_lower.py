@@ -2,7 +2,14 @@
 
 import pytest
 
-from commlab.costmodel.lower import DDPSetting, StepCosts, assign_buckets, breakdown, lower, simulate_step
+from commlab.costmodel.lowering.ddp import (
+    DDPSetting,
+    StepCosts,
+    assign_buckets,
+    breakdown,
+    lower,
+    simulate_step,
+)
 
 MIB = 1 << 20
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from commlab.costmodel import profile as prof
-from commlab.costmodel.costs import CollectiveCost, fit_table, solve_contention
-from commlab.costmodel.hardware import allreduce_cost, load_preset, preset_names
+from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.terms.costs import CollectiveCost, fit_table, solve_contention
+from commlab.costmodel.hardware.presets import allreduce_cost, load_preset, preset_names
 
 
 def entry(**key_over):
@@ -105,7 +105,7 @@ def test_hardware_preset_file_missing_a_field(tmp_path):
 
 
 def test_kendall_tau_b():
-    from commlab.costmodel.compare import kendall_tau
+    from commlab.validation.compare import kendall_tau
 
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
@@ -115,7 +115,7 @@ def test_kendall_tau_b():
 
 
 def test_table_sizes_cover_the_buckets_that_occur():
-    from commlab.costmodel.calibrate import table_sizes
+    from commlab.costmodel.calibration.driver import table_sizes
 
     assert table_sizes(48 << 20) == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 48 << 20]
     small = table_sizes(35_000)
@@ -127,8 +127,8 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
     complete one is used as is. (calibrate is replaced by a stub: no process is spawned.)"""
     import time
 
-    from commlab.costmodel import calibrate as cal
-    from commlab.costmodel import measure
+    from commlab.costmodel.calibration import driver as cal
+    from commlab.costmodel.calibration import measure
 
     workload = cal.Workload("mlp", "depth=2,width=64", 32)
     calls = []
@@ -163,7 +163,7 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
 def test_validation_table_takes_worst_cases_over_agreeing_measurements_only():
     import pandas as pd
 
-    from commlab.costmodel.compare import format_table, workload_table
+    from commlab.validation.compare import format_table, workload_table
 
     w = dict(model="mlp", model_args="depth=2", backend="gloo", world_size=2, batch_per_rank=32)
     both = pd.DataFrame([{**w, "error": e, "shape_error": s, "agreement": a}
@@ -182,7 +182,7 @@ def test_write_back_is_calibrated_from_ddps_own_span_not_the_exposed_time(monkey
     """exposed_comm ends when the last all-reduce is done (commlab/ddp/timing.py); the write-back
     comes after it. Solving for the write-back from the exposed time gave ~0 s where DDP's own
     write-back span said 8-25 ms for 48 MiB."""
-    from commlab.costmodel import measure
+    from commlab.costmodel.calibration import measure
 
     spec = {"model": "mlp", "model_kwargs": {"depth": 2, "width": 512}}
     total = sum(p.numel() * 4 for p in measure._fresh_model(spec).parameters())

@@ -2,11 +2,11 @@
 
 import pytest
 
-from commlab.costmodel.calibrate import assemble
-from commlab.costmodel.costs import CollectiveCost, Contention, DDPProfile, SystemCosts
-from commlab.costmodel.lower import DDPSetting, simulate_step, step_costs
-from commlab.costmodel.measure_queue import MAX_QUEUE, paired_seconds, queue_length
-from commlab.costmodel.predict import system_from_entry
+from commlab.costmodel.calibration.driver import assemble
+from commlab.costmodel.terms.costs import CollectiveCost, Contention, DDPProfile, SystemCosts
+from commlab.costmodel.lowering.ddp import DDPSetting, simulate_step, step_costs
+from commlab.costmodel.calibration.queueing import MAX_QUEUE, paired_seconds, queue_length
+from commlab.costmodel.search.predict import system_from_entry
 
 MIB = 1 << 20
 
@@ -80,7 +80,7 @@ def test_calibration_keeps_the_slowest_ranks_queue_as_a_paired_table_and_predict
 
 
 def test_write_back_beside_a_collective_uses_the_copys_own_factors():
-    from commlab.costmodel.lower import contention_rate
+    from commlab.costmodel.lowering.ddp import contention_rate
     from commlab.sim import Task
 
     ar, wb, grad = (Task("ar", "chan0", 1.0, (), "allreduce", "rank"), Task("wb", "compute", 1.0, (), "writeback", "rank"),

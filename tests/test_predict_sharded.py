@@ -5,11 +5,18 @@ No processes, no calibration: costs are written by hand.
 
 import pytest
 
-from commlab.costmodel.lower import DDPSetting, StepCosts, breakdown, simulate_step
-from commlab.costmodel.predict import ddp_columns
-from commlab.costmodel.sharded import (ShardedCosts, ShardedSetting, comm_bytes, padded_bytes, sharded_breakdown,
-                                       sharded_buckets, simulate_sharded)
-from commlab.costmodel.sharded_tuning import ShardedCandidate, parse_stages, pick
+from commlab.costmodel.lowering.ddp import DDPSetting, StepCosts, breakdown, simulate_step
+from commlab.costmodel.search.predict import ddp_columns
+from commlab.costmodel.lowering.zero import (
+    ShardedCosts,
+    ShardedSetting,
+    comm_bytes,
+    padded_bytes,
+    sharded_breakdown,
+    sharded_buckets,
+    simulate_sharded,
+)
+from commlab.costmodel.search.tune_sharded import ShardedCandidate, parse_stages, pick
 
 MIB = 1 << 20
 

@@ -12,9 +12,9 @@ import pytest
 from test_predict_cli import STEADY, invoke, synthetic_entry
 
 import commlab
-from commlab.costmodel import profile as prof
-from commlab.costmodel.costs import fit_table
-from commlab.sweep.spec import build_plan, merge
+from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.terms.costs import fit_table
+from commlab.runs.grid import build_grid, merge
 
 TUNE = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64"]
 
@@ -95,7 +95,7 @@ def test_tune_stage_auto_recommends_the_fastest_that_fits_and_says_when_nothing_
 
 
 def test_a_profile_without_sharded_tables_is_calibrated_again_for_them(tmp_path, monkeypatch):
-    from commlab.costmodel import calibrate as cal
+    from commlab.costmodel.calibration import driver as cal
 
     calls = []
 
@@ -114,16 +114,16 @@ def test_a_profile_without_sharded_tables_is_calibrated_again_for_them(tmp_path,
 
 
 def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(profile, tmp_path):
-    from commlab.costmodel import session
-    from commlab.costmodel.predict import UnpriceableConfig, costs_for_config, table, write_prediction
-    from commlab.sweep.store import read_tables
+    from commlab.costmodel.search import grid_costs as session
+    from commlab.costmodel.search.predict import UnpriceableConfig, costs_for_config, table, write_prediction
+    from commlab.runs.store import read_tables
 
-    plan = build_plan(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01"}))
+    plan = build_grid(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01"}))
     configs = [dataclasses.replace(plan.configs[0], stage=s, prefetch=p)
                for s, p in ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2))]
     entry = prof.read_file(profile)
     entries = {session.group_key(configs[0]): next(iter(entry.values()))}
-    records, meta = session.predict(type("Plan", (), {"configs": configs})(), entries)
+    records, meta = session.predict(type("Grid", (), {"configs": configs})(), entries)
     rows = [rec["iterations"][0] for rec in records]
     for row in rows:
         assert {"peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter"} <= set(row)
@@ -142,7 +142,7 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     assert len(runs) == len(configs) and (runs["step_median"] > 0).all() and set(runs["source"]) == {"predicted"}
     assert list(runs["peak_bytes"]) == peaks and list(runs["stage"]) == [0, 1, 2, 3, 3]
     with pytest.raises(ValueError, match="DDP .stage 0. only"):
-        session.predict_on(type("Plan", (), {"configs": configs})(), {"name": "x"})
+        session.predict_on(type("Grid", (), {"configs": configs})(), {"name": "x"})
     bare = synthetic_entry()
     with pytest.raises(UnpriceableConfig, match="reduce-scatter"):
         costs_for_config(bare, configs[2])
@@ -152,8 +152,8 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
 
 def test_calibration_measures_reduce_scatter_and_all_gather_tables_in_one_launch():
     """The one spawn: a world-size-2 calibration of a small model with the sharded tables."""
-    from commlab.costmodel.calibrate import Workload, calibrate
-    from commlab.costmodel.sharded_tuning import sharded_answer
+    from commlab.costmodel.calibration.driver import Workload, calibrate
+    from commlab.costmodel.search.tune_sharded import sharded_answer
 
     entry = calibrate(Workload("mlp", "depth=2,width=32", 8), backend="gloo", world_size=2, threads=1,
                       algorithms=("native",), reps=1, iters=2, sharded=True)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from commlab.costmodel.lower import DDPSetting, StepCosts
-from commlab.costmodel.tuning import answer, search, step_time, torch_settings
-from commlab.costmodel.uncertainty import (
+from commlab.costmodel.lowering.ddp import DDPSetting, StepCosts
+from commlab.costmodel.search.tune import answer, search, step_time, torch_settings
+from commlab.costmodel.terms.uncertainty import (
     VALIDATION,
     Steadiness,
     judge,
@@ -144,7 +144,7 @@ def test_spread_and_own_load_are_what_they_say():
 
 
 def test_the_calibrations_spread_comes_from_every_rank_and_the_ddp_steps():
-    from commlab.costmodel.calibrate import spread_of
+    from commlab.costmodel.calibration.driver import spread_of
 
     results = [{"collective_samples": {"native": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}, "ddp": {"step_samples": [1.0, 1.5]}},
                {"collective_samples": {"native": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}}]
@@ -163,7 +163,7 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
     from torch import nn
 
     import commlab
-    from commlab.costmodel import instance
+    from commlab.costmodel.search import module_store as instance
 
     monkeypatch.setenv("COMMLAB_MODULE_DIR", str(tmp_path / "modules"))
     net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 3))
@@ -195,7 +195,7 @@ def test_modules_that_differ_only_in_options_or_activations_get_different_names(
     import torch
     from torch import nn
 
-    from commlab.costmodel.instance import digest
+    from commlab.costmodel.search.module_store import digest
 
     def mlp(act):
         torch.manual_seed(0)
@@ -210,7 +210,7 @@ def test_torch_answer_check_judges_the_pick_against_the_grid_measured_with_torch
     """The check's arithmetic (pure), then one small launch: every configuration is a torch DDP
     with only the answer's keywords, timed on both ranks (the tuner is a stub: no calibration)."""
     import commlab
-    from commlab.costmodel import torchcheck
+    from commlab.validation import torch_answer as torchcheck
 
     per_rank = [{"default": [1.0, 1.2], "bucket_cap_mb=5": [0.9, 0.9]}, {"default": [1.1, 1.0], "bucket_cap_mb=5": [1.0, 0.8]}]
     assert torchcheck.slowest_rank(per_rank) == {"default": pytest.approx(1.15), "bucket_cap_mb=5": pytest.approx(0.95)}

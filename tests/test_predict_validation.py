@@ -14,14 +14,14 @@ import math
 import pandas as pd
 import pytest
 
-from commlab.costmodel.compare import format_table, join, series_taus, workload_table
-from commlab.costmodel.validate import CONVNET, validate_parts
+from commlab.validation.compare import format_table, join, series_taus, workload_table
+from commlab.validation.ddp import CONVNET, validate_parts
 
 WORKLOAD = dict(model="mlp", model_args="depth=2", backend="gloo", world_size=2, batch_per_rank=32, algorithm="native")
 
 
 def runs(rows):
-    """A runs table (commlab/sweep/store.py) of ok configurations: (overlap, bucket_mb, median, p10, p90)."""
+    """A runs table (commlab/runs/store.py) of ok configurations: (overlap, bucket_mb, median, p10, p90)."""
     return pd.DataFrame([{**WORKLOAD, "config": f"c{i}", "status": "ok", "overlap": o, "bucket_mb": mb,
                           "step_median": med, "step_p10": lo, "step_p90": hi}
                          for i, (o, mb, med, lo, hi) in enumerate(rows)])
@@ -86,17 +86,18 @@ def test_held_out_factory_model_shape_order_and_tune(tmp_path):
 def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from commlab.costmodel import validate
+    from commlab.cli.validate import validate as command
+    from commlab.validation import ddp as validate
 
     seen = []
     monkeypatch.setattr(validate, "validate_parts", lambda parts, out, profile, echo=None: seen.append(parts))
     for args in (["--part", "convnet"], ["--part", "mlp", "--part", "blocks", "--part", "oversubscribed"], [],
                  ["--no-oversubscribed"]):
-        assert CliRunner().invoke(validate.main, [*args, "--out", str(tmp_path)]).exit_code == 0
+        assert CliRunner().invoke(command, ["ddp", *args, "--out", str(tmp_path)]).exit_code == 0
     convnet, rest, whole, world2 = seen
     assert {p["model"] for p in convnet} == {CONVNET}
     assert len(convnet) + len(rest) == len(whole) == len(world2) + 2
     assert all(p["iters"] == 12 for p in whole)
-    bad = CliRunner().invoke(validate.main, ["--part", "bert", "--out", str(tmp_path)])
+    bad = CliRunner().invoke(command, ["ddp", "--part", "bert", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and len(seen) == 4  # a usage error before anything runs
     assert "examples.heldout_models:blocks" in {p["model"] for p in whole}

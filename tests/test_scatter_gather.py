@@ -135,7 +135,7 @@ def _specs(nbytes):
 
 
 def test_sharded_buckets_are_the_policys_rebuild_for_backward_order_in_forward_order():
-    from commlab.costmodel.buckets import assign
+    from commlab.costmodel.lowering.buckets import assign
 
     nbytes = [12, 216, 36, 180, 20, 60, 12]
     policy = make_policy("size_cap", bucket_cap_mb=200 / (1 << 20))

@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from commlab.cli import main
-from commlab.sweep.spec import CONFIG_COLUMNS
-from commlab.sweep.store import BUCKET_COLUMNS, ITERATION_COLUMNS
+from commlab.runs.config import CONFIG_COLUMNS
+from commlab.runs.store import BUCKET_COLUMNS, ITERATION_COLUMNS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = ["--model-args", "depth=2,width=64", "--overlap", "on", "--world-size", "1", "--iters", "2",
@@ -161,12 +161,12 @@ def _session_gone(sid, wait=15.0):
 
 
 def test_resume_with_a_changed_grid_is_refused(tmp_path):
-    from commlab.sweep.spec import build_plan, grid_signature, merge
+    from commlab.runs.grid import build_grid, grid_signature, merge
 
     run_dir = tmp_path / "run"
     (run_dir / "configs").mkdir(parents=True)
     (run_dir / "configs" / "x.json").write_text("{}")
-    recorded = build_plan(merge({}, {"bucket_mb": "0.01,1", "iters": 2}))
+    recorded = build_grid(merge({}, {"bucket_mb": "0.01,1", "iters": 2}))
     (run_dir / "metadata.json").write_text(json.dumps({"grid": grid_signature(recorded)}))
     for extra, message in ((["--bucket-mb", "0.01,5", "--iters", "2"], "would add 2 configuration(s)"),
                            (["--bucket-mb", "0.01,1", "--iters", "3"], "would add 4 configuration(s)"),

@@ -3,9 +3,9 @@
 import math
 
 from commlab.ddp.timing import COLUMNS, CpuClock, RawIteration, resolve
-from commlab.costmodel.lower import DDPSetting, breakdown, simulate_step
-from commlab.sweep import store
-from commlab.sweep.spec import build_plan, merge
+from commlab.costmodel.lowering.ddp import DDPSetting, breakdown, simulate_step
+from commlab.runs import store
+from commlab.runs.grid import build_grid, merge
 from test_predict_lower import costs
 
 
@@ -18,7 +18,7 @@ def test_sweep_csv_keeps_every_timing_column_ddp_records(tmp_path):
     assert len(set(recorded.values())) == len(recorded) and all(v > 0 for v in recorded.values())
     # Stored as the sweep worker does (commlab/sweep/worker.py measure), written to iterations.csv
     # and read back: a column renamed or dropped on either side loses its value here.
-    cfg = build_plan(merge({}, {"iters": 1})).configs[0]
+    cfg = build_grid(merge({}, {"iters": 1})).configs[0]
     own = {"accumulate_time": 0.0, "optimizer": 0.25, "step": 3.5}
     store.save_record(tmp_path, {"config": cfg.columns(), "status": "ok", "error": "", "started": 0.0, "ended": 1.0,
                                  "iterations": [{"rank": 0, "iteration": 0, **recorded, **own}], "buckets": []})
@@ -44,12 +44,12 @@ def test_reading_results_and_the_simulator_never_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.costmodel.lower; print('torch' in sys.modules)"
+    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.costmodel.lowering.ddp; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_every_column_is_documented_in_the_store():
-    from commlab.sweep import store
+    from commlab.runs import store
 
     for column in [*store.STEP_COLUMNS, *store.BUCKET_COLUMNS[3:], *store.RUN_COLUMNS, "scaling_efficiency"]:
         assert f"``{column}``" in store.__doc__, column

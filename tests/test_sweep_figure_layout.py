@@ -6,13 +6,13 @@ import pandas as pd
 import pytest
 
 from commlab.sweep import figdata, figures
-from commlab.sweep.spec import build_plan, merge
+from commlab.runs.grid import build_grid, merge
 
 matplotlib.use("Agg")
 
 
 def _runs(world_sizes, buckets=(5, 25)):
-    plan = build_plan(merge({}, {"world_size": ",".join(map(str, world_sizes)), "bucket_mb": ",".join(map(str, buckets)),
+    plan = build_grid(merge({}, {"world_size": ",".join(map(str, world_sizes)), "bucket_mb": ",".join(map(str, buckets)),
                                  "overlap": "on", "global_batch": 1024}))
     rows = []
     for cfg in plan.configs:

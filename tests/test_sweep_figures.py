@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from commlab.sweep import figdata
 from commlab.cli.sweep import figures, trace
-from commlab.sweep.store import read_tables
+from commlab.runs.store import read_tables
 from commlab.sweep.trace import chrome_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sweep"
@@ -108,10 +108,10 @@ def test_breakdown_parts_add_up_to_the_plotted_step():
     """Per-phase medians of different iterations do not add up to a step; the breakdown's do."""
     import pandas as pd
 
-    from commlab.sweep.spec import build_plan, merge
-    from commlab.sweep.stats import SEGMENTS, step_parts, summarise
+    from commlab.runs.grid import build_grid, merge
+    from commlab.runs.stats import SEGMENTS, step_parts, summarise
 
-    cfg = build_plan(merge({}, {"overlap": "on"})).configs[0]
+    cfg = build_grid(merge({}, {"overlap": "on"})).configs[0]
     # Forward is long in one iteration, backward in another: each median misses the long one.
     rows = []
     for rank in (0, 1):

@@ -7,13 +7,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from commlab.sweep import figdata, runner, store
-from commlab.sweep.spec import build_plan, merge
-from commlab.sweep.stats import fastest
+from commlab.sweep import figdata, runner
+from commlab.runs import store
+from commlab.runs.grid import build_grid, merge
+from commlab.runs.stats import fastest
 
 
 def plan(**options):
-    return build_plan(merge({}, {"overlap": "both", "iters": 3, **options}))
+    return build_grid(merge({}, {"overlap": "both", "iters": 3, **options}))
 
 
 def test_repetitions_alternate_forward_and_backward():

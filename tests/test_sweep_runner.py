@@ -4,8 +4,9 @@ import pandas as pd
 import pytest
 
 from commlab.runtime import LaunchError
-from commlab.sweep import runner, store
-from commlab.sweep.spec import build_plan, merge
+from commlab.sweep import runner
+from commlab.runs import store
+from commlab.runs.grid import build_grid, merge
 
 
 def fake_results(cfg):
@@ -30,7 +31,7 @@ class Measure:
 
 
 def test_statuses_resume_and_retry(tmp_path):
-    plan = build_plan(merge({}, {"bucket_mb": "1,2,3", "overlap": "on", "iters": 3}))
+    plan = build_grid(merge({}, {"bucket_mb": "1,2,3", "overlap": "on", "iters": 3}))
     lines = []
     first = Measure({2.0: LaunchError("ranks [1] did not finish within 5 s"),
                      3.0: LaunchError("rank 1 failed", 1, "Traceback ...\nValueError: boom")})
@@ -55,7 +56,7 @@ def test_statuses_resume_and_retry(tmp_path):
 
 
 def test_a_node_that_does_not_write(tmp_path):
-    plan = build_plan(merge({}, {"bucket_mb": "1", "overlap": "on", "iters": 2}))
+    plan = build_grid(merge({}, {"bucket_mb": "1", "overlap": "on", "iters": 2}))
     measure = Measure()
     records = runner.run(plan, tmp_path, resume=False, echo=lambda _: None, write=False, measure=measure)
     assert len(measure.ran) == 1 and records[0]["status"] == "ok"
@@ -64,7 +65,7 @@ def test_a_node_that_does_not_write(tmp_path):
 
 
 def test_a_sweep_where_everything_failed_still_has_its_tables(tmp_path):
-    plan = build_plan(merge({}, {"bucket_mb": "1,2", "overlap": "on"}))
+    plan = build_grid(merge({}, {"bucket_mb": "1,2", "overlap": "on"}))
     boom = RuntimeError("torchrun exited with code 1")
     runner.run(plan, tmp_path, resume=False, echo=lambda _: None, measure=Measure({1.0: boom, 2.0: boom}))
     iterations, buckets, runs = store.read_tables(tmp_path)

@@ -8,14 +8,16 @@ import pandas as pd
 import pytest
 import yaml
 
-from commlab.sweep import store
+from commlab.runs import store
 from commlab.sweep.progress import bar, clock
-from commlab.sweep.spec import CONFIG_COLUMNS, Config, build_plan, merge, overlap_values, parse_list, parse_model_args, positive_float
-from commlab.sweep.stats import scaling_efficiency, summarise
+from commlab.runs.config import CONFIG_COLUMNS, Config
+from commlab.runs.grid import build_grid, merge
+from commlab.runs.options import overlap_values, parse_list, parse_model_args, positive_float
+from commlab.runs.stats import scaling_efficiency, summarise
 
 
 def plan(**options):
-    return build_plan(merge({}, options))
+    return build_grid(merge({}, options))
 
 
 def test_parse_lists_and_scalars():
@@ -146,15 +148,15 @@ def test_progress_bar_eta():
 
 @pytest.mark.parametrize("spec", sorted((Path(__file__).parents[1] / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_specs_are_valid_here(spec):
-    from commlab.sweep.runner import check_plan
+    from commlab.sweep.runner import check_grid
 
-    p = build_plan(merge(yaml.safe_load(spec.read_text()), {}))
-    check_plan(p)  # models, algorithms and backends all available on a CPU-only machine
+    p = build_grid(merge(yaml.safe_load(spec.read_text()), {}))
+    check_grid(p)  # models, algorithms and backends all available on a CPU-only machine
     assert len(p.configs) >= 2 and len({c.id for c in p.configs}) == len(p.configs)
 
 
 def test_resuming_compares_grids():
-    from commlab.sweep.spec import grid_change, grid_signature, grid_union
+    from commlab.runs.grid import grid_change, grid_signature, grid_union
 
     old = grid_signature(plan(bucket_mb="1,5", overlap="on"))
     assert grid_change(None, old) is None and grid_change(old, old) is None

@@ -5,13 +5,14 @@ import pandas as pd
 import pytest
 
 from commlab.sweep import figdata
-from commlab.sweep.spec import CONFIG_COLUMNS, build_plan, merge
-from commlab.sweep.stats import scaling_efficiency, superlinear, summarise
-from commlab.sweep.store import RUN_COLUMNS
+from commlab.runs.config import CONFIG_COLUMNS
+from commlab.runs.grid import build_grid, merge
+from commlab.runs.stats import scaling_efficiency, superlinear, summarise
+from commlab.runs.store import RUN_COLUMNS
 
 
 def plan(**options):
-    return build_plan(merge({}, options))
+    return build_grid(merge({}, options))
 
 
 def test_threads_per_rank_do_not_follow_the_world_size():

@@ -11,7 +11,7 @@ bubble feeds each step's own action times to the simulator: on a loaded machine 
 vary from one micro-batch to the next, which a per-stage median cannot predict. Activation memory is the bytes saved for backward (saved-tensor hooks),
 plus the CUDA allocator's peak on GPUs. torch has no checkpointing in its schedules, so the
 reference runs only for ``checkpoint=never``. The predicted step time is calibrated on
-``calibrate`` commlab steps run before the timed ones (:mod:`commlab.costmodel.pipeline_calibrate`).
+``calibrate`` commlab steps run before the timed ones (:mod:`commlab.costmodel.calibration.pipeline`).
 """
 
 from __future__ import annotations

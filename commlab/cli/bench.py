@@ -23,7 +23,7 @@ class _Size(click.ParamType):
     name = "SIZE"
 
     def convert(self, value, param, ctx):
-        from commlab.costmodel.alpha_beta import parse_size  # numpy: not for --help
+        from commlab.runs.traffic import parse_size  # numpy: not for --help
 
         try:
             return parse_size(value)
@@ -95,7 +95,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
                       dtype, op, check, out_dir, timeout, repeat, oversubscribe):
     """nccl-tests-style benchmark of collectives and their algorithms (interleaved, fair comparison)."""
     from commlab.bench import collectives_bench  # imports torch: inside the command
-    from commlab.costmodel.alpha_beta import size_sweep
+    from commlab.costmodel.terms.alpha_beta import size_sweep
 
     from commlab.bench.collectives_plugins import collective_names
 

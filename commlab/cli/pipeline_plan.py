@@ -55,13 +55,13 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     """
     import os
 
-    from commlab.costmodel.pipeline import DataParallel
+    from commlab.costmodel.lowering.pipeline import DataParallel
 
-    from commlab.costmodel.plan import best, candidates, no_fit, table
-    from commlab.costmodel.plan_profile import profile_mlp
-    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
-    from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs
-    from commlab.costmodel.plan_stages import needs_split, stage_ranges
+    from commlab.costmodel.planner.plan import best, candidates, no_fit, table
+    from commlab.costmodel.planner.layers import profile_mlp
+    from commlab.costmodel.planner.calibrate import plan_costs, profile_line
+    from commlab.costmodel.planner.offgrid import calibration_count, calibration_runs
+    from commlab.costmodel.planner.stages import needs_split, stage_ranges
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -96,7 +96,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if model_name is None:
         profiles = profile_mlp(depth, width, batch, profiled, ranks * dp, None if co_run else priced)
     else:
-        from commlab.costmodel.plan_model import profile_model, split_points
+        from commlab.costmodel.planner.model import profile_model, split_points
 
         try:
             profiles, points = profile_model(model_name, batch, profiled, ranks * dp, split_at and split_at.split(","),
@@ -123,7 +123,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     chosen = best(plans, budget)
     click.echo("\n".join(table(plans[:top], budget)))
     if predictions is not None:
-        from commlab.costmodel.plan_check import write_predictions
+        from commlab.validation.planner import write_predictions
 
         click.echo(f"wrote {write_predictions(predictions, plans)} predictions to {predictions}")
     if chosen is None:
@@ -145,7 +145,7 @@ def _sizes(model_name: str | None, model_args: str | None) -> dict:
     if model_name is None:
         return {}
     from commlab.models import check_workload
-    from commlab.sweep.options import parse_model_args
+    from commlab.runs.options import parse_model_args
 
     try:
         sizes = parse_model_args(model_args or "")
@@ -156,7 +156,7 @@ def _sizes(model_name: str | None, model_args: str | None) -> dict:
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None, out: Path | None = None) -> None:
-    from commlab.costmodel.plan_check import measure_grid
+    from commlab.validation.planner import measure_grid
 
     what = "plans (every one)" if budget is not None else "plans that fit"
     click.echo(f"\nvalidating: {len(fitting)} {what}, {ranks} Gloo ranks, {common['iters']} timed rounds after "

@@ -60,13 +60,13 @@ _ECHO = lambda line: click.echo(line, err=True)  # noqa: E731
 
 def _plan(spec_file, options, *, hardware: str | None = None):
     from commlab.sweep import runner
-    from commlab.sweep.spec import build_plan, merge
+    from commlab.runs.grid import build_grid, merge
 
     spec = sweep_cli._read_spec(spec_file)
     try:
-        plan = build_plan(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
+        plan = build_grid(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
         if hardware is None:
-            runner.check_plan(plan)
+            runner.check_grid(plan)
         else:
             from commlab.models import check_workload
 
@@ -81,7 +81,7 @@ def _plan(spec_file, options, *, hardware: str | None = None):
 
 def _entries(plan, profile_path, recalibrate, *, world_size=None):
     """One profile entry per (workload, backend, world size, threads) of the plan."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     try:
         return session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
@@ -94,7 +94,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
     """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     entries = _entries(plan, profile_path, recalibrate)
-    from commlab.costmodel.profile import key_id
+    from commlab.costmodel.calibration.cache import key_id
 
     for entry in entries.values():
         c = entry["compute"]
@@ -102,7 +102,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                    f"{c['ready_s'][-1] * 1e3:.1f} ms, optimizer {c['optimizer_s'] * 1e3:.1f} ms, co-run x{c['corun']:.2f}, "
                    f"write-back {c['writeback_s_per_byte'] * 2**30:.1f} s/GiB, bucket {c['bucket_fixed_s'] * 1e3:.2f} ms")
         if "steadiness" in entry:
-            from commlab.costmodel.uncertainty import Steadiness
+            from commlab.costmodel.terms.uncertainty import Steadiness
 
             click.echo(f"  calibration {Steadiness.from_json(entry['steadiness']).describe()}")
         for algorithm, fit in entry["collectives"].items():
@@ -117,7 +117,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     and figures as `commlab sweep`, with a `source` column saying `predicted`. Configurations at
     stage 1-3 (sharded data parallelism) are predicted too, with their peak bytes per rank.
     --memory prints the ZeRO memory model instead (no calibration)."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     if memory or num_params is not None or precision is not None:
         if not memory:
@@ -133,7 +133,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     begin = time.monotonic()
     preset = None
     if hardware is not None:
-        from commlab.costmodel.hardware import load_preset
+        from commlab.costmodel.hardware.presets import load_preset
 
         try:
             preset = load_preset(hardware)
@@ -147,7 +147,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     plan = _plan(spec_file, options, hardware=hardware)
     measured = None
     if against is not None:
-        from commlab.sweep.store import read_tables
+        from commlab.runs.store import read_tables
 
         try:
             measured = read_tables(against)[2]
@@ -172,7 +172,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
             records, meta = session.predict_on(plan, preset, profile_path, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.costmodel.predict import table, write_prediction
+    from commlab.costmodel.search.predict import table, write_prediction
 
     click.echo(meta["figure_note"])  # what every figure below is: predicted, and from what
     click.echo(table(records))
@@ -184,8 +184,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
         written = draw_all(run_dir)
         _ECHO(f"figures in {run_dir / 'figures'}: {', '.join(p.name for p in written if p.suffix == '.png')}")
     if measured is not None:
-        from commlab.costmodel import compare
-        from commlab.sweep.store import read_tables
+        from commlab.validation import compare
+        from commlab.runs.store import read_tables
 
         both = compare.join(read_tables(run_dir)[2], measured)
         if both.empty:
@@ -202,8 +202,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
 
 def _warn_unsteady(entries) -> None:
     """Say so when a prediction rests on a calibration the machine's load disturbed."""
-    from commlab.costmodel.profile import key_id
-    from commlab.costmodel.uncertainty import Steadiness
+    from commlab.costmodel.calibration.cache import key_id
+    from commlab.costmodel.terms.uncertainty import Steadiness
 
     for entry in entries:
         if "steadiness" in entry and not entry["steadiness"]["steady"]:
@@ -218,7 +218,7 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
     model's validated error gives; every registered all-reduce algorithm is searched. A calibration
     the machine's load disturbed is said to be unsteady, and then the default is recommended
     unless --force. --stage adds the fastest sharded configuration that fits --memory-gb."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     stages = tune_text.stages_of(stage, memory_gb)
     plan = _plan(spec_file, {**options, "bucket_mb": None})
@@ -233,7 +233,7 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
     results = [session.tune_entry(entry, algorithms=names, policies=policies, force=force)
                for entry in entries.values()]
     if stages is not None:
-        from commlab.costmodel.sharded_tuning import sharded_answer
+        from commlab.costmodel.search.tune_sharded import sharded_answer
 
         try:
             for entry, r in zip(entries.values(), results):

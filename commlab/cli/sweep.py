@@ -17,7 +17,8 @@ from pathlib import Path
 import click
 import yaml
 
-from commlab.sweep.spec import DEFAULTS, LAUNCHERS, SCALINGS, build_plan, merge
+from commlab.runs.config import DEFAULTS, LAUNCHERS, SCALINGS
+from commlab.runs.grid import build_grid, merge
 
 _LIST = "comma-separated list"
 
@@ -63,16 +64,17 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     import commlab
     from commlab.runtime.interrupt import keep_partial
     from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
-    from commlab.sweep import runner, store
-    from commlab.sweep.spec import grid_change, grid_signature, grid_union
+    from commlab.sweep import runner
+    from commlab.runs import store
+    from commlab.runs.grid import grid_change, grid_signature, grid_union
 
     if options.get("name") is not None and not options["name"].strip():
         raise click.BadParameter("an empty name: give a plain directory name inside --out, or leave --name out",
                                  param_hint="--name")
     spec = _read_spec(spec_file)
     try:
-        plan = build_plan(merge(spec, options))
-        runner.check_plan(plan)
+        plan = build_grid(merge(spec, options))
+        runner.check_grid(plan)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     if plan.nnodes > 1 and not (plan.name or spec_file):
@@ -123,8 +125,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
         written = draw_all(run_dir)
         pngs = [p.name for p in written if p.suffix == ".png"]
         echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
-    from commlab.sweep.stats import fastest, superlinear
-    from commlab.sweep.store import read_tables
+    from commlab.runs.stats import fastest, superlinear
+    from commlab.runs.store import read_tables
 
     table = read_tables(run_dir)[2]
     for line in [*fastest(table), *superlinear(table)]:
@@ -167,7 +169,7 @@ def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bo
     the configuration runs again under torch.profiler on every rank, and the ranks' traces are
     merged on one clock: torch operators, commlab's phases and the backend's collectives.
     """
-    from commlab.sweep.store import read_tables
+    from commlab.runs.store import read_tables
     from commlab.sweep.trace import pick_config, write_trace
 
     try:
@@ -184,8 +186,8 @@ def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bo
     from commlab._atomic import write_text
     from commlab.runtime.orphans import sigterm_as_interrupt
     from commlab.sweep import profile as profiler
-    from commlab.sweep.spec import Config
-    from commlab.sweep.store import load_records
+    from commlab.runs.config import Config
+    from commlab.runs.store import load_records
 
     record = next(r for r in load_records(run_dir) if r["config"]["config"] == config_id)
     cfg = Config.from_columns(record["config"])

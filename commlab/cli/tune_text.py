@@ -17,7 +17,7 @@ OPTIONS = [
 
 def stages_of(stage: str | None, memory_gb: float | None) -> tuple[int, ...] | None:
     """The stages --stage asks for (None: no sharded answer); usage errors before anything runs."""
-    from commlab.costmodel.sharded_tuning import parse_stages
+    from commlab.costmodel.search.tune_sharded import parse_stages
 
     if stage is None:
         if memory_gb is not None:
@@ -30,8 +30,8 @@ def stages_of(stage: str | None, memory_gb: float | None) -> tuple[int, ...] | N
 
 
 def sharded_text(r: dict) -> str:
-    """The sharded answer's lines (commlab/costmodel/sharded_tuning.py)."""
-    from commlab.costmodel.sharded_tuning import STAGES  # lazy: the lowering imports pandas (--help)
+    """The sharded answer's lines (commlab/costmodel/search/tune_sharded.py)."""
+    from commlab.costmodel.search.tune_sharded import STAGES  # lazy: the lowering imports pandas (--help)
 
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
     kw = ", ".join(f"{n}={v!r}" for n, v in r["kwargs"].items())
@@ -57,7 +57,7 @@ def sharded_text(r: dict) -> str:
 
 def tune_text(entry: dict, r: dict, force: bool) -> str:
     """What `commlab tune` prints for one workload (the same numbers as --json)."""
-    from commlab.costmodel import uncertainty
+    from commlab.costmodel.terms import uncertainty
 
     k = entry["key"]
     steadiness = uncertainty.Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None

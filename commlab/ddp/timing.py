@@ -71,8 +71,8 @@ class IterationTiming:
         return row
 
 
-# The per-iteration columns, in order: what the sweep stores (commlab/sweep/store.py) and what
-# the predictor writes in its place (commlab/costmodel/lower.py), from this one definition.
+# The per-iteration columns, in order: what the sweep stores (commlab/runs/store.py) and what
+# the predictor writes in its place (commlab/costmodel/lowering/ddp.py), from this one definition.
 COLUMNS = [f.name for f in fields(IterationTiming) if f.name != "buckets"]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commlab.sweep import stats
+from commlab.runs import stats
 
 # The axes a sweep can vary, in the order a label names them.
 AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
@@ -20,7 +20,7 @@ AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb"
 SETTINGS = ["global_batch", "batch_per_rank", "iters", "warmup"]
 # Stacked segments of one step, bottom to top; section 5 of the paper splits an iteration the same
 # way (forward, backward compute, exposed communication, optimizer). "other" is the rest of the
-# step, so the stack adds up to the mean step time (see commlab.sweep.stats.step_parts).
+# step, so the stack adds up to the mean step time (see commlab.runs.stats.step_parts).
 SEGMENTS = [*stats.SEGMENTS, "other"]
 
 

@@ -27,7 +27,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
-from commlab.sweep.store import read_metadata, read_tables  # noqa: E402
+from commlab.runs.store import read_metadata, read_tables  # noqa: E402
 
 _NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
           "exposed_comm": "exposed comm", "optimizer": "optimizer", "other": "other (rest of the step)"}

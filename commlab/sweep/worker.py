@@ -29,8 +29,8 @@ from commlab._malloc import keep_freed_memory
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
 from commlab.memtrack import live_bytes, track_peak
-from commlab.sweep import sharding
-from commlab.sweep.spec import Config
+from commlab.sweep import wrap as sharding
+from commlab.runs.config import Config
 
 
 def _unlabelled(name: str):
