@@ -81,7 +81,7 @@ class ShardedDataParallel(nn.Module):
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
         super().__init__()
-        validate.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward)
+        stage = validate.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward).stage
         comm.check_algorithm(algorithm)
         policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb)
         plan = plan_buckets(module, policy, units)  # unit and policy errors, still before any collective

@@ -14,7 +14,7 @@ from typing import Any
 from commlab.costmodel.calibration.driver import DEFAULT_PROFILE, Workload, default_threads, profile_for
 from commlab.costmodel.calibration.cache import key_id
 from commlab.costmodel.lowering.ddp import step_costs
-from commlab.runs.config import Config
+from commlab.runs.config import Config, zero_stage_of
 
 Key = tuple[str, str, int, str, int, int]
 
@@ -43,7 +43,7 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
     sharded: set[Key] = set()  # groups with a configuration at stage 1-3: they need the sharded tables
     for cfg in configs:
         group = wanted.setdefault(group_key(cfg, world_size), [])
-        if (cfg.get("stage", 0) if isinstance(cfg, dict) else getattr(cfg, "stage", 0)) or shard:
+        if not zero_stage_of(cfg).ddp or shard:
             sharded.add(group_key(cfg, world_size))
         for algorithm in ("native", *extra, cfg.algorithm):
             if algorithm not in group:
@@ -76,7 +76,7 @@ def predict_on(plan, preset: dict, profile_path: Path | None = None,
     calibrated here; each workload's compute is a profile calibrated on the preset's device when
     ``profile_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
     reduce-scatter or all-gather, so a sharded configuration is a ValueError, not a DDP guess."""
-    sharded = [c.id for c in plan.configs if getattr(c, "stage", 0)]
+    sharded = [c.id for c in plan.configs if not zero_stage_of(c).ddp]
     if sharded:
         raise ValueError(f"--hardware predicts DDP (stage 0) only; {len(sharded)} configuration(s) have a sharded "
                          "stage: predict them from a calibration of this machine instead")

@@ -31,11 +31,12 @@ from commlab.costmodel.lowering.zero import (
     simulate_sharded,
 )
 from commlab.runs.traffic import comm_bytes
-from commlab.runs.config import Config
+from commlab.runs.config import LATER_FIELDS, Config, zero_stage_of
 from commlab.runs.store import MEASURE_COLUMNS
 
 SOURCE = "predicted"
-SHARDED_DEFAULTS = {"stage": 0, "prefetch": 1, "reshard": True}  # the sweep's keys for sharded runs
+# stage 3's keys, as records written before they were columns hold them (the stage: zero_stage_of)
+SHARDED_DEFAULTS = {k: LATER_FIELDS[k] for k in ("prefetch", "reshard")}
 
 
 class UnpriceableConfig(ValueError):
@@ -101,14 +102,14 @@ def knob(cfg: Any, name: str) -> Any:
 
 
 def sharded_setting_of(cfg: Config) -> ShardedSetting:
-    return ShardedSetting(stage=int(knob(cfg, "stage")), prefetch=int(knob(cfg, "prefetch")),
+    return ShardedSetting(stage=zero_stage_of(cfg).stage, prefetch=int(knob(cfg, "prefetch")),
                           reshard=bool(knob(cfg, "reshard")), bucket_cap_mb=cfg.bucket_mb,
                           accumulate=cfg.accumulate, policy=cfg.bucket_policy)
 
 
 def costs_for_config(entry: dict, cfg: Config) -> StepCosts | ShardedCosts:
     """Stage 0 (commlab DDP): the DDP lowering's costs; stages 1-3: the sharded lowering's."""
-    if int(knob(cfg, "stage")) == 0:
+    if zero_stage_of(cfg).ddp:
         return costs_from_entry(entry, cfg.algorithm, cfg.world_size)
     return sharded_costs_from_entry(entry, cfg.algorithm, cfg.world_size)
 
@@ -165,9 +166,9 @@ def table(records: list[dict[str, Any]]) -> str:
     for rec in records:
         it = rec["iterations"][0]  # ranks are symmetric in the model: rank 0's row stands for all
         buckets = sum(1 for b in rec["buckets"] if b["rank"] == 0)
-        stage = int(knob(rec["config"], "stage"))
+        zero = zero_stage_of(rec["config"])
         rows.append((rec["config"]["config"], f"{it['step'] * 1e3:.1f}", f"{it['exposed_comm'] * 1e3:.1f}", str(buckets),
-                     str(stage), str(knob(rec["config"], "prefetch")) if stage == 3 else "-",
+                     str(zero.stage), str(knob(rec["config"], "prefetch")) if zero.parameters else "-",
                      f"{it['peak_bytes'] / 2**20:.1f}"))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
