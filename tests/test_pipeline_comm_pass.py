@@ -73,9 +73,3 @@ def test_liveness_is_the_one_count_of_what_is_alive():
         {(0, 0): False}, {(0, 0): False, (0, 1): False}, {(0, 0): True, (0, 1): False}, {(0, 1): True}]
     # The planner's peak is that count priced: 2 inputs of 1 byte, then one recomputed (+ 10).
     assert peak_bytes(gp, (0, 1), [10.0, 10.0], [1.0, 1.0], [0.0, 0.0], [0, 1])[0] == 12.0 + 2 * 1.0
-
-
-def test_old_names_are_aliases():
-    from commlab.pipeline import PipelineExecutor, PipelineSchedule, RankStages, Stage
-
-    assert PipelineSchedule is PipelineExecutor and Stage is RankStages

@@ -16,13 +16,13 @@ Schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``, ``looped-b
 (``[["0F0", "0B0"], ...]``, :func:`from_csv` for torch's CSV), the comm pass
 :func:`lower_comm`, :func:`validate`, :func:`simulate` and :func:`grid` are pure functions of the
 pipeline's shape (:mod:`commlab.pipeline.schedule`); the executor and what it runs on are in
-:mod:`commlab.pipeline.runtime`. ``PipelineSchedule`` and ``Stage`` are the deprecated old names of
-``PipelineExecutor`` and ``RankStages``.
+:mod:`commlab.pipeline.runtime`. ``PipelineSchedule`` and ``Stage``, the old names of
+``PipelineExecutor`` and ``RankStages``, still work with a FutureWarning.
 """
 
 from __future__ import annotations
 
-from commlab._lazy import lazy_getattr
+from commlab._lazy import lazy_getattr, renamed_getattr
 
 from commlab.pipeline.runtime.partition import balance_by_size, balance_by_time, partition, split
 from commlab.pipeline.schedule.actions import Action, as_actions, flatten, format_actions, from_csv, looping, overlap, placement_of, to_csv, v_shape
@@ -41,15 +41,16 @@ from commlab.pipeline.schedule.zero_bubble import dualpipev, zb_h1, zb_v
 _LAZY = {
     "LOSS_REDUCTIONS": "commlab.pipeline.runtime.executor",
     "PipelineExecutor": "commlab.pipeline.runtime.executor",
-    "PipelineSchedule": "commlab.pipeline.runtime.executor",
     "RankStages": "commlab.pipeline.runtime.stages",
-    "Stage": "commlab.pipeline.runtime.stages",
     "DataParallelStage": "commlab.pipeline.runtime.hybrid",
     "trace_stages": "commlab.pipeline.runtime.traced",
 }
 
 
-__getattr__ = lazy_getattr("commlab.pipeline", _LAZY)
+# The old names, for a release: the executor runs a schedule (it is not one); RankStages holds
+# all of a rank's stages, not one.
+RENAMED = {"PipelineSchedule": "PipelineExecutor", "Stage": "RankStages"}
+__getattr__ = renamed_getattr("commlab.pipeline", RENAMED, lazy_getattr("commlab.pipeline", _LAZY))
 
 
 __all__ = sorted([
