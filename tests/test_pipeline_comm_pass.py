@@ -6,7 +6,7 @@ from commlab.pipeline import REGISTRY, build, liveness, lower_comm, peak_in_flig
 from commlab.costmodel.planner.plan import peak_bytes
 from commlab.pipeline.schedule.comm import Comm, compute_only
 from commlab.pipeline.schedule.actions import flatten
-from commlab.pipeline.schedule.validate import comm_problems
+from commlab.pipeline.schedule.checks import comm_problems
 
 
 def _lines(lowered):

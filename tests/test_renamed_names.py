@@ -9,6 +9,7 @@ import pytest
 RENAMED = [
     ("commlab.pipeline", "PipelineSchedule", "PipelineExecutor"),
     ("commlab.pipeline", "Stage", "RankStages"),
+    ("commlab.pipeline", "validate", "check_schedule"),  # "validate": the model against measurement
     ("commlab.pipeline.runtime.executor", "PipelineSchedule", "PipelineExecutor"),
     ("commlab.pipeline.runtime.stages", "Stage", "RankStages"),
 ]

@@ -46,7 +46,7 @@ from commlab.pipeline.schedule.comm import lower_comm, message_order
 from commlab.pipeline.schedule.kinds import split_stages
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.simulate import Timed
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES, check_plan, recomputes, resolve
 
 __all__ = ["CHECKPOINT_MODES", "HANDLERS", "LOSS_REDUCTIONS", "PipelineExecutor", "check_plan", "resolve"]
 
@@ -296,5 +296,4 @@ HANDLERS: dict[str, Callable[[PipelineExecutor, Action, Value | None], Value | N
     INPUT_GRAD: PipelineExecutor._backward,
     WEIGHT_GRAD: PipelineExecutor._backward,
 }
-
 __getattr__ = renamed_getattr(__name__, {"PipelineSchedule": "PipelineExecutor"})  # old name: it runs a schedule
