@@ -11,7 +11,7 @@ import click
 
 from commlab.cli.pipeline_options import OPTIMIZERS, SCHEDULE_NAMES, ints as _ints, names as _names
 from commlab.pipeline.schedule.registry import REGISTRY
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES
 
 
 @click.command()
