@@ -12,6 +12,12 @@ RENAMED = [
     ("commlab.pipeline", "validate", "check_schedule"),  # "validate": the model against measurement
     ("commlab.pipeline.runtime.executor", "PipelineSchedule", "PipelineExecutor"),
     ("commlab.pipeline.runtime.stages", "Stage", "RankStages"),
+    # "profile" is what a workload's compute measured; the cached terms of a machine are a calibration
+    ("commlab.costmodel.calibration.driver", "DEFAULT_PROFILE", "DEFAULT_CALIBRATION"),
+    ("commlab.costmodel.calibration.driver", "profile_for", "calibration_for"),
+    ("commlab.costmodel.calibration.cache", "ProfileError", "CalibrationError"),
+    ("commlab.costmodel.calibration.cache", "StaleProfile", "StaleCalibration"),
+    ("commlab.costmodel.hardware.presets", "flops_profile", "compute_from_flops"),
 ]
 
 

@@ -224,7 +224,7 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
     terms (stage 3 without reshard holds every gathered bucket), plus the largest parameter's
     gradient as autograd makes it (before the copy into its bucket), plus the profile's activations
-    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a profile
+    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a calibration
     made without them). Left out: the allocator's caching and fragmentation, the forward's
     transient tensors that are not saved, the temporaries of the optimizer's step and of the
     collectives (a p2p algorithm's send/receive chunks)."""

@@ -1,4 +1,4 @@
-"""Predicting a sweep: each configuration of a plan simulated from a calibration profile.
+"""Predicting a sweep: each configuration of a plan simulated from a calibration.
 
     records = predict_plan(plan, costs_for)     # one sweep record per configuration, no process
 
@@ -44,13 +44,13 @@ class UnpriceableConfig(ValueError):
 
 
 def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
-    """What one calibration profile entry (commlab/costmodel/calibration/cache.py) measured about the machine,
+    """What one calibration entry (commlab/costmodel/calibration/cache.py) measured about the machine,
     its all-reduce tables priced at ``world_size`` (the entry's own)."""
     c = entry["compute"]
     contention = {}
     for algorithm in entry["collectives"]:
         k = entry["contention"].get(algorithm, {"kc": 0.0, "km": 0.0})
-        # optional (profiles made before it was measured price one collective at a time)
+        # optional (calibrations made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
         paired = CollectiveCost(tuple(lanes["sizes"]), tuple(lanes["paired_s"])) if "paired_s" in lanes else None
         contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired,
@@ -65,18 +65,18 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
 
 
 def profile_from_entry(entry: dict) -> DDPProfile:
-    """The workload's compute from one calibration profile entry."""
+    """The workload's compute profile from one calibration entry."""
     c, p = entry["compute"], entry["params"]
     return DDPProfile(forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
                       param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"])
 
 
 def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
-    """The lowering's costs from one calibration profile entry (commlab/costmodel/calibration/cache.py)."""
+    """The lowering's costs from one calibration entry (commlab/costmodel/calibration/cache.py)."""
     if algorithm not in entry["collectives"]:
-        raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
+        raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
+    fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
                       activation_bytes=entry["compute"].get("activation_bytes", 0),
                       fresh=cost_from_entry(fresh) if fresh else None,
@@ -84,12 +84,12 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
 
 
 def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
-    """The sharded lowering's costs from one profile entry (one calibrated with its sharded tables)."""
+    """The sharded lowering's costs from one calibration entry (one with its sharded tables)."""
     have = entry.get("sharded_collectives", {}).get("reduce_scatter", {})
     if algorithm not in have or algorithm not in entry["collectives"]:
-        raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in profile "
+        raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(have)) or 'none'}): calibrate again")
-    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
+    fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
                          activation_bytes=entry["compute"].get("activation_bytes", 0),
                          fresh=cost_from_entry(fresh) if fresh else None)

@@ -58,7 +58,7 @@ class ShardedCandidate:
 def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | None = None,
                grid_mb: Sequence[float] = GRID_MB, prefetches: Sequence[int] = PREFETCHES,
                optimizer_bytes: float = 0.0) -> list[ShardedCandidate]:
-    """Every candidate of the given stages priced from one profile entry at its world size."""
+    """Every candidate of the given stages priced from one calibration entry at its world size."""
     from commlab.costmodel.search.predict import costs_from_entry, ddp_columns, sharded_costs_from_entry
 
     world = entry["key"]["world_size"]
@@ -94,7 +94,7 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
 def pick(found: Sequence[ShardedCandidate], memory_bytes: float | None) -> ShardedCandidate:
     """The fastest candidate that fits (ValueError naming the smallest peak when none does)."""
     if not found:
-        raise ValueError("no candidate to search: the profile has no costs for the stages asked "
+        raise ValueError("no candidate to search: the calibration has no costs for the stages asked "
                          "(calibrate with a sharded configuration, or give --stage 0)")
     fits = [c for c in found if memory_bytes is None or c.peak_bytes <= memory_bytes]
     if not fits:
