@@ -200,10 +200,11 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
         if sync and dist_autograd.in_context():  # before any collective: every rank raises here
             raise NotImplementedError(dist_autograd.MESSAGE)
         joining = self._join_config.enable  # set by ddp.join(), as in torch
+        port = self._join_port() if joining else None
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
             self.reducer.usage.check_prior_finished(self.process_group, self._sparse.unfinished if self._sparse else ())
         if joining:
-            uneven.notify(self._join_port())
+            uneven.notify(port)
         if grad:
             self.reducer.maybe_rebuild()
         if sync:
@@ -212,10 +213,10 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
             if self._sparse is not None:
                 self._sparse.first_index = len(self.reducer.buckets)
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
-            source = uneven.common_rank(self._join_port(), True) if joining else 0  # rank 0 may have joined
+            source = uneven.common_rank(port, True) if joining else 0  # rank 0 may have joined
             broadcast_coalesced(self._module_buffers, self.process_group, source)
         if joining:
-            uneven.announce_sync(self._join_port(), sync)
+            uneven.announce_sync(port, sync)
         if self.device_ids and (inputs or kwargs):  # torch's _pre_forward, with torch's helper
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved[0], moved_kwargs[0]
