@@ -64,3 +64,12 @@ def test_a_record_without_a_stage_is_ddp():
     assert zero_stage_of({"config": "old"}).ddp and zero_stage_of({"stage": 3}).parameters
     with pytest.raises(ValueError, match="stage must be 0"):
         zero_stage_of({"stage": 7})
+
+
+def test_the_spec_and_the_run_vocabulary_stay_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, commlab.runs.zero_stage, commlab.runs.grid, commlab.cli.tune_text; "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
