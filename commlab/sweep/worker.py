@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import commlab
+from commlab._malloc import keep_freed_memory
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
 from commlab.memtrack import live_bytes, track_peak
@@ -78,6 +79,9 @@ def prepare(cfg: Config) -> Trainer:
     """Build the workload and its wrapper for ``cfg`` on this rank. The optimizer is plain SGD at
     every stage (no state: at stages 1-2 the memory saved is then the gradients' only)."""
     rt = commlab.Runtime.current()
+    # Before the workload allocates anything: glibc's heap thresholds fixed, as the calibration
+    # that predicts this configuration runs them (commlab/_malloc.py).
+    keep_freed_memory()
     # The configuration's thread count, whatever the launcher chose (commlab.launch gives
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
     # world size is what makes a scaling efficiency mean something.

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import collectives
+from commlab._malloc import keep_freed_memory
 from commlab.costmodel.calibration.devicetime import (
     allocator_state,
     calibration_device,
@@ -49,6 +50,9 @@ from commlab.models import build_workload
 
 
 def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    # glibc's heap thresholds fixed before anything is allocated, as in every measured run
+    # (commlab/sweep/worker.py): which allocations fault must be the same here and there.
+    keep_freed_memory()
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -175,7 +179,7 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
-        # pages first touched in forward+backward (fresh gradients, commlab/costmodel/lowering/ddp.py)
+        # pages first touched in forward+backward (the gradients over the mmap threshold: commlab/_malloc.py)
         "fresh_bytes": med([r["fresh_bytes"] for r in rows]),
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
@@ -249,15 +253,19 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
             "comm_both_s": med(both_m), "nbytes": nbytes}
 
 
-def _corun(model, workload, batch, reps: int) -> dict[str, float]:
-    """Step 4: rank 0 computing alone, then every rank computing at once."""
+def _corun(model, workload, batch, reps: int) -> dict[str, Any]:
+    """Step 4: rank 0 computing alone, then every rank computing at once, in turns.
+
+    Every sample is kept: other jobs on the machine only ever add time, and a burst of theirs
+    hits some turns and not others (a calibration once read 2.0 here where the measured steps
+    said 1.2), so the factor is taken from the quickest of each (:func:`commlab.costmodel.calibration.driver.corun_factor`)."""
     rank = dist.get_rank()
     alone, together = [], []
-    for _ in range(reps):
+    for _ in range(max(reps, 9)):  # each turn is one forward+backward or two: cheap
         dist.barrier()
         if rank == 0:
             alone.append(_compute(model, workload, batch))
         dist.barrier()
         together.append(_compute(model, workload, batch))
     return {"alone_s": float(statistics.median(alone)) if alone else 0.0,
-            "together_s": float(statistics.median(together))}
+            "together_s": float(statistics.median(together)), "alone_samples": alone, "together_samples": together}

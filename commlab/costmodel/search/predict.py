@@ -76,11 +76,8 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
     if algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
-                      activation_bytes=entry["compute"].get("activation_bytes", 0),
-                      fresh=cost_from_entry(fresh) if fresh else None,
-                      profiled_fresh_bytes=entry["compute"].get("profiled_fresh_bytes", 0))
+                      activation_bytes=entry["compute"].get("activation_bytes", 0))
 
 
 def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
