@@ -130,6 +130,12 @@ class Reducer:
         self._ready_order = []
         return True
 
+    def complete_ready_order(self) -> None:
+        """A joined rank's shadow backward saw no gradient: record every parameter as ready, in
+        index order (torch's _push_all_rebuilt_params), so that its pending rebuild still runs."""
+        if self.rebuild_pending and len(self._ready_order) != len(self.params):
+            self._ready_order = list(range(len(self.params)))
+
     def set_static_graph(self, find_unused_parameters: bool) -> None:
         """torch's Reducer::set_static_graph before the first iteration: the buckets stay as
         built, the unused-parameter mode becomes static and the rebuild follows its rule."""

@@ -112,7 +112,7 @@ def measure(cfg: Config) -> dict[str, Any]:
 
     def forget_warmup() -> None:
         nonlocal before
-        if cfg.stage == 0:
+        if cfg.zero_stage.ddp:
             ddp.reset_timings()
         before = len(ddp.iteration_timings)
         steps.clear()
@@ -123,16 +123,16 @@ def measure(cfg: Config) -> dict[str, Any]:
     if len(timings) != len(steps):
         raise RuntimeError(f"the wrapper recorded {len(timings)} synchronised iterations for {len(steps)} steps")
     iterations, buckets = [], []
-    sizes = [len(b.params) for b in ddp.buckets] if cfg.stage else []
+    sizes = [] if cfg.zero_stage.ddp else [len(b.params) for b in ddp.buckets]
     for i, (timing, own) in enumerate(zip(timings, steps)):
-        row = timing.as_row() if cfg.stage == 0 else sharding.iteration_row(timing)
+        row = timing.as_row() if cfg.zero_stage.ddp else sharding.iteration_row(timing)
         iterations.append({"rank": rt.rank, "iteration": i, **row, **own})
         rows = ([{"bucket": b.index, "nbytes": b.nbytes, "num_params": b.num_params, "ready": b.ready,
                   "launched": b.launched, "done": b.done} for b in timing.buckets]
-                if cfg.stage == 0 else sharding.bucket_rows(timing, sizes))
+                if cfg.zero_stage.ddp else sharding.bucket_rows(timing, sizes))
         buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
     measures = {"peak_bytes": peak_step_bytes(trainer),
-                **sharding.step_measures(ddp, cfg.stage, cfg.world_size, timings)}
+                **sharding.step_measures(ddp, cfg.zero_stage, cfg.world_size, timings)}
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
     return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
             "iterations": iterations, "buckets": buckets, "measures": measures}
@@ -148,7 +148,7 @@ def peak_step_bytes(trainer: Trainer) -> int:
     through ShardedMemory's own tracking (which waits for the all-gathers stages 1-2 issue after
     the optimizer before a window closes); DDP has nothing in flight after its step."""
     device, wrapper = trainer.rt.device, trainer.ddp
-    if trainer.cfg.stage:
+    if not trainer.cfg.zero_stage.ddp:
         from commlab.sharded.memory import track_memory
 
         with track_memory(wrapper):

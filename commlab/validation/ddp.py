@@ -106,7 +106,7 @@ def tune_check(entry: dict, grid: list, echo) -> tuple[Any, dict]:
     return cfg, rec
 
 
-def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=lambda line: None,
+def validate_parts(parts: list[dict[str, Any]], out: Path, calibration: Path, echo=lambda line: None,
                    tuned: tuple[str, ...] = TUNED) -> dict[str, Any]:
     """Calibrate, tune, measure and predict each workload of ``parts`` in turn; join and report."""
     out = Path(out)
@@ -119,7 +119,7 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
             groups.setdefault(session.group_key(cfg), []).append(cfg)
     begin, frames, predicted, tunes, entries = time.monotonic(), [], [], [], {}
     for key, grid in groups.items():
-        entries.update(session.entries_for(grid, profile_path=profile, recalibrate=True, echo=echo))
+        entries.update(session.entries_for(grid, calibration_path=calibration, recalibrate=True, echo=echo))
         extra = []
         if key[0] in tuned:
             cfg, rec = tune_check(entries[key], grid, echo)

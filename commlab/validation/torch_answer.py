@@ -72,11 +72,11 @@ def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
 
 
 def check(model: str, model_args: str, *, grid_mb: list[float], world_size: int = 2, batch_per_rank: int = 32,
-          iters: int = 20, warmup: int = 3, profile=None, force: bool = False, timeout: float = 900.0,
+          iters: int = 20, warmup: int = 3, calibration=None, force: bool = False, timeout: float = 900.0,
           echo=lambda _l: None) -> dict[str, Any]:
     """Tune, then measure the torch answer beside torch's default and ``grid_mb`` (one launch)."""
     answer = commlab.tune(model, model_args=model_args, world_size=world_size, batch_per_rank=batch_per_rank,
-                          profile=profile, force=force)
+                          calibration=calibration, force=force)
     pick = label_of(answer["torch"]["ddp_kwargs"])
     echo(f"tune's torch answer: {pick}, predicted {answer['torch']['predicted_step_s'] * 1e3:.1f} ms "
          f"(steady calibration: {answer['steady']})")

@@ -9,7 +9,7 @@ Calibration's code is one path on every device; only what this module returns di
   and resolved (synchronized) afterwards, so that a time is what the GPU took, not the host's
   enqueueing (commlab/runtime/timer.py's two clocks, which DDP's own timings use too);
 - the CUDA caching allocator's state after the measurements (peak and reserved bytes, retries):
-  a calibration that measured with a cold or thrashing allocator says so in its profile.
+  a calibration that measured with a cold or thrashing allocator says so in its entry.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Calibration: measure the model's terms once (commlab/costmodel/calibration/measure.py), cache them as a profile.
+"""Calibration: measure the model's terms once (commlab/costmodel/calibration/measure.py), and cache them.
 
-    entry = profile_for(workload, backend="gloo", world_size=2, path=PROFILE)   # cached or fresh
+    entry = calibration_for(workload, backend="gloo", world_size=2, path=FILE)   # cached or fresh
 
 One launch at the calibrated world size does everything (see measure.py for what and why); it
 never runs a multi-rank DDP iteration. The launch, its threads and its steadiness are every
@@ -16,20 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.calibration import cache
 from commlab.costmodel.terms import uncertainty
 from commlab.costmodel.terms.costs import fit_table, solve_contention
 from commlab.costmodel.calibration.queueing import paired_seconds
 from commlab.costmodel.calibration.run import run_calibration
 from commlab.runtime.threads import threads_per_rank
+from commlab._lazy import renamed_getattr
 
-DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
+# A cache: an entry more than an hour old is measured again anyway (cache.DEFAULT_MAX_AGE_S).
+DEFAULT_CALIBRATION = Path.home() / ".cache" / "commlab" / "calibration.json"
 DEFAULT_ALGORITHMS = ("native", "ring")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What a profile is measured for (the workload columns of a sweep configuration)."""
+    """What a calibration is measured for (the workload columns of a sweep configuration)."""
 
     model: str
     model_args: str  # canonical "key=value,..."
@@ -74,7 +76,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
               algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 5, iters: int = 9,
               timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None,
               sharded: bool = False) -> dict[str, Any]:
-    """Measure and return a profile entry (does not write it). ``sharded``: also the reduce-scatter
+    """Measure and return a calibration entry (does not write it). ``sharded``: also the reduce-scatter
     and all-gather of every algorithm sharded data parallelism has (commlab/sharded/comm.py)."""
     from commlab.costmodel.calibration.measure import calibrate_rank  # torch: loaded when calibrating
 
@@ -90,7 +92,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     run = run_calibration(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout,
                           spread=spread_of, threads=threads)
     entry = assemble(run.results, spec, nbytes, shapes,
-                     prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+                     cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                                    model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
     entry["calibration_s"] = run.seconds
     entry["steadiness"] = run.steadiness.as_json()
@@ -116,7 +118,7 @@ def corun_factor(corun: dict) -> float:
 
 
 def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
-    """Turn the ranks' raw measurements into a profile entry (pure)."""
+    """Turn the ranks' raw measurements into a calibration entry (pure)."""
     ddp = results[0]["ddp"]
     collectives = {}
     for algorithm in spec["algorithms"]:
@@ -128,7 +130,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
         contention[algorithm] = {"kc": kc, "km": km, "raw": c}
         copy = results[0].get("copy_contention", {}).get(algorithm)
-        if copy:  # the write-back's copies beside the collective (profiles before it lack it)
+        if copy:  # the write-back's copies beside the collective (calibrations before it lack it)
             kc_copy, km_copy = solve_contention(copy["compute_alone_s"], copy["comm_alone_s"],
                                                 copy["compute_both_s"], copy["comm_both_s"])
             contention[algorithm].update(kc_copy=kc_copy, km_copy=km_copy, raw_copy=copy)
@@ -157,7 +159,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "key": key,
         "created": time.time(),
         "params": {"nbytes": nbytes, "ready_order": ddp["ready_order"],
-                   "signature": prof.param_signature(nbytes, shapes)},
+                   "signature": cache.param_signature(nbytes, shapes)},
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
@@ -190,36 +192,39 @@ def sharded_algorithms(world_size: int) -> list[str]:
     return list(comm.ALGORITHMS)
 
 
-def profile_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
-                path: Path = DEFAULT_PROFILE, recalibrate: bool = False, algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS,
-                max_age_s: float = prof.DEFAULT_MAX_AGE_S, echo: Callable[[str], None] = lambda _l: None,
-                sharded: bool = False) -> dict:
+def calibration_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
+                    path: Path = DEFAULT_CALIBRATION, recalibrate: bool = False,
+                    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, max_age_s: float = cache.DEFAULT_MAX_AGE_S,
+                    echo: Callable[[str], None] = lambda _l: None, sharded: bool = False) -> dict:
     """The cached entry for this workload and setting, calibrating (and caching) when needed.
 
     Missing, stale (too old, model changed) or lacking an algorithm -> calibrate; broken or
-    foreign (other machine, other torch) -> ProfileError, unless ``recalibrate``.
+    foreign (other machine, other torch) -> CalibrationError, unless ``recalibrate``.
     """
     threads = threads or default_threads(world_size)
-    key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+    key = cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                         model_args=workload.model_args, batch_per_rank=workload.batch_per_rank)
     old = None
     if not recalibrate:
         nbytes, shapes = parameter_sizes(workload)
         try:
-            entry = old = prof.lookup(path, key, signature=prof.param_signature(nbytes, shapes), max_age_s=max_age_s)
+            entry = old = cache.lookup(path, key, signature=cache.param_signature(nbytes, shapes), max_age_s=max_age_s)
             missing = [a for a in algorithms if a not in entry["collectives"]]
             if sharded and "sharded_collectives" not in entry:
                 missing.append("reduce-scatter/all-gather tables")
             if not missing:
                 return entry
-            echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
+            echo(f"calibration {cache.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
         except KeyError:
-            echo(f"no calibration of {prof.key_id(key)} in {path}: calibrating")
-        except prof.StaleProfile as stale:
+            echo(f"no calibration of {cache.key_id(key)} in {path}: calibrating")
+        except cache.StaleCalibration as stale:
             echo(f"{stale}: recalibrating")
     else:
-        echo(f"--recalibrate: calibrating {prof.key_id(key)} again")
+        echo(f"--recalibrate: calibrating {cache.key_id(key)} again")
     entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo,
                       sharded=sharded or "sharded_collectives" in (old or {}))
-    prof.store(path, entry)
+    cache.store(path, entry)
     return entry
+
+
+__getattr__ = renamed_getattr(__name__, {"DEFAULT_PROFILE": "DEFAULT_CALIBRATION", "profile_for": "calibration_for"})

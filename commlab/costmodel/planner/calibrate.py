@@ -19,7 +19,7 @@ Both then enter the one costs type, :class:`~commlab.costmodel.terms.costs.Syste
 point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
 (``--dp``), :func:`allreduce_table` measures the all-reduce table at the data-parallel world
 size (``dist.all_reduce`` on that many Gloo ranks at the plans' bucket sizes, what commlab's DDP
-runs with its default ``algorithm="native"``); without calibration, :func:`profile_line` takes
+runs with its default ``algorithm="native"``); without calibration, :func:`calibrated_line` takes
 the alpha-beta line of a DDP calibration (``commlab calibrate``) of this machine at that world size.
 """
 
@@ -35,8 +35,8 @@ from typing import Any
 
 from commlab.costmodel.terms.alpha_beta import least_squares_line
 from commlab.costmodel.terms.uncertainty import Steadiness, overall_spread
-from commlab.costmodel.calibration import cache as prof
-from commlab.costmodel.calibration.driver import DEFAULT_PROFILE, table_sizes
+from commlab.costmodel.calibration import cache
+from commlab.costmodel.calibration.driver import DEFAULT_CALIBRATION, table_sizes
 from commlab.costmodel.calibration.run import run_calibration
 from commlab.costmodel.terms.costs import (
     CollectiveCost,
@@ -200,14 +200,14 @@ def allreduce_table(world: int, sizes: Sequence[int], *, repeats: int = 5,
     return cost_from_entry(fit_table(sizes, seconds)), run.steadiness
 
 
-def profile_line(world: int, algorithm: str = "native", path: Path | None = None) -> CollectiveCost | None:
+def calibrated_line(world: int, algorithm: str = "native", path: Path | None = None) -> CollectiveCost | None:
     """The alpha-beta line of the newest DDP calibration (``commlab calibrate``) of this machine with
-    Gloo at ``world`` ranks that measured ``algorithm``; None when the profile has none."""
+    Gloo at ``world`` ranks that measured ``algorithm``; None when the calibration file has none."""
     try:
-        entries = prof.read_file(path or DEFAULT_PROFILE).values()
+        entries = cache.read_file(path or DEFAULT_CALIBRATION).values()
     except (OSError, ValueError):
         return None
-    found = [e for e in entries if e["key"].get("machine") == prof.machine_id() and e["key"].get("backend") == "gloo"
+    found = [e for e in entries if e["key"].get("machine") == cache.machine_id() and e["key"].get("backend") == "gloo"
              and e["key"].get("world_size") == world and algorithm in e.get("collectives", {})]  # fmt: skip
     for entry in sorted(found, key=lambda e: e.get("created", 0.0), reverse=True):
         line = entry["collectives"][algorithm]
@@ -221,14 +221,14 @@ def with_allreduce(system: SystemCosts, world: int, total_bytes: int, *, measure
                    timeout: float = 120.0) -> tuple[SystemCosts, str]:  # fmt: skip
     """``system`` with an all-reduce table at ``world`` ranks, and where it came from: measured
     (:func:`allreduce_table` at the bucket sizes that can occur up to ``total_bytes``), or with
-    ``measure=False`` the DDP calibration profile's line (:func:`profile_line`; ValueError if none)."""
+    ``measure=False`` the DDP calibration's line (:func:`calibrated_line`; ValueError if none)."""
     if measure:
         cost, steadiness = allreduce_table(world, table_sizes(total_bytes), timeout=timeout)
         source = f"measured on {world} Gloo ranks ({len(cost.sizes)} sizes; {steadiness.describe()})"
     else:
-        cost = profile_line(world)
+        cost = calibrated_line(world)
         if cost is None:
             raise ValueError(f"no DDP calibration at world size {world} on this machine")
-        source = f"from the alpha-beta line of the DDP calibration profile at world size {world}"
+        source = f"from the alpha-beta line of the DDP calibration at world size {world}"
     source += f": {cost(total_bytes) * 1e3:.2f} ms for all {total_bytes / 2**20:.2f} MiB of gradients"
     return replace(system, collectives={**system.collectives, ("allreduce", "native", world): cost}), source
