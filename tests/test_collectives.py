@@ -19,7 +19,7 @@ from commlab.collectives.p2p import Comm, release_group_state
 from commlab.collectives.ring import all_reduce_ring
 from commlab.collectives.tree import all_reduce_tree
 
-from _helpers import error_of
+from tests.support.helpers import error_of
 
 ALGOS = ["ring", "tree", "halving_doubling", "native"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]

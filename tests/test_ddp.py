@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import commlab
-import ddp_cases
+from tests.support import ddp_cases
 
 # Same pre-division and (for "native") the same reduction as torch: results are in practice
 # identical; commlab's ring/tree/halving-doubling may sum in another order (world size 3).

@@ -9,7 +9,7 @@ Rank-side code: ddp_alloc_cases.py.
 import pytest
 
 import commlab
-import ddp_alloc_cases
+from tests.support import ddp_alloc_cases
 
 VIEWS = (True, False)
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import commlab
-import ddp_parity_cases
+from tests.support import ddp_parity_cases
 
 EXACT = 1e-6  # same pre-division and reduction order as torch: in practice identical
 

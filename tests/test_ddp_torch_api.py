@@ -8,7 +8,7 @@ autograd; a second spawn (new processes) loads the DDP the first saved and train
 import pytest
 
 import commlab
-import ddp_torch_api_cases
+from tests.support import ddp_torch_api_cases
 
 DIST_AUTOGRAD = "commlab's DistributedDataParallel does not support torch.distributed.autograd"
 

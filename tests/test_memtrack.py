@@ -48,7 +48,7 @@ def test_replay_and_bad_device():
 
 @pytest.fixture(scope="module")
 def world2():
-    import memtrack_cases
+    from tests.support import memtrack_cases
 
     return commlab.launch(memtrack_cases.run_world2, world_size=2, backend="gloo", timeout=300)
 
@@ -78,7 +78,7 @@ def _stage3_bound(s) -> float:
     reduce-scatter (two shard-sized allocations per reduction in the allocation events), and a
     flat staging buffer of the full bucket per all-gather in flight (ProcessGroupGloo gathers
     into a new flat tensor, then copies it out: prefetch + 1 of them, the gathered term again)."""
-    import memtrack_cases as c
+    from tests.support import memtrack_cases as c
 
     model = zero_memory(s["params"], 2, 3, "fp32").total
     buckets = bucket_memory(s["padded"], 2, 3, prefetch=1, element_size=4, optimizer_bytes=8, unpadded_numels=s["numels"])

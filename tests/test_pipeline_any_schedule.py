@@ -25,7 +25,7 @@ from commlab.pipeline import (
 )
 from commlab.pipeline.schedule.comm import messages
 from commlab.pipeline.schedule.validate import problems
-from pipeline_torch_orders import torch_csv, torch_dualpipev
+from tests.support.pipeline_torch_orders import torch_csv, torch_dualpipev
 
 
 def test_actions_have_four_kinds_and_torch_strings():

@@ -45,7 +45,7 @@ def test_a_list_whose_weights_all_follow_their_input_gradients_is_left_alone():
 
 def test_the_fast_step_time_is_the_simulators():
     from commlab.pipeline import from_csv
-    from pipeline_torch_orders import torch_csv
+    from tests.support.pipeline_torch_orders import torch_csv
 
     lists = [_greedy_zb_v(2, 4), build("zb-v", 3, 6, 2), build("zb-h1", 3, 5),
              from_csv(torch_csv("ScheduleZBVZeroBubble", 2, 8, [0, 3], 4))]  # fmt: skip

@@ -5,9 +5,9 @@ from click.testing import CliRunner
 from commlab.cli import main
 from commlab.costmodel.planner.plan import candidates
 from commlab.costmodel.planner.model import candidate_points, profile_model, split_points
-from pipeline_plan_fixture import chain
+from tests.support.pipeline_chain import chain
 
-FIXTURE = "pipeline_plan_fixture:chain"
+FIXTURE = "tests.support.pipeline_chain:chain"
 
 
 def test_a_factory_model_is_profiled_piece_by_piece_and_planned():

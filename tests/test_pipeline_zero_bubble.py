@@ -13,7 +13,7 @@ from torch import nn
 
 import commlab
 from commlab.pipeline import PipelineExecutor, RankStages, from_csv, v_shape
-from pipeline_torch_orders import torch_csv
+from tests.support.pipeline_torch_orders import torch_csv
 
 BATCH = 10  # uneven micro-batches: 3, 3, 2, 2 for m = 4
 CASES2 = [  # name, schedule, balance, placement, checkpoint, micro-batches

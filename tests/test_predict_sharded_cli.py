@@ -1,6 +1,6 @@
 """`commlab predict` and `commlab tune` for sharded data parallelism (ZeRO stages 1-3).
 
-The CLI tests run on a synthetic profile (tests/test_predict_cli.py's, plus reduce-scatter and
+The CLI tests run on a synthetic profile (tests/support/profiles.py's, plus reduce-scatter and
 all-gather tables) or on nothing at all (--memory): no process is spawned. One test calibrates
 the sharded collectives for real: the only spawn here.
 """
@@ -9,12 +9,12 @@ import dataclasses
 import json
 
 import pytest
-from test_predict_cli import STEADY, invoke, synthetic_entry
 
 import commlab
 from commlab.costmodel.calibration import cache as prof
 from commlab.costmodel.terms.costs import fit_table
 from commlab.runs.grid import build_grid, merge
+from tests.support.profiles import STEADY, invoke, synthetic_entry
 
 TUNE = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64"]
 

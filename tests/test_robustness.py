@@ -33,7 +33,7 @@ from commlab.ddp import sync
 from commlab.ddp.timing import CpuClock, RawIteration, resolve
 from commlab.models import mlp
 
-from _helpers import error_of
+from tests.support.helpers import error_of
 
 
 # -- pure ------------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def _collectives_against_torch() -> dict:
 
 
 def _sharded_against_ddp() -> dict:
-    import sharded_cases
+    from tests.support import sharded_cases
 
     cases = {}
     for stage in (1, 2, 3):
@@ -212,7 +212,7 @@ def _sharded_against_ddp() -> dict:
                                                               algorithm="native")
     cases["native-s3-units"] = sharded_cases.against_ddp(3, "adamw", units=True, algorithm="native")
     from commlab.sharded import ShardedDataParallel
-    from sharded_models import Net
+    from tests.support.sharded_models import Net
 
     out = {name: {"exact": r["exact"], "buckets": r["buckets"], "optimizer_exact": r["optimizer_state"]["exact"]}
            for name, r in cases.items()}
@@ -265,7 +265,7 @@ def test_bench_collectives_runs_halving_doubling_and_refuses_it_on_three_ranks(t
 
 def test_bad_bucket_policies_are_refused_before_any_process_group_is_needed():
     from commlab.sharded import ShardedDataParallel
-    from sharded_models import Net
+    from tests.support.sharded_models import Net
 
     with pytest.raises(ValueError, match="unknown bucket policy 'nope'"):
         ShardedDataParallel(Net(), bucket_policy="nope")

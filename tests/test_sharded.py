@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import commlab
-import sharded_cases
+from tests.support import sharded_cases
 from commlab.sharded import ShardedDataParallel
-from sharded_models import Net
+from tests.support.sharded_models import Net
 
 
 @pytest.fixture(scope="module")

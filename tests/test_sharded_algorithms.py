@@ -10,7 +10,7 @@ state are compared, as the world-size-3 tests against the backend's collectives 
 import pytest
 
 import commlab
-import sharded_cases
+from tests.support import sharded_cases
 
 
 @pytest.fixture(scope="module")

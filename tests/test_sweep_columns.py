@@ -6,7 +6,7 @@ from commlab.ddp.timing import COLUMNS, CpuClock, RawIteration, resolve
 from commlab.costmodel.lowering.ddp import DDPSetting, breakdown, simulate_step
 from commlab.runs import store
 from commlab.runs.grid import build_grid, merge
-from test_predict_lower import costs
+from tests.support.step_costs import costs
 
 
 def test_sweep_csv_keeps_every_timing_column_ddp_records(tmp_path):

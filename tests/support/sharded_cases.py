@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from _helpers import error_of
+from tests.support.helpers import error_of
 from commlab.models import TinyTransformer
 from commlab.sharded import ShardedDataParallel
 from commlab.sharded.memory_model import zero_memory
-from sharded_models import MODELS, Net, WithUnused
+from tests.support.sharded_models import MODELS, Net, WithUnused
 
 STEPS = 5
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import commlab
-from ddp_cases import Branchy, _data, _maxdiff, bn_model
+from tests.support.ddp_cases import Branchy, _data, _maxdiff, bn_model
 
 COMMLAB_ONLY = ("algorithm", "overlap", "first_bucket_mb", "round_robin_groups")
 Pair = collections.namedtuple("Pair", "main aux")

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import commlab
-from _helpers import error_of
+from tests.support.helpers import error_of
 
 
 class SometimesB(nn.Module):

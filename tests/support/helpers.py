@@ -1,4 +1,4 @@
-"""Small helpers shared by test modules (importable in spawned ranks: tests/ is on their path)."""
+"""Small helpers shared by test modules (importable in spawned ranks: the repository root is on their path)."""
 
 from __future__ import annotations
 

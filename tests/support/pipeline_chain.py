@@ -1,4 +1,4 @@
-"""A small model for ``pipeline plan --model pipeline_plan_fixture:chain`` (not an nn.Sequential)."""
+"""A small model for ``pipeline plan --model tests.support.pipeline_chain:chain`` (not an nn.Sequential)."""
 
 from torch import nn
 
