@@ -59,7 +59,7 @@ from commlab.runs.stats import summarise
 RECORDS = "configs"
 # One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab.ddp.timing.COLUMNS,
 # written out here so that reading results and drawing figures never imports torch;
-# tests/test_sweep_columns.py holds the two equal), then what the sweep worker times around it.
+# tests/runs/test_columns.py holds the two equal), then what the sweep worker times around it.
 # The predictor writes exactly these (commlab/costmodel/lowering/ddp.py imports them).
 TIMING_COLUMNS = ["forward", "backward_compute", "comm", "exposed_comm", "total", "write_back", "unused_allreduce"]
 STEP_COLUMNS = [*TIMING_COLUMNS, "accumulate_time", "optimizer", "step"]

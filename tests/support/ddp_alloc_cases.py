@@ -1,4 +1,4 @@
-"""Rank-side code of tests/test_ddp_alloc.py: what a steady-state DDP iteration allocates.
+"""Rank-side code of tests/ddp/test_alloc.py: what a steady-state DDP iteration allocates.
 
 An allocation is counted from the profiler's memory events (``profile_memory=True``), which on
 CPU record every allocation made by the thread running the profiler; the reducer's hooks, the

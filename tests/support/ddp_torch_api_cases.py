@@ -1,4 +1,4 @@
-"""Rank-side code of test_ddp_torch_api.py: torch DDP's API edges on torch's DDP and commlab's.
+"""Rank-side code of tests/ddp/test_torch_api.py: torch DDP's API edges on torch's DDP and commlab's.
 
 ``first`` runs every check of one spawn (no_sync with find_unused_parameters, pickling and
 deepcopy, the logging dictionary, ``_set_static_graph``, backward under distributed autograd);
