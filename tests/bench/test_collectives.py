@@ -139,6 +139,7 @@ def test_nccl_without_gpus_is_a_click_error():
     assert result.exit_code == 2 and "CUDA device" in result.output
 
 
+@pytest.mark.slow
 def test_tiny_run_table_csv_fit_and_figure(tmp_path):
     # World 3 rather than 2: its bus-bandwidth factor is 4/3, so the busbw check can fail.
     out = tmp_path / "out"
@@ -199,6 +200,7 @@ def test_ratios_to_native_per_run_and_their_geomean():
     assert ratio_table(with_cpu)["cpu_ratio"].tolist() == pytest.approx((2 * ratio_table(df)["ratio"]).tolist())
 
 
+@pytest.mark.slow
 def test_repeat_runs_the_sweep_again_and_prints_the_ratios(tmp_path):
     out = tmp_path / "out"
     lines = _bench_collectives("-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--algorithm", "ring,native",

@@ -56,6 +56,7 @@ def test_nccl_without_gpus_is_a_clear_error():
     assert result.exit_code == 2 and "CUDA device" in result.output
 
 
+@pytest.mark.slow
 def test_a_tiny_run_prints_both_medians_and_the_ratio():
     args = ["--depth", "2", "--width", "32", "--batch", "4", "--iters", "3", "--warmup", "1", "--bucket-mb", "0.001"]
     result = CliRunner().invoke(bench_ddp, args + ["--timeout", "120"])

@@ -23,6 +23,7 @@ def test_cut_and_refusals_before_any_launch():
     assert bad.exit_code == 2 and "counterpart" in bad.output
 
 
+@pytest.mark.slow
 def test_alternating_launches_on_a_tiny_gpt(tmp_path):
     # Two rounds of the V schedule with the overlap action: 4 launches, world 2, Gloo.
     lines = []

@@ -46,6 +46,7 @@ def _rank_rows(config):
     return run_rank(config)
 
 
+@pytest.mark.slow
 def test_a_collective_registered_here_runs_in_the_driver_and_its_check_can_fail():
     plugins.register(REDUCE)
     try:

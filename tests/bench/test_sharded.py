@@ -31,6 +31,7 @@ def test_bad_options_fail_before_any_rank_starts(args, message):
     assert result.exit_code == 2 and message in result.output
 
 
+@pytest.mark.slow
 def test_a_tiny_run_prints_both_comparisons_with_their_rows():
     args = ["--depth", "2", "--width", "32", "--batch", "4", "--iters", "2", "--warmup", "1", "--launches", "1",
             "--algorithm", "ring", "--timeout", "120"]

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 PROBE = """
 import sys
 from commlab.cli import main

@@ -190,6 +190,7 @@ def _world3():
     return out
 
 
+@pytest.mark.slow
 def test_world_three_matrix_building_blocks_async_and_errors():
     results = commlab.launch(_world3, world_size=3, backend="gloo", timeout=180)
     for rank, out in enumerate(results):
@@ -236,6 +237,7 @@ def _subgroup_and_large():
     return out
 
 
+@pytest.mark.slow
 def test_world_four_subgroup_and_64mb_messages():
     results = commlab.launch(_subgroup_and_large, world_size=4, backend="gloo", timeout=240)
     assert "not a member" in results[0]["not_member"]
@@ -258,6 +260,7 @@ def _small_matrix():
 
 
 @pytest.mark.parametrize("world", [1, 8])
+@pytest.mark.slow
 def test_other_world_sizes(world):
     results = commlab.launch(_small_matrix, world_size=world, backend="gloo", timeout=240)
     assert [out["world"] for out in results] == [world] * world
@@ -280,5 +283,6 @@ def _nccl_matrix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL path needs 2 CUDA devices")
+@pytest.mark.slow
 def test_nccl_matches_native_on_gpus():
     assert commlab.launch(_nccl_matrix, world_size=2, backend="nccl", timeout=180) == [[], []]

@@ -347,6 +347,7 @@ def world2():
     return commlab.launch(_ranks, world_size=2, backend="gloo", timeout=150)
 
 
+@pytest.mark.slow
 def test_ddp_collectives_wait_for_the_groups_worker(world2):  # point 10
     for out in world2:
         r = out["ordered"]
@@ -354,12 +355,14 @@ def test_ddp_collectives_wait_for_the_groups_worker(world2):  # point 10
         assert r["unused_allreduce"] > 0 and r["grads_none"] == [True, True]
 
 
+@pytest.mark.slow
 def test_join_flag_collectives_take_the_ordered_path(world2):  # point 10, join()
     for out in world2:
         assert out["join"]["unordered"] in ([], ["_get_num_nonjoined_procs"]), out["join"]
         assert out["join"]["calls"] > 5
 
 
+@pytest.mark.slow
 def test_launched_is_the_real_start_and_history_is_bounded(world2):  # point 17
     for out in world2:
         r = out["timing"]
@@ -368,6 +371,7 @@ def test_launched_is_the_real_start_and_history_is_bounded(world2):  # point 17
         assert r["exposed"] == pytest.approx(max(0.0, r["last_done"] - r["backward_end"]))
 
 
+@pytest.mark.slow
 def test_no_stale_message_reaches_the_collective_after_a_failure(world2):  # point 11
     for rank, out in enumerate(world2):
         r = out["stale"]
@@ -376,6 +380,7 @@ def test_no_stale_message_reaches_the_collective_after_a_failure(world2):  # poi
         assert r["value"] == [10.0 + 2 * i for i in range(8)]
 
 
+@pytest.mark.slow
 def test_a_failed_bucket_raises_on_every_rank_naming_bucket_and_algorithm(world2):  # point 11
     for rank, out in enumerate(world2):
         message = out["failure"]
@@ -383,6 +388,7 @@ def test_a_failed_bucket_raises_on_every_rank_naming_bucket_and_algorithm(world2
     assert "injected reduction failure" in world2[1]["failure"]
 
 
+@pytest.mark.slow
 def test_a_dropped_ddp_releases_its_workers_and_groups(world2):  # point 11
     for out in world2:
         r = out["release"]
@@ -391,6 +397,7 @@ def test_a_dropped_ddp_releases_its_workers_and_groups(world2):  # point 11
         assert r["after"] == [False, False] and r["groups_left"] == [True, True] and r["in_table"] == [False, False]
 
 
+@pytest.mark.slow
 def test_collectives_from_callbacks_do_not_deadlock_the_worker(world2):  # point 12
     for out in world2:
         r = out["reentrant"]
@@ -399,6 +406,7 @@ def test_collectives_from_callbacks_do_not_deadlock_the_worker(world2):  # point
         assert out["hook"] < 1e-6
 
 
+@pytest.mark.slow
 def test_construction_broadcast_goes_in_chunks(world2):  # point 13
     for out in world2:
         r = out["chunks"]

@@ -229,6 +229,7 @@ def world2():
     return commlab.launch(_rank, world_size=2, backend="gloo", timeout=300)
 
 
+@pytest.mark.slow
 def test_halving_doubling_and_ring_equal_torchs_reduce_scatter_and_all_gather(world2):
     for result in world2:
         assert len(result["collectives"]) == 2 * len(SIZES) * 2
@@ -236,6 +237,7 @@ def test_halving_doubling_and_ring_equal_torchs_reduce_scatter_and_all_gather(wo
             assert rs and ag, key
 
 
+@pytest.mark.slow
 def test_sharded_halving_doubling_and_a_registered_policy_give_torch_ddps_parameters(world2):
     names = ["scale", "a.weight", "a.bias", "b.weight", "b.bias", "head.weight", "head.bias"]
     for result in world2:
@@ -248,6 +250,7 @@ def test_sharded_halving_doubling_and_a_registered_policy_give_torch_ddps_parame
             assert sharded[f"hd-s{stage}"]["buckets"] == [names[:1], names[1:3], names[3:]]
 
 
+@pytest.mark.slow
 def test_bench_collectives_runs_halving_doubling_and_refuses_it_on_three_ranks(tmp_path):
     from commlab.cli.bench import bench_collectives
 

@@ -8,6 +8,7 @@ checks that an async p2p all-reduce returns to the caller before the collective 
 import copy
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import commlab
 from commlab import collectives as C
 from commlab.models import mlp
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ALGOS = ["native", "ring", "tree", "halving_doubling"]
 

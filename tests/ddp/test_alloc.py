@@ -11,6 +11,8 @@ import pytest
 import commlab
 from tests.support import ddp_alloc_cases
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 VIEWS = (True, False)
 
 

@@ -33,6 +33,7 @@ PARITY_CASES = [
 
 
 @pytest.mark.parametrize("case", PARITY_CASES)
+@pytest.mark.slow
 def test_same_parameters_buffers_and_grads_as_torch_ddp(world2, case):
     for rank, result in enumerate(world2):
         r = result["cases"][case]
@@ -46,6 +47,7 @@ def test_same_parameters_buffers_and_grads_as_torch_ddp(world2, case):
     assert world2[0]["cases"][case]["buckets"] == world2[1]["cases"][case]["buckets"]
 
 
+@pytest.mark.slow
 def test_first_bucket_mb_sets_the_first_cap_and_keeps_torch_values(world2):
     for result in world2:
         r = result["cases"]["first_bucket"]
@@ -56,6 +58,7 @@ def test_first_bucket_mb_sets_the_first_cap_and_keeps_torch_values(world2):
         assert r["buckets"] != r["torch_buckets"] and sorted(sum(r["buckets"], [])) == list(range(8))
 
 
+@pytest.mark.slow
 def test_bf16_compress_hook_runs_unchanged_and_stays_close(world2):
     # torch refuses this hook without NCCL, so the reference is torch's DDP without a hook.
     for result in world2:
@@ -63,6 +66,7 @@ def test_bf16_compress_hook_runs_unchanged_and_stays_close(world2):
         assert 0 < r["grads"] < 2e-2 and r["params"] < 5e-3
 
 
+@pytest.mark.slow
 def test_unused_parameters_neither_hang_nor_get_a_gradient(world2, world3):
     for results in (world2, world3):
         for rank, result in enumerate(results):
@@ -72,6 +76,7 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(world2, world3):
             assert r["grads_none"] == [False, False, False, False, True, True, False, False], rank
 
 
+@pytest.mark.slow
 def test_gradient_as_bucket_view_leaves_grads_as_views(world2):
     for result in world2:
         for case in ("view", "no_sync_view", "unused_view"):
@@ -80,6 +85,7 @@ def test_gradient_as_bucket_view_leaves_grads_as_views(world2):
         assert not any(result["cases"]["mlp"]["grad_is_view"])
 
 
+@pytest.mark.slow
 def test_only_synchronised_iterations_are_timed(world2):
     for result in world2:
         assert result["cases"]["mlp"]["timings"] == 3
@@ -88,6 +94,7 @@ def test_only_synchronised_iterations_are_timed(world2):
         assert result["timing_overlap"]["after_reset"] == 0
 
 
+@pytest.mark.slow
 def test_bucket_layout_equals_torch_before_and_after_rebuild(world2):
     for result in world2:
         for name, r in result["layouts"].items():
@@ -106,6 +113,7 @@ def test_bucket_layout_equals_torch_before_and_after_rebuild(world2):
     assert len(unused["ours_before"]) > 1 and unused["ours_before"] == unused["ours_after"]
 
 
+@pytest.mark.slow
 def test_overlap_is_real_and_overlap_false_waits_for_backward(world2):
     for result in world2:
         t = result["timing_overlap"]["last"]
@@ -126,6 +134,7 @@ def test_overlap_is_real_and_overlap_false_waits_for_backward(world2):
         assert [b.launched for b in t.buckets] == sorted(b.launched for b in t.buckets)
 
 
+@pytest.mark.slow
 def test_second_comm_hook_and_unflagged_unused_parameters_are_errors(world2):
     for result in world2:
         assert "only be called once" in result["hook_twice"]
@@ -133,6 +142,7 @@ def test_second_comm_hook_and_unflagged_unused_parameters_are_errors(world2):
         assert "dead.weight" in message and "dead.bias" in message and "find_unused_parameters=True" in message
 
 
+@pytest.mark.slow
 def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
     for rank, result in enumerate(world3):
         for case in ("mlp", "unused", "fp16_hook", "ring", "rr_list"):
@@ -144,6 +154,7 @@ def test_world_of_three_matches_torch_and_reports_shape_mismatch(world3):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL and CUDA-event timings")
+@pytest.mark.slow
 def test_nccl_on_cuda_matches_torch_and_times_with_cuda_events():
     (result,) = commlab.launch(ddp_cases.run_cuda, world_size=1, backend="nccl", timeout=120)
     for case in ("mlp", "bn_view", "fp16_hook"):
@@ -156,6 +167,7 @@ def test_nccl_on_cuda_matches_torch_and_times_with_cuda_events():
         assert 0 <= b.ready <= b.launched <= b.done <= t.total + 1e-4  # events are ~us-resolved
 
 
+@pytest.mark.slow
 def test_a_dropped_ddp_takes_its_hooks_with_it(world2):
     for result in world2:
         assert result["rewrap"] == {"hooks_with_first": 1, "hooks_with_second": 1, "timings": 2}

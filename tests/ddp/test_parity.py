@@ -47,6 +47,7 @@ def _same_as_torch(r, case, rank):
 
 
 @pytest.mark.parametrize("case", TRAINED)
+@pytest.mark.slow
 def test_trains_as_torch_ddp(world, case):
     for rank, result in enumerate(world):
         r = result[case]
@@ -56,6 +57,7 @@ def test_trains_as_torch_ddp(world, case):
 
 
 @pytest.mark.parametrize("case", RAISING)
+@pytest.mark.slow
 def test_raises_where_torch_raises(world, case):
     for rank, result in enumerate(world):
         r = result[case]
@@ -66,6 +68,7 @@ def test_raises_where_torch_raises(world, case):
 
 
 @pytest.mark.parametrize("case", SPARSE_RAISING)
+@pytest.mark.slow
 def test_unused_sparse_parameter_raises_where_torch_raises(world, case):
     for rank, result in enumerate(world):
         r = result[case]
@@ -73,6 +76,7 @@ def test_unused_sparse_parameter_raises_where_torch_raises(world, case):
         _same_as_torch(r, case, rank)
 
 
+@pytest.mark.slow
 def test_join_throws_as_torch_on_every_rank(world):
     # Rank r has 2 + 2r batches: rank 0 runs out first and says so; the others are told.
     for rank, result in enumerate(world):
@@ -84,6 +88,7 @@ def test_join_throws_as_torch_on_every_rank(world):
     assert world[-1]["join"]["first_grad"] != world[-1]["join_effective_world"]["first_grad"]
 
 
+@pytest.mark.slow
 def test_sparse_gradients_stay_sparse_and_fall_back_to_native(world):
     for result in world:
         for case in ("sparse", "sparse_bag_tiny", "sparse_ring", "sparse_hook"):
@@ -97,6 +102,7 @@ def test_sparse_gradients_stay_sparse_and_fall_back_to_native(world):
             assert result[case]["sparse_grads"] == [True] and not result[case]["errors"], case
 
 
+@pytest.mark.slow
 def test_unused_heads_keep_none_grads(world):
     # Heads: trunk.w/b, main.w/b, aux.w/b, dead.w/b. An output the loss ignores leaves aux's
     # gradients None (not zeros), so weight decay and momentum leave aux alone.
@@ -108,6 +114,7 @@ def test_unused_heads_keep_none_grads(world):
         assert result["static_dead"]["grads_none"] == [False] * 4 + [True, True, False, False]
 
 
+@pytest.mark.slow
 def test_ignored_parameters_stay_rank_local(world):
     # Different initial values per rank; ign.* neither broadcast nor reduced: it stays per rank,
     # equal to torch's on the same rank (checked above), and differs across ranks.
@@ -115,6 +122,7 @@ def test_ignored_parameters_stay_rank_local(world):
     assert world[0]["synced_values"] == world[1]["synced_values"]
 
 
+@pytest.mark.slow
 def test_integer_buffers_are_broadcast_bit_exactly(world):
     for result in world:
         assert result["int_buffer_values"] == world[0]["int_buffer_values"]
@@ -122,6 +130,7 @@ def test_integer_buffers_are_broadcast_bit_exactly(world):
     assert i64 == [2**62 + 12345, -(2**62 + 12345)] and i32 == [2**31 - 1] and flag == [True]
 
 
+@pytest.mark.slow
 def test_fp16_average_does_not_overflow(world):
     # Every rank's gradient element is 40000: the sum overflows fp16 at world >= 2, the average
     # (divided before summing, as torch) is 40000.
@@ -130,6 +139,7 @@ def test_fp16_average_does_not_overflow(world):
 
 
 @pytest.mark.parametrize("case", ddp_parity_cases.DEVICE_KEYWORDS)
+@pytest.mark.slow
 def test_device_keywords_on_cpu_as_torch(world, case):
     # torch keeps device_ids/output_device only for a CUDA module (tests/test_gpu.py runs that).
     for result in world:

@@ -67,6 +67,7 @@ def _rank():
     return {"layouts": layouts, "worst": worst, "policy": ours.bucket_policy}
 
 
+@pytest.mark.slow
 def test_ddp_uses_a_policy_registered_in_a_test_file():
     results = commlab.launch(_rank, world_size=2, backend="gloo", timeout=120)
     assert isinstance(results[0]["policy"], Pairs)

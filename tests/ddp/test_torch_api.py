@@ -11,6 +11,8 @@ import pytest
 import commlab
 from tests.support import ddp_torch_api_cases
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 DIST_AUTOGRAD = "commlab's DistributedDataParallel does not support torch.distributed.autograd"
 
 

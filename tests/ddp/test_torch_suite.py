@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.torch_suite
+# slow too: `-m "not slow"` replaces addopts' `-m "not torch_suite"` and must still leave these out
+pytestmark = [pytest.mark.torch_suite, pytest.mark.slow]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -49,6 +49,7 @@ def test_bench_rejects_bad_options_before_launching():
         assert result.exit_code == 2 and message in result.output, (args, result.output)
 
 
+@pytest.mark.slow
 def test_bench_writes_tidy_results_and_figures(tmp_path):
     args = ["bench", "--schedules", "gpipe,1f1b", "-m", "2,4", "--checkpoint", "never,always", "--depth", "2",
             "--width", "16", "--batch", "8", "--iters", "2", "--warmup", "1", "--out", str(tmp_path), "--name", "r"]
@@ -80,6 +81,7 @@ def test_bench_writes_tidy_results_and_figures(tmp_path):
     assert not list(run.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
+@pytest.mark.slow
 def test_interrupted_bench_keeps_the_rows_measured_and_exits_130(tmp_path, monkeypatch):
     import commlab
 

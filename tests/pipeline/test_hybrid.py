@@ -19,6 +19,8 @@ from commlab.models import GPT, lm_loss
 from commlab.pipeline import PipelineExecutor, v_shape
 from commlab.pipeline.runtime.hybrid import DataParallelStage
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 CASES = [("gpipe", [4, 4], "never"), ("1f1b", [3, 5], "except_last"), ("interleaved", [2, 2, 2, 2], "never"),
          ("interleaved", [3, 1, 2, 2], "always"),  # stage 1 is a Tanh alone: no parameters, no DDP
          ("zb-h1", [3, 5], "except_last"), ("zb-v", [2, 2, 2, 2], "never")]

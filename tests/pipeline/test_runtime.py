@@ -148,6 +148,7 @@ def _merged(results, key):
 
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.slow
 def test_loss_and_gradients_match_unpartitioned_model(two_ranks, schedule, checkpoint):
     ref_losses, ref_grads = _reference()
     losses, grads = _merged(two_ranks, (schedule, checkpoint))
@@ -159,6 +160,7 @@ def test_loss_and_gradients_match_unpartitioned_model(two_ranks, schedule, check
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.slow
 def test_gradients_match_torch_pipelining(two_ranks, schedule):
     ours_loss, ours = _merged(two_ranks, ("ours8", schedule))
     torch_loss, theirs = _merged(two_ranks, ("torch", schedule))
@@ -168,6 +170,7 @@ def test_gradients_match_torch_pipelining(two_ranks, schedule):
         torch.testing.assert_close(ours[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoint_replays_dropout_and_steps_accumulate(two_ranks):
     never = _merged(two_ranks, "dropout_never")
     always = _merged(two_ranks, "dropout_always")
@@ -181,6 +184,7 @@ def test_checkpoint_replays_dropout_and_steps_accumulate(two_ranks):
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_activation_bytes_follow_the_schedule(two_ranks):
     first = two_ranks[0]
     gpipe, one_f = first[("ours8", "gpipe")][2][0], first[("ours8", "1f1b")][2][0]
@@ -193,11 +197,13 @@ def test_activation_bytes_follow_the_schedule(two_ranks):
     assert set(first[("interleaved", "never")][2]) == {0, 2}
 
 
+@pytest.mark.slow
 def test_a_missing_peer_raises_instead_of_hanging(two_ranks):
     waited, message = two_ranks[0]["stalled"]
     assert 1.5 < waited < 30 and "Timed out" in message
 
 
+@pytest.mark.slow
 def test_bad_batches_raise_value_errors(two_ranks):
     assert "cannot be split into 4 micro-batches" in two_ranks[0]["small_batch"]
     assert "cannot be split into 4 micro-batches" in two_ranks[1]["small_batch"]
@@ -223,6 +229,7 @@ def test_ledger_counts_a_shared_storage_once_but_in_full_for_each_holder():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL pipeline needs two CUDA devices (one per rank)")
+@pytest.mark.slow
 def test_nccl_pipeline_matches_unpartitioned_model():
     # The same executor on CUDA tensors over NCCL (no tags: messages match by issue order).
     results = commlab.launch(_two_ranks, world_size=2, backend="nccl", timeout=120)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import commlab
 
 ROOT = Path(commlab.__file__).resolve().parent
@@ -32,6 +34,7 @@ print("TORCH" if "torch" in sys.modules else "NO TORCH")
 """
 
 
+@pytest.mark.slow
 def test_pipeline_help_does_not_import_torch():
     for args in (["pipeline", "--help"], ["pipeline", "bench", "--help"], ["pipeline", "plan", "--help"]):
         out = subprocess.run([sys.executable, "-c", _HELP.format(args=[args])], capture_output=True, text=True, timeout=120,

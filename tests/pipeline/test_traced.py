@@ -198,6 +198,7 @@ def _merged(ranks, name):
 
 
 @pytest.mark.parametrize("world, name, masked", [(w, c[0], c[-1]) for w, cases in CASES.items() for c in cases])
+@pytest.mark.slow
 def test_split_by_name_matches_unpartitioned_model(runs, world, name, masked):
     ref_loss, ref_losses, ref_grads, ref_out = _reference(world, masked)
     loss, losses, grads, evaluated = _merged(runs(world), name)
@@ -210,6 +211,7 @@ def test_split_by_name_matches_unpartitioned_model(runs, world, name, masked):
 
 
 @pytest.mark.parametrize("world, schedule", [(w, s) for w, names in TORCH.items() for s in names])
+@pytest.mark.slow
 def test_same_losses_gradients_and_eval_as_torch_pipelining(runs, world, schedule):
     ranks = runs(world)
     loss, losses, grads, evaluated = _merged(ranks, schedule + " no mask")
@@ -225,6 +227,7 @@ def test_same_losses_gradients_and_eval_as_torch_pipelining(runs, world, schedul
 
 
 @pytest.mark.parametrize("world", list(CASES))
+@pytest.mark.slow
 def test_a_batch_that_does_not_split_into_the_traced_shape_is_refused_on_every_rank(runs, world):
     for r in runs(world):
         assert "traced on" in r["refused"] and "static-shape" in r["refused"], r["refused"]

@@ -15,6 +15,8 @@ from torch import nn
 import commlab
 from commlab.pipeline import PipelineExecutor, RankStages, v_shape
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 BATCH = 10  # micro-batches of 3, 3, 2, 2
 CASES = [  # name, schedule, balance, placement, checkpoint
     ("gpipe", "gpipe", [2, 5], None, "never"),

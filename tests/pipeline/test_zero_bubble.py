@@ -15,6 +15,8 @@ import commlab
 from commlab.pipeline import PipelineExecutor, RankStages, from_csv, v_shape
 from tests.support.pipeline_torch_orders import torch_csv
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 BATCH = 10  # uneven micro-batches: 3, 3, 2, 2 for m = 4
 CASES2 = [  # name, schedule, balance, placement, checkpoint, micro-batches
     ("zb-h1", "zb-h1", [4, 4], None, "never", 4),

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from commlab.ddp.timing import COLUMNS, CpuClock, RawIteration, resolve
 from commlab.costmodel.lowering.ddp import DDPSetting, breakdown, simulate_step
 from commlab.runs import store
@@ -38,6 +40,7 @@ def test_predictor_writes_exactly_the_sweeps_iteration_columns():
     assert list(row) == store.STEP_COLUMNS == store.ITERATION_COLUMNS[3:]
 
 
+@pytest.mark.slow
 def test_reading_results_and_the_simulator_never_import_torch():
     # The columns are written out in store.py so that figures, trace and the DDP lowering stay
     # torch-free; the test above holds them equal to DDP's own.

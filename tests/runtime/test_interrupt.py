@@ -8,6 +8,7 @@ import time
 
 import click
 import pandas as pd
+import pytest
 from click.testing import CliRunner
 
 from commlab._atomic import write_text
@@ -61,6 +62,7 @@ def test_keep_partial_saves_says_where_and_exits_130_or_143(tmp_path, monkeypatc
     assert runner.invoke(_command(lambda: None, 2), []).output.strip() == "finished"
 
 
+@pytest.mark.slow
 def test_bench_collectives_interrupted_keeps_the_sizes_measured(tmp_path):
     out = tmp_path / "out"
     args = ["bench", "collectives", "-b", "1K", "-e", "1G", "-f", "2", "-n", "1", "-w", "0", "--algorithm", "native",

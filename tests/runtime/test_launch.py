@@ -42,6 +42,7 @@ def _exit_hard():
     time.sleep(3600)
 
 
+@pytest.mark.slow
 def test_launch_results_in_rank_order():
     out = commlab.launch(_describe, 2.0, world_size=3, backend="gloo", timeout=60)
     assert [o["rank"] for o in out] == [0, 1, 2]
@@ -51,6 +52,7 @@ def test_launch_results_in_rank_order():
     assert all(o["ifname"] == "lo" for o in out)
 
 
+@pytest.mark.slow
 def test_failing_rank_raises_with_its_traceback_and_does_not_hang():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -60,6 +62,7 @@ def test_failing_rank_raises_with_its_traceback_and_does_not_hang():
     assert time.monotonic() - start < 50  # well before the process-group timeout
 
 
+@pytest.mark.slow
 def test_hanging_and_dying_ranks_end_within_timeout():
     start = time.monotonic()
     with pytest.raises(LaunchError, match="did not finish within"):
@@ -92,6 +95,7 @@ def _death_signal():
     return rank_entry.torch_loaded_at_pdeathsig, sig.value
 
 
+@pytest.mark.slow
 def test_a_rank_dies_with_its_parent_and_says_so_before_torch_loads():
     import signal
 

@@ -1,11 +1,13 @@
 """Run metadata a reviewer asks for, in the runtime layer (the sweep re-exports it)."""
 
+import pytest
 import torch
 
 from commlab.runtime import metadata
 from commlab.sweep import metadata as sweep_metadata
 
 
+@pytest.mark.slow
 def test_environment_records_versions_threads_and_collect_env():
     env = metadata.environment()
     assert env["torch"] == torch.__version__

@@ -7,7 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from commlab.runtime.orphans import dies_with_parent, private_tempdir
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 # The parent: two ranks that write their pid, then sleep far past the test.
 PARENT = """

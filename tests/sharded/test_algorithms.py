@@ -18,6 +18,7 @@ def ring3():
     return commlab.launch(sharded_cases.run_ring, world_size=3, backend="gloo", timeout=300)
 
 
+@pytest.mark.slow
 def test_ring_stages_1_to_3_give_torch_ddps_parameters_and_optimizer_state(ring3):
     cases = [(rank, name, r) for rank, result in enumerate(ring3) for name, r in result["cases"].items()]
     assert len(cases) == 3 * 8
@@ -28,6 +29,7 @@ def test_ring_stages_1_to_3_give_torch_ddps_parameters_and_optimizer_state(ring3
         assert r["finite_times"], (rank, name)
 
 
+@pytest.mark.slow
 def test_halving_doubling_on_three_ranks_is_refused_before_any_collective(ring3):
     for result in ring3:  # the ring cases that follow it in the same processes passed above
         message = result["halving_doubling"]

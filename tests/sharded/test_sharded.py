@@ -35,6 +35,7 @@ def _cases(results):
     return [(rank, name, r) for rank, result in enumerate(results) for name, r in result["cases"].items()]
 
 
+@pytest.mark.slow
 def test_world2_same_parameters_as_torch_ddp_exactly(world2):
     # Stages 1-3 x (SGD, Adam, AdamW, split, units, no_sync, frozen, tied, batch norm), and stage 3
     # x prefetch 0-2 x reshard on/off, with size buckets and with units.
@@ -44,11 +45,13 @@ def test_world2_same_parameters_as_torch_ddp_exactly(world2):
         assert r["exact"], (rank, name, r["rel"])
 
 
+@pytest.mark.slow
 def test_world3_same_parameters_as_torch_ddp_within_the_summation_order(world3):
     for rank, name, r in _cases(world3):
         assert r["scaled"] <= 1e-6 and r["rel"] <= 1e-5, (rank, name, r["scaled"], r["rel"])
 
 
+@pytest.mark.slow
 def test_full_optimizer_state_is_torch_ddps_optimizer_state_and_loads(world2, world3):
     for rank, name, r in _cases(world2):
         o = r["optimizer_state"]
@@ -58,6 +61,7 @@ def test_full_optimizer_state_is_torch_ddps_optimizer_state_and_loads(world2, wo
         assert o["scaled"] <= 1e-6 and o["groups_equal"] and o["loaded_equal"], (rank, name, o["scaled"])
 
 
+@pytest.mark.slow
 def test_same_parameters_as_torch_fully_shard_on_each_layer(world2, world3):
     for result in world2:
         assert result["fully_shard"]["exact"]
@@ -65,11 +69,13 @@ def test_same_parameters_as_torch_fully_shard_on_each_layer(world2, world3):
         assert result["fully_shard"]["scaled"] <= 1e-6 and result["fully_shard"]["rel"] <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_transformer_gets_torch_ddps_parameters(world2):
     for result in world2:
         assert result["transformer"] == dict.fromkeys(["s3-units", "s3-one-bucket", "s3-split", "s2-split"], True)
 
 
+@pytest.mark.slow
 def test_buckets_split_by_size_or_by_unit(world2):
     cases = world2[0]["cases"]
     names = ["scale", "a.weight", "a.bias", "b.weight", "b.bias", "head.weight", "head.bias"]
@@ -82,6 +88,7 @@ def test_buckets_split_by_size_or_by_unit(world2):
     assert cases["s3-frozen"]["buckets"] == [names[:1], names[1:3], [names[3], *names[5:]]]  # b.bias left out
 
 
+@pytest.mark.slow
 def test_frozen_parameter_stays_replicated_and_untouched(world2):
     for result in world2:
         for stage in (1, 2, 3):
@@ -97,6 +104,7 @@ def _expected_bytes(memory, stage, world, kind):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_bytes_at_the_end_of_a_step_match_the_zero_model_within_the_padding(world, world2, world3):
     results = world2 if world == 2 else world3
     checked = 0
@@ -117,12 +125,14 @@ def test_bytes_at_the_end_of_a_step_match_the_zero_model_within_the_padding(worl
     assert checked >= (12 if world == 3 else 30)
 
 
+@pytest.mark.slow
 def test_stage3_holds_no_gathered_parameters_between_steps(world2, world3):
     for rank, name, r in _cases(world2) + _cases(world3):
         if name.startswith("s3"):
             assert r["memory"]["gathered_now"] == 0 and r["memory_after_zero_grad"][1] == 0, (rank, name)
 
 
+@pytest.mark.slow
 def test_peak_of_gathered_bytes_follows_prefetch_and_reshard(world2):
     # Units: root [scale] 16 B, a 256 B, b 200 B, head 72 B (padded, fp32, world 2). The root's
     # bucket stays gathered (as fully_shard's root); each unit is freed after its forward.
@@ -136,6 +146,7 @@ def test_peak_of_gathered_bytes_follows_prefetch_and_reshard(world2):
     assert world2[0]["cases"]["s2-units"]["memory"]["peak_gathered"] == 544
 
 
+@pytest.mark.slow
 def test_timings_count_each_collective_of_an_iteration(world2):
     cases = world2[0]["cases"]
     for name, r in cases.items():
@@ -155,6 +166,7 @@ def test_timings_count_each_collective_of_an_iteration(world2):
     assert cases["s3-units-p1-r0"]["timings"][1:] == ([["all_gather", "reduce_scatter"]], [4 + 4])
 
 
+@pytest.mark.slow
 def test_state_dict_is_the_unsharded_models_and_loads_both_ways(world2, world3):
     for results, stages in ((world2, (1, 2, 3)), (world3, (3,))):
         for result in results:
@@ -166,6 +178,7 @@ def test_state_dict_is_the_unsharded_models_and_loads_both_ways(world2, world3):
                 assert s["bad_shape"].startswith("ValueError") and "'a.bias'" in s["bad_shape"]
 
 
+@pytest.mark.slow
 def test_optimizer_over_unsharded_parameters_is_refused_at_its_first_step(world2):
     for result in world2:
         errors = result["optimizer"]

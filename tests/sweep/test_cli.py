@@ -85,6 +85,7 @@ def test_environment_dependent_input(tmp_path):
     assert list(tmp_path.iterdir()) == [spec]
 
 
+@pytest.mark.slow
 def test_tiny_sweep_results_and_a_failing_configuration(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))  # spawned ranks inherit sys.path
     result = sweep("--model", "mlp,sweep_models:fails_on_rank1", "--bucket-mb", "0.01", *TINY,
@@ -176,6 +177,7 @@ def test_resume_with_a_changed_grid_is_refused(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["configs", "metadata.json"]  # nothing ran or changed
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume(tmp_path):
     args = ["sweep", "--bucket-mb", "0.01,1", *TINY, "--out", str(tmp_path), "--name", "killed",
             "--no-figures", "--timeout", "120"]

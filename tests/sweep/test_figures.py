@@ -15,11 +15,23 @@ from commlab.sweep.trace import chrome_trace
 FIXTURE = Path(__file__).parent / "fixtures" / "sweep"
 
 
+def _copy_fixture(to: Path) -> Path:
+    for name in ("iterations", "buckets", "runs"):
+        shutil.copy(FIXTURE / f"{name}.csv", to / f"{name}.csv")
+    return to
+
+
 @pytest.fixture()
 def run_dir(tmp_path):
-    for name in ("iterations", "buckets", "runs"):
-        shutil.copy(FIXTURE / f"{name}.csv", tmp_path / f"{name}.csv")
-    return tmp_path
+    return _copy_fixture(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory):
+    """The fixture sweep after `commlab figures`: drawn once for the tests of the command and of
+    redrawing (laying out a figure's text takes seconds)."""
+    run_dir = _copy_fixture(tmp_path_factory.mktemp("drawn"))
+    return run_dir, CliRunner().invoke(figures, [str(run_dir)])
 
 
 def test_figure_tables_follow_the_data(run_dir):
@@ -53,8 +65,8 @@ def test_figure_tables_follow_the_data(run_dir):
     assert figdata.curve(single, "bucket_mb").empty and figdata.scaling(single).empty  # one point: no curve
 
 
-def test_figures_command_writes_every_supported_figure(run_dir):
-    result = CliRunner().invoke(figures, [str(run_dir)])
+def test_figures_command_writes_every_supported_figure(drawn):
+    run_dir, result = drawn
     assert result.exit_code == 0, result.output
     names = {"breakdown", "bucket_size", "scaling", "no_sync", "round_robin", "timeline"}
     for name in names:
@@ -136,10 +148,11 @@ def test_breakdown_parts_add_up_to_the_plotted_step():
     assert "other" in figdata.SEGMENTS
 
 
-def test_redrawing_gives_the_same_bytes(run_dir):
+def test_redrawing_gives_the_same_bytes(drawn):
     from commlab.sweep.figures import draw_all
 
-    first = {p.name: p.read_bytes() for p in draw_all(run_dir)}
+    run_dir, _ = drawn
+    first = {p.name: p.read_bytes() for p in (run_dir / "figures").iterdir()}
     second = {p.name: p.read_bytes() for p in draw_all(run_dir)}
     assert first.keys() == second.keys() and any(n.endswith(".pdf") for n in first)
     assert first == second  # no creation date: committed reference figures change only with their data

@@ -48,6 +48,7 @@ def test_a_series_resolves_only_beyond_three_times_its_noise_and_the_table_says_
     assert "n/a (0/1)" in format_table(workload_table(quiet, series_taus(quiet)))
 
 
+@pytest.mark.slow
 def test_held_out_factory_model_shape_order_and_tune(tmp_path):
     part = {"model": CONVNET, "model_args": "channels=16,hidden=2048", "bucket_mb": "0.5,100", "algorithm": "native",
             "overlap": "both", "iters": 8, "warmup": 2}

@@ -56,6 +56,7 @@ def test_cuda_events_time_the_gpu_not_the_host():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.slow
 def test_gpu_calibration_measures_on_the_device(tmp_path):
     """One NCCL rank calibrates a small MLP: everything on the GPU, CUDA-event times, allocator state."""
     from commlab.costmodel.calibration.driver import Workload, calibrate

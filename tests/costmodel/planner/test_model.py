@@ -1,5 +1,6 @@
 """``pipeline plan --model``: any model the splitter cuts by name, planned with its optimizer state and temporaries."""
 
+import pytest
 from click.testing import CliRunner
 
 from commlab.cli import main
@@ -66,6 +67,7 @@ def test_a_traced_stage_keeps_its_weight_nodes_gradients_for_w():
                                                profiles[2].output[4] + kept[1] + kept[2]]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_plan_validate_measures_a_traced_model_and_calibrates_on_it_off_the_grid(tmp_path):
     # One launch calibrates (the model's own runs at 3 micro-batches, a count no plan uses), one measures.
     out = tmp_path / "rows.csv"

@@ -112,6 +112,7 @@ def test_planner_picks_the_fastest_plan_that_fits():
     assert best(plans, 1.0) is None
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_plan():
     result = CliRunner().invoke(main, ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8",
                                        "-m", "2,4", "--budget-mb", "1"])  # fmt: skip
@@ -129,6 +130,7 @@ def test_plan_command_prints_the_plan():
     assert min(peaks) == pytest.approx(need, abs=0.01)
 
 
+@pytest.mark.slow
 def test_plan_validate_measures_the_grid_and_the_predicted_peaks_come_close():
     # A small grid on 2 Gloo ranks: the table, the verdict line, and each plan's peak as the
     # allocator saw it against the prediction (time is not asserted: the machine is shared).

@@ -150,6 +150,7 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     assert meta["source"] == "predicted" and STEADY["steady"]
 
 
+@pytest.mark.slow
 def test_calibration_measures_reduce_scatter_and_all_gather_tables_in_one_launch():
     """The one spawn: a world-size-2 calibration of a small model with the sharded tables."""
     from commlab.costmodel.calibration.driver import Workload, calibrate

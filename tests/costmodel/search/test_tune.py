@@ -154,6 +154,7 @@ def test_the_calibrations_spread_comes_from_every_rank_and_the_ddp_steps():
     assert spread_of(results) == pytest.approx(0.4 / math.sqrt(2), abs=1e-3)
 
 
+@pytest.mark.slow
 def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch):
     """commlab.tune(nn.Module) calibrates the module itself (its ranks load the saved instance):
     the profile's parameter bytes are the module's, and a second call finds the cached entry."""
@@ -206,6 +207,7 @@ def test_modules_that_differ_only_in_options_or_activations_get_different_names(
     assert digest(nn.Conv2d(3, 4, 3, stride=1)) != digest(nn.Conv2d(3, 4, 3, stride=2))
 
 
+@pytest.mark.slow
 def test_torch_answer_check_judges_the_pick_against_the_grid_measured_with_torch_ddp(monkeypatch):
     """The check's arithmetic (pure), then one small launch: every configuration is a torch DDP
     with only the answer's keywords, timed on both ranks (the tuner is a stub: no calibration)."""
