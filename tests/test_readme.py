@@ -8,7 +8,7 @@ Bash: the ```bash blocks run in order, each with ``bash -e`` (every command must
 temporary working directory shared by all of them, as a user would type them one after another
 in a fresh clone: the directory holds a copy of the repository's sweeps/ and examples/, a
 ``commlab`` on PATH runs this checkout's CLI with this interpreter (PYTHONPATH is the repository
-root), and HOME is a fresh directory so that calibration profiles do not touch the user's cache.
+root), and HOME is a fresh directory so that calibrations do not touch the user's cache.
 Each block has its own timeout. Blocks are fenced with a word after ``bash`` when they must not
 run here:
 

@@ -11,7 +11,7 @@ import click
 
 from commlab.cli.pipeline_options import OPTIMIZERS, SCHEDULE_NAMES, ints as _ints, names as _names
 from commlab.pipeline.schedule.registry import REGISTRY
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES
 
 
 @click.command()
@@ -59,7 +59,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
 
     from commlab.costmodel.planner.plan import best, candidates, no_fit, table
     from commlab.costmodel.planner.layers import profile_mlp
-    from commlab.costmodel.planner.calibrate import plan_costs, profile_line
+    from commlab.costmodel.planner.calibrate import plan_costs, calibrated_line
     from commlab.costmodel.planner.offgrid import calibration_count, calibration_runs
     from commlab.costmodel.planner.stages import needs_split, stage_ranges
 
@@ -74,7 +74,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
     if check and dp > 1:
         raise click.BadParameter("--validate measures pipeline-only plans: use --dp 1", param_hint="--dp")
-    if dp > 1 and not calibrate and profile_line(dp) is None:
+    if dp > 1 and not calibrate and calibrated_line(dp) is None:
         raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
     if out is not None and not check:

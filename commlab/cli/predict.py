@@ -23,6 +23,7 @@ import click
 
 from commlab.cli import sweep as sweep_cli
 from commlab.cli import tune_text, zero_memory  # click declarations at import; torch inside the calls
+from commlab.cli.renamed import add_old_spelling
 
 # The sweep's options about running and measuring: nothing here runs a configuration.
 _RUN_ONLY = {"resume", "force", "launcher", "timeout", "nnodes", "rdzv_endpoint", "repeat"}
@@ -52,9 +53,13 @@ def _refused(names: set[str]) -> list[click.Parameter]:
     return out
 
 
-_PROFILE = click.Option(["--profile", "profile_path"], type=click.Path(dir_okay=False, path_type=Path),
-                        help="calibration profile (JSON) [~/.cache/commlab/profile.json]")
-_RECAL = click.Option(["--recalibrate"], is_flag=True, help="measure again even if the profile holds a fresh entry")
+def _calibration() -> click.Option:
+    """--calibration FILE (its old spelling --profile is added to each command below)."""
+    return click.Option(["--calibration", "calibration_path"], type=click.Path(dir_okay=False, path_type=Path),
+                        help="calibration file (JSON) [~/.cache/commlab/calibration.json]")
+
+
+_RECAL = click.Option(["--recalibrate"], is_flag=True, help="measure again even if the calibration file holds a fresh entry")
 _ECHO = lambda line: click.echo(line, err=True)  # noqa: E731
 
 
@@ -79,21 +84,21 @@ def _plan(spec_file, options, *, hardware: str | None = None):
     return plan
 
 
-def _entries(plan, profile_path, recalibrate, *, world_size=None):
-    """One profile entry per (workload, backend, world size, threads) of the plan."""
+def _entries(plan, calibration_path, recalibrate, *, world_size=None):
+    """One calibration entry per (workload, backend, world size, threads) of the plan."""
     from commlab.costmodel.search import grid_costs as session
 
     try:
-        return session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate,
+        return session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate,
                                    world_size=world_size, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
 
 
-def _calibrate(spec_file, profile_path, recalibrate, **options):
+def _calibrate(spec_file, calibration_path, recalibrate, **options):
     """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
     plan = _plan(spec_file, {**options, "bucket_mb": None})
-    entries = _entries(plan, profile_path, recalibrate)
+    entries = _entries(plan, calibration_path, recalibrate)
     from commlab.costmodel.calibration.cache import key_id
 
     for entry in entries.values():
@@ -112,7 +117,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                        f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
 
 
-def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memory, num_params, precision, **options):
+def _predict(spec_file, against, calibration_path, recalibrate, hardware, draw, memory, num_params, precision, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
     and figures as `commlab sweep`, with a `source` column saying `predicted`. Configurations at
     stage 1-3 (sharded data parallelism) are predicted too, with their peak bytes per rank.
@@ -122,7 +127,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     if memory or num_params is not None or precision is not None:
         if not memory:
             raise click.UsageError("--params and --precision go with --memory")
-        extra = {**options, "against": against, "hardware": hardware, "profile": profile_path, "recalibrate": recalibrate}
+        extra = {**options, "against": against, "hardware": hardware, "calibration": calibration_path, "recalibrate": recalibrate}
         other = [k for k, v in extra.items() if v not in (None, False, ()) and k not in ("model", "model_args", "world_size")]
         if other or spec_file is not None:
             raise click.UsageError(f"--memory takes --params or --model/--model-args, --world-size and --precision "
@@ -162,14 +167,14 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         if preset is None:
-            entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO)
+            entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate, echo=_ECHO)
             _warn_unsteady(entries.values())
             records, meta = session.predict(plan, entries)
         else:  # what-if: nothing of this machine is measured (hardware.py)
             if recalibrate:
                 raise click.UsageError("--recalibrate with --hardware: a preset's prediction measures nothing here "
-                                       "(its compute is a profile calibrated on that device, or the model's FLOPs)")
-            records, meta = session.predict_on(plan, preset, profile_path, echo=_ECHO)
+                                       "(its compute is a calibration made on that device, or the model's FLOPs)")
+            records, meta = session.predict_on(plan, preset, calibration_path, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     from commlab.costmodel.search.predict import table, write_prediction
@@ -212,7 +217,7 @@ def _warn_unsteady(entries) -> None:
                   "machine (--recalibrate).")
 
 
-def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb, optimizer_bytes, **options):
+def _tune(spec_file, calibration_path, recalibrate, as_json, force, stage, memory_gb, optimizer_bytes, **options):
     """Recommend DDP settings by simulation, no sweep: the best torch DDP configuration (torch
     keywords only) and the best commlab one, each with a predicted step time and the interval the
     model's validated error gives; every registered all-reduce algorithm is searched. A calibration
@@ -224,7 +229,7 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     algorithms = session.tune_algorithms()
     try:
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO,
+        entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate, echo=_ECHO,
                                       algorithms=algorithms, shard=stages not in (None, (0,)))
     except ValueError as err:
         raise click.UsageError(str(err)) from None
@@ -254,22 +259,25 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
 _CTX = {"help_option_names": ["-h", "--help"]}
 
 calibrate = click.Command("calibrate", callback=_calibrate, context_settings=_CTX, help=_calibrate.__doc__,
-                          params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL])
+                          params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _calibration(), _RECAL])
 predict = click.Command("predict", callback=_predict, context_settings=_CTX, help=_predict.__doc__, params=[
     *_sweep_params(_RUN_ONLY | _MEASURED), *_refused(_RUN_ONLY | _MEASURED),
     click.Option(["--against"], type=click.Path(file_okay=False, path_type=Path),
                  help="a measured sweep's results directory: print measured, predicted, error, rank order "
                       "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
-    _PROFILE, _RECAL, *zero_memory.OPTIONS,
+    _calibration(), _RECAL, *zero_memory.OPTIONS,
     click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml): NCCL's model of its network, "
-                                      "its device's compute from a profile calibrated there (--profile) or the model's FLOPs"),
+                                      "its device's compute from a calibration made there (--calibration) or the model's FLOPs"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
-    # no --algorithm: tune searches every registered one, whatever the profile cache holds
+    # no --algorithm: tune searches every registered one, whatever the calibration cache holds
     # its own --stage (auto or one): the sweep's stage/prefetch/reshard lists are what tune searches
-    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm", "stage", "prefetch", "reshard"}), _PROFILE, _RECAL,
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm", "stage", "prefetch", "reshard"}), _calibration(), _RECAL,
     *tune_text.OPTIONS,
     click.Option(["--json", "as_json"], is_flag=True,
                  help='print one JSON object: {"torch": {...}, "commlab": {...}, "default_step_s": ..., "steady": ...}'),
     click.Option(["--force"], is_flag=True, help="recommend even when the calibration was unsteady (wider intervals)"),
 ])
+
+for _command in (calibrate, predict, tune):
+    add_old_spelling(_command, "calibration_path", "--profile")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from commlab.runs.zero_stage import STAGES, parse_stage
+
 OPTIONS = [
     click.Option(["--stage"], help="also search sharded data parallelism: auto (stages 0-3) or one stage 0-3; "
                                    "the answer is the fastest predicted stage x bucket x prefetch x reshard that fits "
@@ -31,11 +33,9 @@ def stages_of(stage: str | None, memory_gb: float | None) -> tuple[int, ...] | N
 
 def sharded_text(r: dict) -> str:
     """The sharded answer's lines (commlab/costmodel/search/tune_sharded.py)."""
-    from commlab.costmodel.search.tune_sharded import STAGES  # lazy: the lowering imports pandas (--help)
-
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
     kw = ", ".join(f"{n}={v!r}" for n, v in r["kwargs"].items())
-    wrapper = "DistributedDataParallel" if r["stage"] == 0 else "ShardedDataParallel"
+    wrapper = parse_stage(r["stage"]).wrapper
     limit = "no memory limit" if r["memory_limit_bytes"] is None else f"fits {gib(r['memory_limit_bytes'])}"
     lines = [f"  sharded ({limit}; {r['searched']} candidates): {wrapper}(model, {kw})  "
              f"step {r['predicted_step_s'] * 1e3:.1f} ms, peak {gib(r['predicted_peak_bytes'])} per rank"]

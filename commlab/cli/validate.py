@@ -16,19 +16,21 @@ from pathlib import Path
 
 import click
 
+from commlab.cli.renamed import add_old_spelling
+
 @click.group("validate")
 def validate() -> None:
     """Predictions against measurement on work the model was not fitted on."""
 
 
 def _run_options(out: str, iters: int):
-    """--out, --profile and --iters, which every held-out grid takes."""
+    """--out, --calibration and --iters, which every held-out grid takes."""
     def decorate(command):
         for option in reversed([
             click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path(out), show_default=True,
                          help="results directory (measured, predicted, comparison)"),
-            click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                         help="profile file [OUT/profile.json]; calibration always runs again (the machine drifts)"),
+            click.option("--calibration", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                         help="calibration file [OUT/calibration.json]; calibration always runs again (the machine drifts)"),
             click.option("--iters", default=iters, show_default=True, help="measured steps per configuration and direction"),
         ]):
             command = option(command)
@@ -43,7 +45,7 @@ def _run_options(out: str, iters: int):
 @click.option("--part", "chosen", multiple=True,
               help="only this part of the grid (repeatable; each about 3-5 minutes, to split the run; "
                    "the parts: commlab/validation/ddp.py's PARTS) [all]")
-def ddp(out: Path, profile: Path | None, iters: int, oversubscribed: bool, chosen: tuple[str, ...]) -> None:
+def ddp(out: Path, calibration: Path | None, iters: int, oversubscribed: bool, chosen: tuple[str, ...]) -> None:
     """Calibrate, then measure and predict the held-out DDP grid, forward and in reverse."""
     from commlab.validation.ddp import PARTS, validate_parts
 
@@ -53,7 +55,7 @@ def ddp(out: Path, profile: Path | None, iters: int, oversubscribed: bool, chose
     parts = [p for name in (chosen or PARTS) for p in PARTS[name]
              if oversubscribed or chosen or name != "oversubscribed"]
     parts = [{**p, "iters": iters, "warmup": 2} for p in parts]
-    validate_parts(parts, out, profile or out / "profile.json", echo=lambda line: click.echo(line, err=True))
+    validate_parts(parts, out, calibration or out / "calibration.json", echo=lambda line: click.echo(line, err=True))
 
 
 @validate.command("sharded")
@@ -61,14 +63,14 @@ def ddp(out: Path, profile: Path | None, iters: int, oversubscribed: bool, chose
 @click.option("--model", default="gpt", show_default=True, help="the workload (as sweep --model)")
 @click.option("--model-args", default=None, help="its sizes, key=value,... [the held-out GPT's]")
 @click.option("--global-batch", default=None, type=click.IntRange(min=1), help="samples per step [the held-out GPT's]")
-def sharded(out: Path, profile: Path | None, iters: int, model: str, model_args: str | None,
+def sharded(out: Path, calibration: Path | None, iters: int, model: str, model_args: str | None,
             global_batch: int | None) -> None:
     """Calibrate, then measure and predict the held-out sharded grid (stages, buckets, prefetch)."""
     from commlab.validation.sharded import HELD_OUT, validate as run
 
     part = {"model": model, "model_args": HELD_OUT["model_args"] if model_args is None else model_args,
             "global_batch": HELD_OUT["global_batch"] if global_batch is None else global_batch}
-    run(out, profile or out / "profile.json", iters, echo=lambda line: click.echo(line, err=True), part=part)
+    run(out, calibration or out / "calibration.json", iters, echo=lambda line: click.echo(line, err=True), part=part)
 
 
 @validate.command("planner", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -89,9 +91,9 @@ def planner(args: tuple[str, ...]) -> None:
 @click.option("--world-size", default=2, show_default=True, help="ranks")
 @click.option("--batch-per-rank", default=32, show_default=True, help="samples per rank per step")
 @click.option("--iters", default=20, show_default=True, help="measured steps per bucket cap")
-@click.option("--profile", type=click.Path(dir_okay=False), default=None, help="calibration profile file [the default]")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="calibration file [the default]")
 @click.option("--force", is_flag=True, help="measure the search's pick even from an unsteady calibration")
-def torch_answer(model, model_args, grid, world_size, batch_per_rank, iters, profile, force) -> None:
+def torch_answer(model, model_args, grid, world_size, batch_per_rank, iters, calibration, force) -> None:
     """Measure tune's torch answer with torch's own DDP against a grid of bucket caps."""
     try:
         grid_mb = [float(v) for v in grid.split(",") if v]
@@ -100,8 +102,12 @@ def torch_answer(model, model_args, grid, world_size, batch_per_rank, iters, pro
     from commlab.validation.torch_answer import TOLERANCE, check
 
     out = check(model, model_args, grid_mb=grid_mb, world_size=world_size, batch_per_rank=batch_per_rank,
-                iters=iters, profile=profile, force=force, echo=lambda line: click.echo(line, err=True))
+                iters=iters, calibration=calibration, force=force, echo=lambda line: click.echo(line, err=True))
     for label, s in sorted(out["medians"].items(), key=lambda kv: kv[1]):
         click.echo(f"  {label:24s} {s * 1e3:8.1f} ms (torch DDP, measured)")
     click.echo(f"pick {out['pick']} {out['pick_s'] * 1e3:.1f} ms vs grid best {out['best']} {out['best_s'] * 1e3:.1f} ms: "
                f"{out['over'] * 100:+.1f}% ({'within' if out['within'] else 'NOT within'} {TOLERANCE:.0%})")
+
+
+for _command in (ddp, sharded, torch_answer):
+    add_old_spelling(_command, "calibration", "--profile")

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from commlab.runs.options import parse_model_args
+from commlab.runs.zero_stage import ZeroStage, parse_stage
 
 # Option -> default. The embedded default (no options but --bucket-mb) is the README's first
 # command: CPU, Gloo, world size 2, the built-in MLP, with and without overlap.
@@ -85,6 +86,11 @@ class Config:
     reshard: bool = True  # stage 3's reshard_after_forward (True at other stages)
 
     @property
+    def zero_stage(self) -> ZeroStage:
+        """What :attr:`stage` shards (stage 0: nothing, commlab's DDP)."""
+        return parse_stage(self.stage)
+
+    @property
     def id(self) -> str:
         """Readable and stable: the same settings give the same id in every run (used by --resume).
         Fields added later are left out at their old value (:data:`LATER_FIELDS`), so ids are those
@@ -115,6 +121,13 @@ class Config:
         if "reshard" in values:  # a CSV or YAML may give it as text
             values["reshard"] = str(values["reshard"]).lower() in ("true", "1", "on")
         return cls(**values)
+
+
+def zero_stage_of(cfg: Config | dict[str, Any]) -> ZeroStage:
+    """What a configuration shards: a Config, or a record's configuration as a dict (one written
+    before stages were a column is DDP's)."""
+    default = LATER_FIELDS["stage"]
+    return parse_stage(cfg.get("stage", default) if isinstance(cfg, dict) else getattr(cfg, "stage", default))
 
 
 CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]

@@ -22,6 +22,7 @@ from commlab.runs.options import (
     positive_int,
     stage_value,
 )
+from commlab.runs.zero_stage import parse_stage
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def build_grid(options: dict[str, Any]) -> Grid:
     stages = parse_list(o["stage"], stage_value, "stage")
     prefetches = parse_list(o["prefetch"], non_negative_int, "prefetch")
     reshards = overlap_values(o["reshard"], "reshard")
-    if max(stages) > 0 and policies != [DEFAULTS["bucket_policy"]]:
+    if not all(parse_stage(s).ddp for s in stages) and policies != [DEFAULTS["bucket_policy"]]:
         raise ValueError("--bucket-policy applies to stage 0 (DDP) only; ShardedDataParallel sizes its own buckets")
     if nnodes > 1 and launcher != "torchrun":
         raise ValueError("--nnodes > 1 needs --launcher torchrun")
@@ -103,9 +104,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
     for (model, backend, world, thread, algo, group, acc, policy, stage, prefetch, reshard, bucket,
          overlap) in itertools.product(models, backends, world_sizes, threads, algorithms, groups, accumulates,
                                        policies, stages, prefetches, reshards, buckets, overlaps):
-        if stage < 3:  # prefetch and reshard are stage 3's: one configuration, not one per value
+        if not parse_stage(stage).parameters:  # prefetch and reshard gather parameters: stage 3's only
             prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
-        if stage > 0:  # ShardedDataParallel always overlaps, on one process group
+        if not parse_stage(stage).ddp:  # ShardedDataParallel always overlaps, on one process group
             overlap, group = True, 1
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from commlab.runs.zero_stage import parse_stage
+
 
 def parse_list(value: Any, item, option: str) -> list:
     """``"5,25,100"``, ``[5, 25]`` or ``5`` -> a list of parsed, de-duplicated items, order kept."""
@@ -83,10 +85,11 @@ def canonical_model_args(value: Any) -> str:
 
 
 def stage_value(text: str, option: str) -> int:
-    """A ZeRO stage: 0 (commlab DDP) to 3."""
-    if str(text).strip() not in ("0", "1", "2", "3"):
-        raise ValueError(f"--{_dash(option)}: {text!r} is not a stage: 0 (DDP), 1, 2 or 3")
-    return int(text)
+    """A ZeRO stage (commlab/runs/zero_stage.py): 0 (commlab DDP) to 3."""
+    try:
+        return parse_stage(text).stage
+    except ValueError as err:
+        raise ValueError(f"--{_dash(option)}: {err}") from None
 
 
 def non_negative_int(text: str, option: str) -> int:

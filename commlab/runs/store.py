@@ -53,15 +53,15 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
+from commlab.ddp.timing import COLUMNS
 from commlab.runs.config import CONFIG_COLUMNS, LATER_FIELDS, Config
 from commlab.runs.stats import summarise
 
 RECORDS = "configs"
 # One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab.ddp.timing.COLUMNS,
-# written out here so that reading results and drawing figures never imports torch;
-# tests/runs/test_columns.py holds the two equal), then what the sweep worker times around it.
-# The predictor writes exactly these (commlab/costmodel/lowering/ddp.py imports them).
-TIMING_COLUMNS = ["forward", "backward_compute", "comm", "exposed_comm", "total", "write_back", "unused_allreduce"]
+# a torch-free module, so reading results and drawing figures import no torch), then what the
+# sweep worker times around it. The predictor writes exactly these (commlab/costmodel/lowering/ddp.py).
+TIMING_COLUMNS = list(COLUMNS)
 STEP_COLUMNS = [*TIMING_COLUMNS, "accumulate_time", "optimizer", "step"]
 ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]
 # threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the

@@ -49,7 +49,7 @@ def check_grid(plan: Grid) -> None:
             except Exception as err:
                 raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
             built.add((cfg.model, cfg.model_args))
-        if cfg.stage and cfg.algorithm not in SHARDED_ALGORITHMS:
+        if not cfg.zero_stage.ddp and cfg.algorithm not in SHARDED_ALGORITHMS:
             raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
                              f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")
         if cfg.algorithm not in algorithm_names():

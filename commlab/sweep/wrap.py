@@ -14,12 +14,13 @@ from statistics import median
 from typing import Any
 
 from commlab.runs.traffic import comm_bytes
+from commlab.runs.zero_stage import ZeroStage
 
 def wrap(cfg, model):
     """The configuration's wrapper around ``model`` (inside the process group)."""
     import commlab
 
-    if cfg.stage == 0:
+    if cfg.zero_stage.ddp:
         return commlab.DistributedDataParallel(
             model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm, overlap=cfg.overlap,
             round_robin_groups=cfg.groups, bucket_policy=cfg.bucket_policy,
@@ -47,12 +48,12 @@ def bucket_rows(t, num_params: list[int]) -> list[dict[str, Any]]:
              "launched": c.launched, "done": c.done} for c in t.collectives if c.kind != "all_gather"]
 
 
-def step_measures(wrapper, stage: int, world_size: int, timings: list) -> dict[str, float]:
+def step_measures(wrapper, zero_stage: ZeroStage, world_size: int, timings: list) -> dict[str, float]:
     """comm_bytes and the exposed all-gather / reduction seconds of one rank: medians over its
-    measured iterations (stage 0: the all-reduced buckets, nothing exposed by gathers)."""
+    measured iterations (DDP: the all-reduced buckets, nothing exposed by gathers)."""
     if not timings:
         return {"comm_bytes": 0.0, "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
-    if stage == 0:
+    if zero_stage.ddp:
         sent = [comm_bytes((("all_reduce", b.nbytes) for b in t.buckets), world_size) for t in timings]
         return {"comm_bytes": median(sent), "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
     sent = [comm_bytes(((c.kind, c.nbytes) for c in t.collectives), world_size) for t in timings]

@@ -4,12 +4,14 @@
     commlab validate ddp --part mlp --part convnet --out ...    # 3.7 min; then
     commlab validate ddp --part blocks --out ...                # 1.9 min
     commlab validate ddp --part oversubscribed --out ...        # 1.6 min (2026-11-26)
+    commlab validate ddp --part head --out ...                  # about 2-3 min
 
 The default grid is work the predictor was never developed on (it was built on the default
 MLP): a wider, shallower MLP and a conv net given as ``package.module:factory``
 (examples/heldout_models.py), bucket sizes 0.5-100 MB, native with overlap on and off and ring
 with overlap on, gloo, world size 2; then world sizes 3 and 4 (more ranks than this machine's
-cores), reported apart. For each workload, in this order: calibrate (never one of the grid's
+cores), reported apart; and (``--part head``) a model with one gradient over glibc's mmap
+threshold, native only, buckets 1-64 MB. For each workload, in this order: calibrate (never one of the grid's
 configurations), ask the tuner for a bucket (the check: is its measured step within 5% of the
 grid's best?), measure the grid plus the recommendation forward, then in reverse. The mean of the
 two median step times is what the prediction is judged against; configurations whose two
@@ -52,8 +54,14 @@ OVERSUBSCRIBED = [{"model": "mlp", "model_args": "depth=4,width=1536", "algorith
                    "bucket_mb": "2,25,100", "world_size": w, "global_batch": 48} for w in ("3", "4")]
 # Named parts, to split a run that would hold a shared machine too long (--part); each part's
 # workloads are calibrated and measured on their own, so parts run apart add up to the whole.
-PARTS = {"mlp": HELD_OUT[:2], "convnet": HELD_OUT[2:], "blocks": FRESH, "oversubscribed": OVERSUBSCRIBED}
-TUNED = (CONVNET,)  # workloads whose tuner recommendation is measured too
+WIDE_HEAD = "examples.heldout_models:wide_head"
+# Held out from the retiring of the fitted fresh-gradient rule: one gradient (the 34.2 MiB head)
+# over glibc's mmap threshold and over half the largest bucket, native all-reduce only.
+HEAD = [{"model": WIDE_HEAD, "model_args": "features=512,width=1280,depth=5,vocab=7000", "global_batch": 32,
+         "bucket_mb": "1,4,16,32,64", "algorithm": "native", "overlap": "both"}]
+PARTS = {"mlp": HELD_OUT[:2], "convnet": HELD_OUT[2:], "blocks": FRESH, "oversubscribed": OVERSUBSCRIBED,
+         "head": HEAD}
+TUNED = (CONVNET, WIDE_HEAD)  # workloads whose tuner recommendation is measured too
 GRID_MB = "0.5,4,25,100"
 
 
@@ -98,7 +106,7 @@ def tune_check(entry: dict, grid: list, echo) -> tuple[Any, dict]:
     return cfg, rec
 
 
-def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=lambda line: None,
+def validate_parts(parts: list[dict[str, Any]], out: Path, calibration: Path, echo=lambda line: None,
                    tuned: tuple[str, ...] = TUNED) -> dict[str, Any]:
     """Calibrate, tune, measure and predict each workload of ``parts`` in turn; join and report."""
     out = Path(out)
@@ -111,7 +119,7 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
             groups.setdefault(session.group_key(cfg), []).append(cfg)
     begin, frames, predicted, tunes, entries = time.monotonic(), [], [], [], {}
     for key, grid in groups.items():
-        entries.update(session.entries_for(grid, profile_path=profile, recalibrate=True, echo=echo))
+        entries.update(session.entries_for(grid, calibration_path=calibration, recalibrate=True, echo=echo))
         extra = []
         if key[0] in tuned:
             cfg, rec = tune_check(entries[key], grid, echo)
@@ -132,11 +140,14 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
         same = both[(both["model"] == model) & (both["model_args"] == args)
                     & (both["world_size"] == world) & (both["config"] != t["config"])]
         if rows.empty or same.empty:  # a failed run: say so rather than lose the whole validation
-            t.update(measured_s=float("nan"), grid_best="", grid_best_s=float("nan"), within=float("nan"))
+            t.update(measured_s=float("nan"), grid_best="", grid_best_s=float("nan"), within=float("nan"),
+                     in_interval=False)
             continue
         row, best = rows.iloc[0], same.loc[same["measured_s"].idxmin()]
+        low, high = t["recommendation"]["interval_s"]
         t.update(measured_s=float(row["measured_s"]), grid_best=str(best["config"]),
-                 grid_best_s=float(best["measured_s"]), within=float(row["measured_s"] / best["measured_s"] - 1))
+                 grid_best_s=float(best["measured_s"]), within=float(row["measured_s"] / best["measured_s"] - 1),
+                 in_interval=bool(low <= row["measured_s"] <= high))
     for t in tunes:
         if t["config"] not in {c.id for c in groups[t["workload"]]}:
             both = both[both["config"] != t["config"]]
@@ -158,8 +169,11 @@ def validate_parts(parts: list[dict[str, Any]], out: Path, profile: Path, echo=l
     if len(over):
         echo("world sizes 3 and 4 (more ranks than cores):\n" + compare.format_table(over))
     for t in tunes:
-        echo(f"tune check {t['workload'][0]}: recommended {t['config']} measured {t['measured_s'] * 1e3:.1f} ms, "
-             f"grid best {t['grid_best']} {t['grid_best_s'] * 1e3:.1f} ms: {t['within'] * 100:+.1f}% "
+        rec = t["recommendation"]
+        echo(f"tune check {t['workload'][0]}: recommended {t['config']} predicted {rec['predicted_step_s'] * 1e3:.1f} ms "
+             f"[{rec['interval_s'][0] * 1e3:.1f}-{rec['interval_s'][1] * 1e3:.1f}], measured {t['measured_s'] * 1e3:.1f} ms "
+             f"({'inside' if t['in_interval'] else 'OUTSIDE'} the interval); grid best {t['grid_best']} "
+             f"{t['grid_best_s'] * 1e3:.1f} ms: {t['within'] * 100:+.1f}% "
              f"({'within' if t['within'] <= 0.05 else 'NOT within'} 5%)" if t["grid_best"] else
              f"tune check {t['workload'][0]}: {t['config']} or the grid was not measured (see the runs tables)")
     echo(f"validation took {result['duration_s'] / 60:.1f} min -> {out}")

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from commlab._atomic import write_text
 from commlab.costmodel.planner.plan import Plan
 
+from commlab.costmodel.calibration.pipeline import settle, step_of
 from commlab.costmodel.planner.model import stage_builder
 from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.runtime.timer import timed_rounds
 
 
 def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
     """Every plan's step times (one per round) and peak bytes on this rank (run by commlab.launch)."""
-    import torch.distributed as dist
-
     import commlab
     from commlab._malloc import keep_freed_memory
     from commlab.pipeline.runtime.executor import PipelineExecutor
@@ -42,43 +41,32 @@ def measure_rank(plans: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     # planner's calibration and `commlab bench ddp`.
     keep_freed_memory()
     x, y, loss_fn, build = stage_builder(common)
-    built = []
+    built, steps = [], []
     for p in plans:
         placement = REGISTRY[p["schedule"]].placement(rt.world_size, len(p["balance"]))
         model, stage = build(p, placement)
         options = dict(microbatches=p["microbatches"], loss_fn=loss_fn, checkpoint=p["checkpoint"], timeout=common["timeout"])
-        built.append((model, stage, PipelineExecutor(stage, p["schedule"], track_memory=False, **options)))
-    def step(stage, pipe):
-        return pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
-
-    times: list[list[float]] = [[] for _ in plans]
+        built.append((model, stage))
+        steps.append(step_of(stage, PipelineExecutor(stage, p["schedule"], track_memory=False, **options), x, y))
+    # A training job steps one plan over and over: each visit times a plan's step after one of
+    # its own (settle), not right after another plan's, whose memory it would find in cache.
+    seconds = timed_rounds(dict(enumerate(steps)), common["iters"], common["warmup"],
+                           before=lambda k: settle(built[k][0], steps[k]))["seconds"]
+    times = [seconds[k] for k in range(len(plans))]
     rounds = range(common["warmup"], common["warmup"] + common["iters"])
-    for i in range(common["warmup"] + common["iters"]):
-        order = range(len(plans)) if i % 2 == 0 else reversed(range(len(plans)))
-        for k in order:
-            model, stage, pipe = built[k]
-            # A training job steps one plan over and over: each visit times a plan's step after
-            # one of its own, not right after another plan's, whose memory it would find in cache.
-            for _ in range(2):
-                model.zero_grad(set_to_none=False)
-                dist.barrier()
-                start = time.perf_counter()
-                step(stage, pipe)
-            if i >= common["warmup"]:
-                times[k].append(time.perf_counter() - start)
     from commlab.memtrack import track_peak
 
     peaks = []
-    for _, stage, pipe in built:
+    for (_, stage), step in zip(built, steps):
         weights = sum(t.numel() * t.element_size() for t in stage.parameters())
         # What the allocator saw in a step (the executor's ledger misses backward's temporaries
         # and its own buffers): gradients are kept (zero_grad(set_to_none=False)), so the window's
         # rise over its start plus parameters and gradients is the step's peak. The first tracked
         # window can miss frees of blocks allocated before it (commlab/memtrack.py): a second is read.
         with track_peak("cpu"):
-            step(stage, pipe)
+            step()
         with track_peak("cpu") as seen:
-            step(stage, pipe)
+            step()
         peaks.append(seen.peak_bytes + 2 * weights)  # parameters and their gradients
     # Which timed rounds ran the plans in their forward order (the others: in reverse).
     return {"rank": rt.rank, "times": times, "peaks": peaks, "forward": [i % 2 == 0 for i in rounds]}

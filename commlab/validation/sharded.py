@@ -51,13 +51,13 @@ def tuned_config(entry: dict, grid: list, budget: float, echo):
     return dataclasses.replace(base, stage=best.stage, bucket_mb=float(best.bucket_cap_mb), prefetch=prefetch), best
 
 
-def validate(out: Path, profile: Path, iters: int, echo=lambda line: None, part: dict | None = None) -> dict:
+def validate(out: Path, calibration: Path, iters: int, echo=lambda line: None, part: dict | None = None) -> dict:
     out = Path(out)
     plan = plan_of({**HELD_OUT, **(part or {}), "iters": iters, "warmup": 2}, out)
     runner.check_grid(plan)
     grid = list(plan.configs)
     begin = time.monotonic()
-    entries = session.entries_for(grid, profile_path=profile, recalibrate=True, echo=echo)
+    entries = session.entries_for(grid, calibration_path=calibration, recalibrate=True, echo=echo)
     measured = measure_twice(grid, plan, out, echo)
     peaks = measured.set_index("config")["peak_bytes"]
     budget = float(peaks.median())

@@ -13,14 +13,15 @@ of the grid's best (the acceptance of the torch answer).
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from typing import Any
-
 
 import commlab
 from commlab.costmodel.calibration.driver import default_threads
 from commlab.runs.options import parse_model_args
+from commlab.runtime.threads import use_rank_threads
+from commlab.runtime.timer import timed_rounds
 
 TOLERANCE = 0.05
 
@@ -33,8 +34,7 @@ def _measure_rank(spec: dict[str, Any]) -> dict[str, list[float]]:
 
     from commlab.models import build_workload
 
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
+    use_rank_threads(dist.get_world_size(), fixed=spec.get("threads"))
     models, opts = {}, {}
     for label, kwargs in spec["configs"].items():
         torch.manual_seed(0)
@@ -43,18 +43,14 @@ def _measure_rank(spec: dict[str, Any]) -> dict[str, list[float]]:
         opts[label] = torch.optim.SGD(models[label].parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     x, y = work.make_batch(spec["batch_per_rank"], gen)
-    times: dict[str, list[float]] = {label: [] for label in models}
-    for i in range(spec["warmup"] + spec["iters"]):
-        order = list(models) if i % 2 == 0 else list(models)[::-1]
-        for label in order:
-            dist.barrier()
-            start = time.perf_counter()
-            opts[label].zero_grad()
-            work.loss_fn(models[label](x), y).backward()
-            opts[label].step()
-            if i >= spec["warmup"]:
-                times[label].append(time.perf_counter() - start)
-    return times
+
+    def step(label: str) -> None:
+        opts[label].zero_grad()
+        work.loss_fn(models[label](x), y).backward()
+        opts[label].step()
+
+    return timed_rounds({label: functools.partial(step, label) for label in models}, spec["iters"], spec["warmup"],
+                        before=lambda _label: dist.barrier())["seconds"]
 
 
 def label_of(ddp_kwargs: dict[str, Any]) -> str:
@@ -76,11 +72,11 @@ def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
 
 
 def check(model: str, model_args: str, *, grid_mb: list[float], world_size: int = 2, batch_per_rank: int = 32,
-          iters: int = 20, warmup: int = 3, profile=None, force: bool = False, timeout: float = 900.0,
+          iters: int = 20, warmup: int = 3, calibration=None, force: bool = False, timeout: float = 900.0,
           echo=lambda _l: None) -> dict[str, Any]:
     """Tune, then measure the torch answer beside torch's default and ``grid_mb`` (one launch)."""
     answer = commlab.tune(model, model_args=model_args, world_size=world_size, batch_per_rank=batch_per_rank,
-                          profile=profile, force=force)
+                          calibration=calibration, force=force)
     pick = label_of(answer["torch"]["ddp_kwargs"])
     echo(f"tune's torch answer: {pick}, predicted {answer['torch']['predicted_step_s'] * 1e3:.1f} ms "
          f"(steady calibration: {answer['steady']})")

@@ -64,13 +64,17 @@ def _rank():
         worst = max(worst, max((a.grad - b.grad).abs().max().item()
                                for a, b in zip(ours.parameters(), theirs.parameters())))
         layouts.append(ours.bucket_indices)
-    return {"layouts": layouts, "worst": worst, "policy": ours.bucket_policy}
+    # The policy holds the caps: DDP's torch attributes read them there, a given policy's own.
+    held = commlab.DistributedDataParallel(_model(), bucket_policy=SizeCapPolicy(2, 0.5))
+    return {"layouts": layouts, "worst": worst, "policy": ours.bucket_policy,
+            "caps": (held.bucket_bytes_cap, held.first_bucket_bytes_cap, ours.bucket_bytes_cap, ours.first_bucket_bytes_cap)}
 
 
 @pytest.mark.slow
 def test_ddp_uses_a_policy_registered_in_a_test_file():
     results = commlab.launch(_rank, world_size=2, backend="gloo", timeout=120)
     assert isinstance(results[0]["policy"], Pairs)
+    assert results[0]["caps"] == (2 * MIB, MIB // 2, 25 * MIB, MIB)  # the last two: torch's defaults
     for r in results:
         assert r["worst"] <= 1e-6  # the gradients are torch DDP's, whatever the buckets
         assert r["layouts"][0] == [[5, 4], [3, 2], [1, 0]]  # the policy's initial buckets
@@ -127,6 +131,10 @@ def test_registry_and_the_default_size_cap_policy():
     assert torch_default.rebuild(specs, order) == buckets_from_ready_order(specs, order, MIB, 25 * MIB) == [[5, 4], [3, 2, 1, 0]]
     with pytest.raises(ValueError, match="exactly one"):
         checked([[0, 1], [1]], 2, Pairs())
+    # caps given beside a policy object are still checked, though the policy's own caps hold
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        make_policy(Pairs(), bucket_cap_mb=0)
+    assert (Pairs(10).cap, Pairs(10).first_cap, Pairs().first_cap) == (10 * MIB, 10 * MIB, MIB)
 
 
 def test_the_tuner_searches_the_policies_it_is_given():

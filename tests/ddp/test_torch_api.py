@@ -59,6 +59,8 @@ def test_logging_data_has_torchs_keys_and_sampling(spawned):
                 assert ours[case][key] == theirs[case][key], (rank, case, key)
             assert all(isinstance(ours[case][k], int) and ours[case][k] >= 0 for k in timed), (rank, case)
         assert ours["iterations"] == theirs["iterations"], rank  # first 10, then every 2nd
+        assert ours["caps"] == theirs["caps"] and ours["firsts"] == theirs["firsts"], rank
+        assert theirs["caps"][1:] == [512 * 1024, 25 * 2**20, int(100.5 * 2**20)], rank
         assert ours["bad_rate"] == theirs["bad_rate"], rank
         d = ours["trained"]
         assert d["avg_backward_compute_time"] >= d["avg_backward_compute_comm_overlap_time"], rank

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from commlab.pipeline import KINDS, Kind, as_actions, liveness, lower_comm, register_kind, simulate, validate
+from commlab.pipeline import KINDS, Kind, as_actions, liveness, lower_comm, register_kind, simulate, check_schedule
 from commlab.costmodel.terms.costs import PointToPoint, StageProfile, SystemCosts
 from commlab.costmodel.lowering.pipeline import predict
 from commlab.pipeline.runtime.executor import HANDLERS, PipelineExecutor
 from commlab.pipeline.runtime.stages import RankStages
-from commlab.pipeline.schedule.validate import problems
+from commlab.pipeline.schedule.checks import problems
 
 NOTE = "N"
 
@@ -40,7 +40,7 @@ def note_kind():
 
 def test_a_registered_kind_is_validated_simulated_and_priced(note_kind):
     gpipe = as_actions([["0F0", "0B0"], ["1F0", "1N0", "1B0"]])
-    validate(gpipe)
+    check_schedule(gpipe)
     assert any("before 1F0 (F before N)" in p for p in problems(as_actions([["0F0", "0B0"], ["1N0", "1F0", "1B0"]])))
     # F0 (1) -> F1 (1) -> N1 (0.25 of F) -> B1 (2) -> B0 (2): the chain, its cost from the registry.
     assert simulate(gpipe, 1.0, 2.0).step_time == pytest.approx(6.25)

@@ -21,10 +21,10 @@ from commlab.pipeline import (
     simulate,
     to_csv,
     v_shape,
-    validate,
+    check_schedule,
 )
 from commlab.pipeline.schedule.comm import messages
-from commlab.pipeline.schedule.validate import problems
+from commlab.pipeline.schedule.checks import problems
 from tests.support.pipeline_torch_orders import torch_csv, torch_dualpipev
 
 
@@ -56,13 +56,13 @@ def test_registry_is_the_one_list_of_schedules():
 
 def test_validate_checks_microbatches_stages_and_placement():
     ok = as_actions([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
-    validate(ok, microbatches=2, stages=2, placement=[0, 1])
+    check_schedule(ok, microbatches=2, stages=2, placement=[0, 1])
     assert "the schedule has 2 micro-batches, expected 3" in problems(ok, microbatches=3)
     assert "the schedule has 2 stages, expected 4" in problems(ok, stages=4)
     assert any("stage 0 lives on rank 1" in p for p in problems(ok, placement=[1, 0]))
     assert any("outside 0..1" in p for p in problems(ok, placement=[0, 2]))
     split = as_actions([["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"]])
-    validate(split)
+    check_schedule(split)
     assert any("0W0 is missing" in p for p in problems(as_actions([["0F0", "0I0"], ["1F0", "1B0"]])))
     assert any("both B and I/W" in p for p in problems(as_actions([["0F0", "0B0", "0I0", "0W0"], ["1F0", "1B0"]])))
     assert any("I before its W" in p for p in problems(as_actions([["0F0", "0W0", "0I0"], ["1F0", "1B0"]])))
@@ -73,16 +73,16 @@ def test_torch_compute_only_csv_round_trips_and_runs_here():
     for name in ("ScheduleLoopedBFS", "ScheduleInterleaved1F1B"):
         text = torch_csv(name, 2, 3, [0, 2], 4)
         actions = from_csv(text)
-        validate(actions, microbatches=3, stages=4, placement=[0, 1, 0, 1])
+        check_schedule(actions, microbatches=3, stages=4, placement=[0, 1, 0, 1])
         assert message_order(actions) == []
         assert from_csv(to_csv(actions)) == actions
     assert format_actions(from_csv(torch_csv("ScheduleLoopedBFS", 2, 3, [0, 2], 4)))[0] == (
         "0F0 0F1 0F2 2F0 2F1 2F2 2B2 2B1 2B0 0B2 0B1 0B0")
-    # torch's zero-bubble orders (I and W) validate too, the V one with its own placement.
+    # torch's zero-bubble orders (I and W) pass the checks too, the V one with its own placement.
     zbv = from_csv(torch_csv("ScheduleZBVZeroBubble", 2, 4, [0, 3], 4))
     assert placement_of(zbv) == (0, 1, 1, 0)
-    validate(zbv, microbatches=4, stages=4, placement=v_shape(2))
-    validate(from_csv(torch_csv("ScheduleInterleavedZeroBubble", 2, 4, [0, 2], 4)), microbatches=4, stages=4)
+    check_schedule(zbv, microbatches=4, stages=4, placement=v_shape(2))
+    check_schedule(from_csv(torch_csv("ScheduleInterleavedZeroBubble", 2, 4, [0, 2], 4)), microbatches=4, stages=4)
     with pytest.raises(ValueError, match="communication action"):
         from_csv("0F0,0SEND_F0\n1RECV_F0,1F0\n")
     assert from_csv("0F0,,0REDUCE_GRAD,0B0\n") == ((Action(0, "F", 0), Action(0, "B", 0)),)
@@ -93,13 +93,13 @@ def test_looped_bfs_and_interleaved_zb_are_registered_by_name():
     for p, m, v in [(2, 3, 2), (3, 6, 2), (2, 4, 3), (4, 5, 2)]:
         ours = build("looped-bfs", p, m, v)
         assert ours == from_csv(torch_csv("ScheduleLoopedBFS", p, m, list(range(0, p * v, p)), p * v))
-        validate(ours, microbatches=m, stages=p * v, placement=[s % p for s in range(p * v)])
+        check_schedule(ours, microbatches=m, stages=p * v, placement=[s % p for s in range(p * v)])
     # interleaved-zb: interleaved 1F1B's forwards, each B split into I then W, rank r's W held back r.
     assert format_actions(build("interleaved-zb", 2, 4, 2))[1] == (
         "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3")
     for p, m, v in [(2, 4, 2), (3, 6, 2), (4, 8, 3)]:
         zb, base = build("interleaved-zb", p, m, v), build("interleaved", p, m, v)
-        validate(zb, microbatches=m, stages=p * v)
+        check_schedule(zb, microbatches=m, stages=p * v)
         assert [[a for a in r if a.kind == "F"] for r in zb] == [[a for a in r if a.kind == "F"] for r in base]
     with pytest.raises(ValueError, match="multiple of the ranks"):
         build("interleaved-zb", 2, 3, 2)
@@ -108,7 +108,7 @@ def test_looped_bfs_and_interleaved_zb_are_registered_by_name():
 def test_dualpipev_is_torchs_order_on_the_v():
     for p, m in [(2, 4), (2, 5), (3, 6), (3, 11), (4, 9)]:
         ours = build("dualpipev", p, m, 2)
-        validate(ours, microbatches=m, stages=2 * p, placement=v_shape(p))
+        check_schedule(ours, microbatches=m, stages=2 * p, placement=v_shape(p))
         assert [[str(a) for a in rank] for rank in ours] == [torch_dualpipev(p, m, r) for r in range(p)]
     with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
         build("dualpipev", 2, 3, 2)
@@ -131,7 +131,7 @@ def test_dualpipev_overlap_action_validates_simulates_and_round_trips():
     assert all(Action.parse(str(a)) == a for a in pairs) and from_csv(to_csv(acts)) == acts
     with pytest.raises(ValueError, match="another stage"):
         overlap(Action(0, "F", 1), 0, 0)  # a pair is two chunks of one rank
-    validate(acts, microbatches=6, stages=4, placement=v_shape(2))
+    check_schedule(acts, microbatches=6, stages=4, placement=v_shape(2))
     assert peak_in_flight(acts) == peak_in_flight(flatten(acts))
     cells = [line.split() for line in grid(acts).replace("~", "").splitlines()]
     assert cells == [line.split() for line in grid(flatten(acts)).splitlines()] and {"0F3~", "3I1~"} <= set(grid(acts).split())
@@ -156,7 +156,7 @@ def test_zb_h1_literal_lists_and_memory():
     ]
     for p, m in itertools.product(range(2, 6), (4, 8, 16)):
         actions = build("zb-h1", p, m)
-        validate(actions, m, p)
+        check_schedule(actions, m, p)
         assert message_order(actions) == []
         # Same peak as 1F1B (p micro-batches, on rank 0); later ranks use the slack.
         assert max(simulate(actions).peak_in_flight) == max(simulate(build("1f1b", p, m)).peak_in_flight)
@@ -174,7 +174,7 @@ def test_zero_bubble_schedules_beat_1f1b_in_simulation():
             assert zbh1.bubble < one_f.bubble and zbv.bubble < one_f.bubble
         # Qi et al.: ZB-H1's bubble is (p-1)(F+I-W) = (p-1) here, 1F1B's (p-1)(F+B) = 3(p-1).
         assert simulate(build("zb-h1", p, m), 1.0, 2.0).step_time - 3 * m == pytest.approx(p - 1)
-        validate(build("zb-v", p, m, 2), m, 2 * p, v_shape(p))
+        check_schedule(build("zb-v", p, m, 2), m, 2 * p, v_shape(p))
 
 
 def test_zb_v_keeps_up_with_torchs_order_when_messages_cost_time():

@@ -6,7 +6,7 @@ from commlab.pipeline import REGISTRY, build, liveness, lower_comm, peak_in_flig
 from commlab.costmodel.planner.plan import peak_bytes
 from commlab.pipeline.schedule.comm import Comm, compute_only
 from commlab.pipeline.schedule.actions import flatten
-from commlab.pipeline.schedule.validate import comm_problems
+from commlab.pipeline.schedule.checks import comm_problems
 
 
 def _lines(lowered):
@@ -73,9 +73,3 @@ def test_liveness_is_the_one_count_of_what_is_alive():
         {(0, 0): False}, {(0, 0): False, (0, 1): False}, {(0, 0): True, (0, 1): False}, {(0, 1): True}]
     # The planner's peak is that count priced: 2 inputs of 1 byte, then one recomputed (+ 10).
     assert peak_bytes(gp, (0, 1), [10.0, 10.0], [1.0, 1.0], [0.0, 0.0], [0, 1])[0] == 12.0 + 2 * 1.0
-
-
-def test_old_names_are_aliases():
-    from commlab.pipeline import PipelineExecutor, PipelineSchedule, RankStages, Stage
-
-    assert PipelineSchedule is PipelineExecutor and Stage is RankStages

@@ -2,7 +2,7 @@
 
 import pytest
 
-from commlab.pipeline import build, simulate, v_shape, validate
+from commlab.pipeline import build, simulate, v_shape, check_schedule
 from commlab.pipeline.schedule.actions import as_actions
 from commlab.pipeline.schedule.fuse import FUSED, durations, fused, pull_weights, step_time
 from commlab.pipeline.schedule.zero_bubble import _greedy_zb_v
@@ -23,7 +23,7 @@ def test_pulling_weights_keeps_each_ranks_actions_the_step_and_the_peak_and_fuse
     for p, m in ((2, 4), (2, 8), (3, 6)):
         greedy = _greedy_zb_v(p, m)
         pulled = pull_weights(greedy)
-        validate(pulled, m, 2 * p, v_shape(p))
+        check_schedule(pulled, m, 2 * p, v_shape(p))
         assert [sorted(map(str, r)) for r in pulled] == [sorted(map(str, r)) for r in greedy]
         before = simulate(greedy, durations=durations(greedy), comm=0.3)
         after = simulate(pulled, durations=durations(pulled), comm=0.3)

@@ -18,9 +18,9 @@ from commlab.pipeline import (
     one_f_one_b,
     peak_in_flight,
     simulate,
-    validate,
+    check_schedule,
 )
-from commlab.pipeline.schedule.validate import problems
+from commlab.pipeline.schedule.checks import problems
 
 
 def _parse(lines):
@@ -65,12 +65,12 @@ def test_every_generated_schedule_is_valid_and_nccl_ordered():
     for p, m in itertools.product(range(1, 6), range(1, 9)):
         for name in ("gpipe", "1f1b"):
             actions = build(name, p, m)
-            validate(actions)
+            check_schedule(actions)
             assert message_order(actions) == []
         for v in (2, 3):
             if m % p == 0:
                 actions = interleaved(p, m, v)
-                validate(actions)
+                check_schedule(actions)
                 assert message_order(actions) == []
                 assert sum(len(r) for r in actions) == 2 * p * v * m
 
@@ -109,12 +109,12 @@ def test_validator_names_each_broken_rule():
     # Each rank waits on the other: rank 0 needs 1B0 before 0F1, rank 1 runs 1B0 after 1F1.
     deadlock = _parse(["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"])
     with pytest.raises(ValueError, match="deadlocks"):
-        validate(deadlock)
+        check_schedule(deadlock)
     with pytest.raises(DeadlockError):
         simulate(deadlock)
     # Messages that a rank consumes out of the sender's order are fine for Gloo tags, not for NCCL.
     reordered = _parse(["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"])
-    validate(reordered)
+    check_schedule(reordered)
     assert message_order(reordered) and "rank 0 sends" in message_order(reordered)[0]
 
 

@@ -42,12 +42,13 @@ def test_predictor_writes_exactly_the_sweeps_iteration_columns():
 
 @pytest.mark.slow
 def test_reading_results_and_the_simulator_never_import_torch():
-    # The columns are written out in store.py so that figures, trace and the DDP lowering stay
-    # torch-free; the test above holds them equal to DDP's own.
+    # store.py takes the columns from commlab/ddp/timing.py, which imports no torch, so that the
+    # store, figures, trace and the DDP lowering stay torch-free.
     import subprocess
     import sys
 
-    code = "import sys, commlab.sweep.figures, commlab.sweep.trace, commlab.costmodel.lowering.ddp; print('torch' in sys.modules)"
+    code = ("import sys, commlab.runs.store, commlab.sweep.figures, commlab.sweep.trace, commlab.costmodel.lowering.ddp; "
+            "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -1,4 +1,4 @@
-"""The pp x dp grid and its validation, without processes (groups are tested in tests/pipeline/test_hybrid.py)."""
+"""The pp x dp grid and its validation, without processes (its groups: tests/pipeline/test_hybrid.py)."""
 
 import pytest
 

@@ -131,8 +131,11 @@ def logging_data(rank: int) -> dict:
             iterations.append(ddp._get_ddp_logging_data().get("iteration"))
         unused = cls(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), find_unused_parameters=True, bucket_cap_mb=1e-4)
         _train(unused, rank, 3)
+        # torch's attribute and its first-bucket cap, for the default and explicit caps
+        built = [cls(Net(), bucket_cap_mb=mb) for mb in (None, 0.5, 25, 100.5)]
+        firsts = [d._bucket_config.first_bucket_bytes_cap if name == "torch" else d.first_bucket_bytes_cap for d in built]
         out[name] = {"trained": ddp._get_ddp_logging_data(), "iterations": iterations,
-                     "unused": unused._get_ddp_logging_data(),
+                     "unused": unused._get_ddp_logging_data(), "caps": [d.bucket_bytes_cap for d in built], "firsts": firsts,
                      "bad_rate": error_of(lambda: ddp._set_ddp_runtime_logging_sample_rate(0))}  # fmt: skip
     return out
 

@@ -39,6 +39,16 @@ def test_help_lists_the_options():
         assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
 
 
+def test_trace_takes_its_old_spelling_profile_with_a_warning(tmp_path):
+    text = CliRunner().invoke(main, ["trace", "--help"]).output
+    assert "--torch-profiler" in text and "--profile" not in text
+    # parsed (and warned about) before the missing results are found: no process started
+    old = CliRunner().invoke(main, ["trace", str(tmp_path), "--profile"])
+    assert old.exit_code == 2 and "--profile is deprecated and goes in a later release: use --torch-profiler" in old.output
+    both = CliRunner().invoke(main, ["trace", str(tmp_path), "--profile", "--torch-profiler"])
+    assert both.exit_code == 2 and "give --torch-profiler only" in both.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bucket-mb", "0"], "must be a positive number"),
     (["--bucket-mb", "-3"], "must be a positive number"),
@@ -136,7 +146,8 @@ def test_tiny_sweep_results_and_a_failing_configuration(tmp_path, monkeypatch):
     assert json.loads(Path(traced.output.strip()).read_text())["traceEvents"]
 
     # The real trace: the same configuration rerun under torch.profiler, ranks merged on one clock.
-    profiled = CliRunner().invoke(main, ["trace", str(run_dir), "--config", good["config"].iloc[0], "--profile", "--steps", "2"])
+    profiled = CliRunner().invoke(main, ["trace", str(run_dir), "--config", good["config"].iloc[0], "--torch-profiler",
+                                         "--steps", "2"])
     assert profiled.exit_code == 0, profiled.output
     trace = json.loads(Path(profiled.output.strip().splitlines()[-1]).read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]

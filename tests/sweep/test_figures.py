@@ -160,7 +160,7 @@ def test_redrawing_gives_the_same_bytes(drawn):
 
 
 def test_profiled_traces_merge_on_one_clock():
-    from commlab.sweep.profile import SYNC, merge
+    from commlab.sweep.torch_trace import SYNC, merge
 
     def rank_trace(base):
         return {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 999, "args": {"name": "python"}},

@@ -52,11 +52,11 @@ def test_a_series_resolves_only_beyond_three_times_its_noise_and_the_table_says_
 def test_held_out_factory_model_shape_order_and_tune(tmp_path):
     part = {"model": CONVNET, "model_args": "channels=16,hidden=2048", "bucket_mb": "0.5,100", "algorithm": "native",
             "overlap": "both", "iters": 8, "warmup": 2}
-    result = validate_parts([part], tmp_path, tmp_path / "profile.json", tuned=(CONVNET,))
+    result = validate_parts([part], tmp_path, tmp_path / "calibration.json", tuned=(CONVNET,))
     both, taus = result["both"], result["taus"]
     assert len(both) == 4 and (both["predicted_s"] > 0).all()
     # calibration measured its own things, never these configurations
-    assert (tmp_path / "profile.json").exists()
+    assert (tmp_path / "calibration.json").exists()
     saved = json.loads((tmp_path / "validation.json").read_text())
     (row, total) = saved["table"]
     assert row["workload"].startswith("convnet") and total["workload"] == "all" and row["configs"] == 4
@@ -91,7 +91,7 @@ def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_p
     from commlab.validation import ddp as validate
 
     seen = []
-    monkeypatch.setattr(validate, "validate_parts", lambda parts, out, profile, echo=None: seen.append(parts))
+    monkeypatch.setattr(validate, "validate_parts", lambda parts, out, calibration, echo=None: seen.append(parts))
     for args in (["--part", "convnet"], ["--part", "mlp", "--part", "blocks", "--part", "oversubscribed"], [],
                  ["--no-oversubscribed"]):
         assert CliRunner().invoke(command, ["ddp", *args, "--out", str(tmp_path)]).exit_code == 0

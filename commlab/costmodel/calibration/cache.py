@@ -1,6 +1,6 @@
-"""Calibration profiles: what one calibration measured, its key, and the file that caches it.
+"""The calibration cache: what one calibration measured, its key, and the file that caches it.
 
-A profile file is JSON (human-readable) holding any number of entries, one per key::
+A calibration file is JSON (human-readable) holding any number of entries, one per key::
 
     {"format": 1, "entries": {"<key id>": {"key": {...}, "created": ..., "compute": {...}, ...}}}
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from commlab._atomic import write_text
+from commlab._lazy import renamed_getattr
 
 FORMAT = 1
 DEFAULT_MAX_AGE_S = 3600.0
@@ -38,12 +39,12 @@ REQUIRED = {
 }
 
 
-class ProfileError(ValueError):
-    """A profile that cannot be used: missing fields, another machine or torch version."""
+class CalibrationError(ValueError):
+    """A calibration that cannot be used: missing fields, another machine or torch version."""
 
 
-class StaleProfile(Exception):
-    """A profile entry that exists but must be recalibrated (too old, or the workload changed)."""
+class StaleCalibration(Exception):
+    """A calibration entry that exists but must be redone (too old, or the workload changed)."""
 
 
 def machine_id() -> str:
@@ -73,36 +74,36 @@ def key_id(key: dict[str, Any]) -> str:
     return f"{model}-{key['backend']}-w{key['world_size']}-t{key['threads']}-bs{key['batch_per_rank']}-{digest}"
 
 
-def check_entry(entry: Any, where: str = "profile") -> None:
-    """ProfileError naming the first missing field."""
+def check_entry(entry: Any, where: str = "calibration") -> None:
+    """CalibrationError naming the first missing field."""
     if not isinstance(entry, dict):
-        raise ProfileError(f"{where}: an entry must be a JSON object")
+        raise CalibrationError(f"{where}: an entry must be a JSON object")
     for field, subs in REQUIRED.items():
         if field not in entry:
-            raise ProfileError(f"{where}: missing field {field!r} (recalibrate with --recalibrate)")
+            raise CalibrationError(f"{where}: missing field {field!r} (recalibrate with --recalibrate)")
         for sub in subs:
             if sub not in entry[field]:
-                raise ProfileError(f"{where}: missing field {field}.{sub} (recalibrate with --recalibrate)")
+                raise CalibrationError(f"{where}: missing field {field}.{sub} (recalibrate with --recalibrate)")
 
 
 def read_file(path: Path) -> dict[str, dict]:
-    """All entries of a profile file ({} when it does not exist); ProfileError when unreadable."""
+    """All entries of a calibration file ({} when it does not exist); CalibrationError when unreadable."""
     path = Path(path)
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ProfileError(f"{path}: not a readable profile ({err})") from None
+        raise CalibrationError(f"{path}: not a readable calibration file ({err})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-        raise ProfileError(f"{path}: not a commlab profile of format {FORMAT} (delete it or pass another --profile)")
+        raise CalibrationError(f"{path}: not a commlab calibration file of format {FORMAT} (delete it or pass another --calibration)")
     return data["entries"]
 
 
 def lookup(path: Path, key: dict[str, Any], *, signature: str | None = None,
            max_age_s: float = DEFAULT_MAX_AGE_S, now: float | None = None) -> dict:
-    """The entry for ``key``; KeyError when absent, StaleProfile when it must be redone,
-    ProfileError when it is broken or foreign."""
+    """The entry for ``key``; KeyError when absent, StaleCalibration when it must be redone,
+    CalibrationError when it is broken or foreign."""
     entries = read_file(path)
     entry = entries.get(key_id(key))
     if entry is None:
@@ -111,20 +112,20 @@ def lookup(path: Path, key: dict[str, Any], *, signature: str | None = None,
             k = other.get("key", {}) if isinstance(other, dict) else {}
             same = all(k.get(f) == key[f] for f in key if f not in ("machine", "torch"))
             if same and k.get("machine") != key["machine"]:
-                raise ProfileError(f"{path}: profile was made on another machine ({k.get('machine')!r}, "
-                                   f"this is {key['machine']!r}); pass --recalibrate or another --profile")
+                raise CalibrationError(f"{path}: calibration was made on another machine ({k.get('machine')!r}, "
+                                   f"this is {key['machine']!r}); pass --recalibrate or another --calibration")
             if same and k.get("torch") != key["torch"]:
-                raise ProfileError(f"{path}: profile was made with torch {k.get('torch')}, this is torch "
-                                   f"{key['torch']}; pass --recalibrate or another --profile")
+                raise CalibrationError(f"{path}: calibration was made with torch {k.get('torch')}, this is torch "
+                                   f"{key['torch']}; pass --recalibrate or another --calibration")
         raise KeyError(key_id(key))
     check_entry(entry, f"{path} [{key_id(key)}]")
     age = (time.time() if now is None else now) - float(entry["created"])
     if age > max_age_s:
-        raise StaleProfile(f"profile {key_id(key)} is {age / 60:.0f} min old (limit {max_age_s / 60:.0f} min)")
+        raise StaleCalibration(f"calibration {key_id(key)} is {age / 60:.0f} min old (limit {max_age_s / 60:.0f} min)")
     if "steadiness" not in entry:
-        raise StaleProfile(f"profile {key_id(key)} was made before calibration judged its own steadiness")
+        raise StaleCalibration(f"calibration {key_id(key)} was made before calibration judged its own steadiness")
     if signature is not None and entry["params"]["signature"] != signature:
-        raise StaleProfile(f"profile {key_id(key)}: the model's parameters changed since calibration")
+        raise StaleCalibration(f"calibration {key_id(key)}: the model's parameters changed since calibration")
     return entry
 
 
@@ -139,3 +140,6 @@ def store(path: Path, entry: dict) -> None:
 
 def param_signature(nbytes: list[int], shapes: list[tuple[int, ...]]) -> str:
     return hashlib.sha1(json.dumps([nbytes, [list(s) for s in shapes]]).encode()).hexdigest()[:12]
+
+
+__getattr__ = renamed_getattr(__name__, {"ProfileError": "CalibrationError", "StaleProfile": "StaleCalibration"})

@@ -7,21 +7,21 @@ Calibration's code is one path on every device; only what this module returns di
   the batch and every buffer live there;
 - the clock: ``time.perf_counter`` stamps on the CPU; CUDA events on a GPU, recorded on a stream
   and resolved (synchronized) afterwards, so that a time is what the GPU took, not the host's
-  enqueueing (commlab/ddp/timing.py's two clocks, which DDP's own timings use too);
+  enqueueing (commlab/runtime/timer.py's two clocks, which DDP's own timings use too);
 - the CUDA caching allocator's state after the measurements (peak and reserved bytes, retries):
-  a calibration that measured with a cold or thrashing allocator says so in its profile.
+  a calibration that measured with a cold or thrashing allocator says so in its entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from commlab.ddp.timing import CpuClock, CudaClock, make_clock
+from commlab.runtime.timer import CpuClock, CudaClock, make_clock, timed
 
 Clock = CpuClock | CudaClock
+__all__ = ["Clock", "allocator_state", "calibration_device", "clock_for", "timed", "to_device"]
 
 
 def calibration_device(backend: str, current: int | None = None) -> torch.device:
@@ -35,13 +35,6 @@ def calibration_device(backend: str, current: int | None = None) -> torch.device
 def clock_for(device: torch.device) -> Clock:
     """CUDA events on a GPU, ``perf_counter`` on the CPU."""
     return make_clock(device)
-
-
-def timed(clock: Clock, fn: Callable[[], Any]) -> float:
-    """Seconds ``fn`` takes on ``clock``'s device (on a GPU: from its first kernel to its last)."""
-    start = clock.stamp()
-    fn()
-    return clock.seconds(start, clock.stamp())
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -1,32 +1,37 @@
-"""Calibration: measure the model's terms once (commlab/costmodel/calibration/measure.py), cache them as a profile.
+"""Calibration: measure the model's terms once (commlab/costmodel/calibration/measure.py), and cache them.
 
-    entry = profile_for(workload, backend="gloo", world_size=2, path=PROFILE)   # cached or fresh
+    entry = calibration_for(workload, backend="gloo", world_size=2, path=FILE)   # cached or fresh
 
 One launch at the calibrated world size does everything (see measure.py for what and why); it
-never runs a multi-rank DDP iteration. The entry is keyed as commlab/costmodel/calibration/cache.py says.
+never runs a multi-rank DDP iteration. The launch, its threads and its steadiness are every
+calibration's (commlab/costmodel/calibration/run.py); the entry is keyed as
+commlab/costmodel/calibration/cache.py says.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.calibration import cache
 from commlab.costmodel.terms import uncertainty
 from commlab.costmodel.terms.costs import fit_table, solve_contention
 from commlab.costmodel.calibration.queueing import paired_seconds
+from commlab.costmodel.calibration.run import run_calibration
+from commlab.runtime.threads import threads_per_rank
+from commlab._lazy import renamed_getattr
 
-DEFAULT_PROFILE = Path.home() / ".cache" / "commlab" / "profile.json"
+# A cache: an entry more than an hour old is measured again anyway (cache.DEFAULT_MAX_AGE_S).
+DEFAULT_CALIBRATION = Path.home() / ".cache" / "commlab" / "calibration.json"
 DEFAULT_ALGORITHMS = ("native", "ring")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What a profile is measured for (the workload columns of a sweep configuration)."""
+    """What a calibration is measured for (the workload columns of a sweep configuration)."""
 
     model: str
     model_args: str  # canonical "key=value,..."
@@ -39,10 +44,8 @@ class Workload:
 
 
 def default_threads(world_size: int) -> int:
-    """What commlab.launch gives each local rank when OMP_NUM_THREADS is not set."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """What commlab.launch gives each local rank (commlab/runtime/threads.py's rule)."""
+    return threads_per_rank(world_size)
 
 
 def parameter_sizes(workload: Workload) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -73,9 +76,9 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
               algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, reps: int = 5, iters: int = 9,
               timeout: float = 300.0, echo: Callable[[str], None] = lambda _l: None,
               sharded: bool = False) -> dict[str, Any]:
-    """Measure and return a profile entry (does not write it). ``sharded``: also the reduce-scatter
+    """Measure and return a calibration entry (does not write it). ``sharded``: also the reduce-scatter
     and all-gather of every algorithm sharded data parallelism has (commlab/sharded/comm.py)."""
-    import commlab
+    from commlab.costmodel.calibration.measure import calibrate_rank  # torch: loaded when calibrating
 
     threads = threads or default_threads(world_size)
     nbytes, shapes = parameter_sizes(workload)
@@ -83,39 +86,18 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     spec = {"model": workload.model, "model_kwargs": workload.kwargs(), "batch_per_rank": workload.batch_per_rank,
             "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
             "warmup": 2, "sharded_algorithms": sharded_algorithms(world_size) if sharded else []}
-    begin = time.monotonic()
-    from commlab.costmodel.calibration.measure import calibrate_rank
-
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
          f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
          "typically 15-50 s ...")
-    load_before, running_before = os.getloadavg()[0], runnable_now()
-    results = commlab.launch(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout)
-    load_after = os.getloadavg()[0]
-    entry = assemble(results, spec, nbytes, shapes,
-                     prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+    run = run_calibration(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout,
+                          spread=spread_of, threads=threads)
+    entry = assemble(run.results, spec, nbytes, shapes,
+                     cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                                    model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
-    entry["calibration_s"] = time.monotonic() - begin
-    steadiness = uncertainty.judge(spread_of(results), load_before, load_after, cpus=os.cpu_count() or 1,
-                                   own_threads=world_size * threads, seconds=entry["calibration_s"],
-                                   running_before=running_before)
-    entry["steadiness"] = steadiness.as_json()
-    echo(f"calibrated in {entry['calibration_s']:.1f} s; {steadiness.describe()}")
+    entry["calibration_s"] = run.seconds
+    entry["steadiness"] = run.steadiness.as_json()
+    echo(f"calibrated in {entry['calibration_s']:.1f} s; {run.steadiness.describe()}")
     return entry
-
-
-def runnable_now(samples: int = 10, every_s: float = 0.05) -> float | None:
-    """Threads other than this one runnable right now (Linux /proc/loadavg's fourth field,
-    averaged over ``samples``), or None where the kernel does not say."""
-    counts = []
-    for _ in range(samples):
-        try:
-            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
-        except (OSError, IndexError):
-            return None
-        counts.append(max(int(running) - 1, 0))
-        time.sleep(every_s)
-    return sum(counts) / len(counts)
 
 
 def spread_of(results: list[dict]) -> float:
@@ -123,11 +105,20 @@ def spread_of(results: list[dict]) -> float:
     all-reduce size of each algorithm, and rank 0's forward + backward inside DDP)."""
     series = [s for r in results for per_size in r.get("collective_samples", {}).values() for s in per_size]
     series.append(results[0]["ddp"].get("step_samples", []))
+    series.append(results[0].get("corun", {}).get("together_samples", []))  # the co-run turns too
     return uncertainty.overall_spread(series)
 
 
+def corun_factor(corun: dict) -> float:
+    """The compute stretch when every rank computes at once (pure): the quickest turn together
+    over the quickest alone. Other jobs only add time, in bursts that hit some turns and not
+    others, so the minima are the ranks' own contention; the medians where no samples were kept."""
+    alone, together = corun.get("alone_samples") or [corun["alone_s"]], corun.get("together_samples") or [corun["together_s"]]
+    return min(together) / min(alone) if min(alone) > 0 else 1.0
+
+
 def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
-    """Turn the ranks' raw measurements into a profile entry (pure)."""
+    """Turn the ranks' raw measurements into a calibration entry (pure)."""
     ddp = results[0]["ddp"]
     collectives = {}
     for algorithm in spec["algorithms"]:
@@ -139,7 +130,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         kc, km = solve_contention(c["compute_alone_s"], c["comm_alone_s"], c["compute_both_s"], c["comm_both_s"])
         contention[algorithm] = {"kc": kc, "km": km, "raw": c}
         copy = results[0].get("copy_contention", {}).get(algorithm)
-        if copy:  # the write-back's copies beside the collective (profiles before it lack it)
+        if copy:  # the write-back's copies beside the collective (calibrations before it lack it)
             kc_copy, km_copy = solve_contention(copy["compute_alone_s"], copy["comm_alone_s"],
                                                 copy["compute_both_s"], copy["comm_both_s"])
             contention[algorithm].update(kc_copy=kc_copy, km_copy=km_copy, raw_copy=copy)
@@ -163,16 +154,17 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                                              for i in range(len(spec["sizes"]))])
                                for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
     corun = results[0]["corun"]
-    factor = corun["together_s"] / corun["alone_s"] if corun["alone_s"] > 0 and len(results) > 1 else 1.0
+    factor = corun_factor(corun) if len(results) > 1 else 1.0
     return {
         "key": key,
         "created": time.time(),
         "params": {"nbytes": nbytes, "ready_order": ddp["ready_order"],
-                   "signature": prof.param_signature(nbytes, shapes)},
+                   "signature": cache.param_signature(nbytes, shapes)},
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
-                    # pages first touched in the profiled forward+backward (fresh gradients)
+                    # pages first touched in the profiled forward+backward: a record (the
+                    # gradients over glibc's mmap threshold, every step and every layout alike)
                     "profiled_fresh_bytes": ddp.get("fresh_bytes", 0),
                     "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
                                                               "many_buckets": ddp["small_run"]},
@@ -200,36 +192,39 @@ def sharded_algorithms(world_size: int) -> list[str]:
     return list(comm.ALGORITHMS)
 
 
-def profile_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
-                path: Path = DEFAULT_PROFILE, recalibrate: bool = False, algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS,
-                max_age_s: float = prof.DEFAULT_MAX_AGE_S, echo: Callable[[str], None] = lambda _l: None,
-                sharded: bool = False) -> dict:
+def calibration_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
+                    path: Path = DEFAULT_CALIBRATION, recalibrate: bool = False,
+                    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, max_age_s: float = cache.DEFAULT_MAX_AGE_S,
+                    echo: Callable[[str], None] = lambda _l: None, sharded: bool = False) -> dict:
     """The cached entry for this workload and setting, calibrating (and caching) when needed.
 
     Missing, stale (too old, model changed) or lacking an algorithm -> calibrate; broken or
-    foreign (other machine, other torch) -> ProfileError, unless ``recalibrate``.
+    foreign (other machine, other torch) -> CalibrationError, unless ``recalibrate``.
     """
     threads = threads or default_threads(world_size)
-    key = prof.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+    key = cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
                         model_args=workload.model_args, batch_per_rank=workload.batch_per_rank)
     old = None
     if not recalibrate:
         nbytes, shapes = parameter_sizes(workload)
         try:
-            entry = old = prof.lookup(path, key, signature=prof.param_signature(nbytes, shapes), max_age_s=max_age_s)
+            entry = old = cache.lookup(path, key, signature=cache.param_signature(nbytes, shapes), max_age_s=max_age_s)
             missing = [a for a in algorithms if a not in entry["collectives"]]
             if sharded and "sharded_collectives" not in entry:
                 missing.append("reduce-scatter/all-gather tables")
             if not missing:
                 return entry
-            echo(f"profile {prof.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
+            echo(f"calibration {cache.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
         except KeyError:
-            echo(f"no calibration of {prof.key_id(key)} in {path}: calibrating")
-        except prof.StaleProfile as stale:
+            echo(f"no calibration of {cache.key_id(key)} in {path}: calibrating")
+        except cache.StaleCalibration as stale:
             echo(f"{stale}: recalibrating")
     else:
-        echo(f"--recalibrate: calibrating {prof.key_id(key)} again")
+        echo(f"--recalibrate: calibrating {cache.key_id(key)} again")
     entry = calibrate(workload, backend=backend, world_size=world_size, threads=threads, algorithms=algorithms, echo=echo,
                       sharded=sharded or "sharded_collectives" in (old or {}))
-    prof.store(path, entry)
+    cache.store(path, entry)
     return entry
+
+
+__getattr__ = renamed_getattr(__name__, {"DEFAULT_PROFILE": "DEFAULT_CALIBRATION", "profile_for": "calibration_for"})

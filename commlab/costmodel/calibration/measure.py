@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import collectives
+from commlab._malloc import keep_freed_memory
 from commlab.costmodel.calibration.devicetime import (
     allocator_state,
     calibration_device,
@@ -43,14 +44,18 @@ from commlab.costmodel.calibration.devicetime import (
     timed,
     to_device,
 )
-from commlab.costmodel.calibration.queueing import copy_contention, queued, together
+from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
 from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
+from commlab.runtime.timer import time_sizes, timed_steps
 
 
 def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
+    """On every rank of the calibration's launch (with its threads, commlab/costmodel/calibration/run.py):
+    steps 1-5 above."""
+    # glibc's heap thresholds fixed before anything is allocated, as in every measured run
+    # (commlab/sweep/worker.py): which allocations fault must be the same here and there.
+    keep_freed_memory()
     rank, world = dist.get_rank(), dist.get_world_size()
     solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
     device = calibration_device(dist.get_backend())
@@ -141,8 +146,9 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
                for i, p in enumerate(params)]
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     inputs, target = batch
-    rows = []
-    for step in range(spec["warmup"] + spec["reps"]):
+    rows: list[dict[str, Any]] = []
+
+    def step() -> None:
         stamps.clear()
         nosync = timed(clock, lambda: _nosync_step(ddp, loss_fn, inputs, target))
         stamps.clear()
@@ -159,9 +165,10 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
                      "order": order, "exposed": timing.exposed_comm, "nosync": nosync, "optimizer": opt,
                      "tail": timing.total - timing.forward - timing.backward_compute, "write_back": timing.write_back,
                      "fresh_bytes": fresh})
+
+    timed_steps(step, spec["reps"], spec["warmup"], warmed=rows.clear)  # its own times are in the rows
     for h in handles:
         h.remove()
-    rows = rows[spec["warmup"]:]
     order = rows[0]["order"]
     med = lambda xs: float(statistics.median(xs))  # noqa: E731
     return {
@@ -175,7 +182,7 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         "nosync_s": med([r["nosync"] for r in rows]),
         "optimizer_s": med([r["optimizer"] for r in rows]),
         "buckets": len(ddp.bucket_sizes),
-        # pages first touched in forward+backward (fresh gradients, commlab/costmodel/lowering/ddp.py)
+        # pages first touched in forward+backward (the gradients over the mmap threshold: commlab/_malloc.py)
         "fresh_bytes": med([r["fresh_bytes"] for r in rows]),
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
@@ -196,68 +203,54 @@ def _time_collective(algorithm: str, sizes: list[int], iters: int,
                      device: torch.device = torch.device("cpu")) -> tuple[list[float], list[list[float]]]:
     """Median seconds of one all-reduce per size (each after a barrier), on this rank, and the
     samples they are the median of (their spread says how steady the machine was)."""
-    clock = clock_for(device)
-    times, every = [], []
-    for nbytes in sizes:
+
+    def prepare(nbytes: int):
         buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-        samples = []
-        for it in range(iters + 1):
-            dist.barrier()
-            seconds = timed(clock, lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm))
-            if it:
-                samples.append(seconds)
-        times.append(float(statistics.median(samples)))
-        every.append(samples)
-    return times, every
+        return lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)
+
+    every = time_sizes(prepare, sizes, iters, clock=clock_for(device))
+    return [float(statistics.median(samples)) for samples in every], every
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _compute(model, workload, batch) -> float:
+def _forward_backward(model, workload, batch):
+    """The model's forward + backward on ``batch`` (gradients freed after): the compute measured."""
     def step():
         workload.loss_fn(model(batch[0]), batch[1]).backward()
         model.zero_grad(set_to_none=True)
 
-    return timed(clock_for(_device_of(model)), step)
+    return step
+
+
+def _compute(model, workload, batch) -> float:
+    return timed(clock_for(_device_of(model)), _forward_backward(model, workload, batch))
 
 
 def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) -> dict[str, float]:
     """Step 3: forward+backward and an all-reduce of a matched length, alone and together."""
     device = _device_of(model)
-    clock = clock_for(device)
-    alone_c, alone_m, both_c, both_m = [], [], [], []
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def compute():
-        workload.loss_fn(model(batch[0]), batch[1]).backward()
-        model.zero_grad(set_to_none=True)
-
-    for _ in range(reps):
-        dist.barrier()
-        alone_c.append(timed(clock, compute))
-        dist.barrier()
-        alone_m.append(timed(clock, lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)))
-        dist.barrier()
-        c, m = together(algorithm, buf, compute, clock, side)
-        both_c.append(c)
-        both_m.append(m)
-    med = lambda xs: float(statistics.median(xs))  # noqa: E731
-    return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
-            "comm_both_s": med(both_m), "nbytes": nbytes}
+    measured = alone_and_together(algorithm, buf, _forward_backward(model, workload, batch), reps, clock_for(device), side)
+    return {**measured, "nbytes": nbytes}
 
 
-def _corun(model, workload, batch, reps: int) -> dict[str, float]:
-    """Step 4: rank 0 computing alone, then every rank computing at once."""
+def _corun(model, workload, batch, reps: int) -> dict[str, Any]:
+    """Step 4: rank 0 computing alone, then every rank computing at once, in turns.
+
+    Every sample is kept: other jobs on the machine only ever add time, and a burst of theirs
+    hits some turns and not others (a calibration once read 2.0 here where the measured steps
+    said 1.2), so the factor is taken from the quickest of each (:func:`commlab.costmodel.calibration.driver.corun_factor`)."""
     rank = dist.get_rank()
     alone, together = [], []
-    for _ in range(reps):
+    for _ in range(max(reps, 9)):  # each turn is one forward+backward or two: cheap
         dist.barrier()
         if rank == 0:
             alone.append(_compute(model, workload, batch))
         dist.barrier()
         together.append(_compute(model, workload, batch))
     return {"alone_s": float(statistics.median(alone)) if alone else 0.0,
-            "together_s": float(statistics.median(together))}
+            "together_s": float(statistics.median(together)), "alone_samples": alone, "together_samples": together}

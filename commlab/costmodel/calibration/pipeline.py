@@ -5,12 +5,16 @@ The step time the shared core predicts from them is :func:`predicted_step`.
 A timeline is one step's actions per rank as (stage, kind, micro-batch, start, end) in
 ``perf_counter`` seconds (one clock for all local ranks). The benchmark calibrates the predictor
 on steps run before the ones it is checked against (``calibration`` in the benchmark's results),
-so a prediction is never fitted to the very measurement it is compared with.
+so a prediction is never fitted to the very measurement it is compared with. How a timed step
+is taken, the same for the benchmark, the planner's calibration and its validation: each from a
+barrier (:func:`from_barrier`), after one of its own where runs take turns (:func:`settle`), and
+read as a timeline (:func:`step_timeline`).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from commlab.costmodel.terms.costs import Overheads, PointToPoint, StageProfile, SystemCosts
@@ -18,6 +22,37 @@ from commlab.costmodel.lowering.pipeline import predict, shared
 from commlab.pipeline.schedule.actions import Action
 from commlab.pipeline.schedule.kinds import dependencies
 from commlab.pipeline.schedule.registry import REGISTRY
+
+
+def step_timeline(pipe) -> list[tuple]:
+    """The last step of ``pipe`` (a :class:`~commlab.pipeline.runtime.executor.PipelineExecutor`)
+    as a timeline: (stage, kind, micro-batch, start, end) per action, in ``perf_counter`` seconds."""
+    at = pipe.started_at
+    return [(t.action.stage, t.action.kind, t.action.microbatch, at + t.start, at + t.end) for t in pipe.timeline]
+
+
+def step_of(stage, pipe, x, y) -> Callable[[], Any]:
+    """One step of ``pipe`` on ``stage``: the mini-batch ``x`` into the first stage, the target
+    ``y`` into the last."""
+    return lambda: pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
+
+
+def from_barrier(model) -> None:
+    """Ahead of a timed step of ``model``'s stages: its gradients kept (zeroed, not freed), then a
+    barrier, so that every rank starts the step together."""
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=False)
+    dist.barrier()
+
+
+def settle(model, step: Callable[[], Any]) -> None:
+    """Ahead of a timed ``step``: one untimed step of its own (a training job steps one pipeline
+    over and over, so the timed one finds its own memory in cache, not another run's), then
+    :func:`from_barrier`."""
+    from_barrier(model)
+    step()
+    from_barrier(model)
 
 
 def aligned(per_rank: list[dict[str, Any]], k: int) -> dict[int, list[tuple]]:

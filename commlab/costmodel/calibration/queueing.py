@@ -17,7 +17,8 @@ barrier-timed table to price two lanes at any size (commlab/costmodel/terms/cost
 
 While later buckets are still reduced, the end of backward copies the reduced ones back into
 ``.grad``: :func:`copy_contention` measures a copy beside an all-reduce, for the fluid model's
-factors of that pair (the write-back's own, apart from forward+backward's).
+factors of that pair (the write-back's own, apart from forward+backward's), as
+:func:`alone_and_together` measures every such pair.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Any
+
+from commlab.runtime.timer import time_collective
 
 MAX_QUEUE = 16
 
@@ -38,7 +41,6 @@ def queued(sizes: list[int], total_bytes: int, reps: int, algorithm: str = "nati
     """{"sizes", "k", "queued_s"}: median seconds (on this rank) to get through ``k`` all-reduces of
     each size issued at once on distinct buffers; the first round of each size is a warm-up."""
     import torch  # lazy: calibration's pure side (gains) is imported where torch is not
-    import torch.distributed as dist
 
     from commlab import collectives
 
@@ -46,15 +48,13 @@ def queued(sizes: list[int], total_bytes: int, reps: int, algorithm: str = "nati
     for nbytes in sizes:
         k = queue_length(nbytes, total_bytes)
         bufs = [torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(k)]
-        samples = []
-        for it in range(reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def issue_all(bufs=bufs) -> None:  # bound now: the buffers are freed before the next size
             handles = [collectives.all_reduce(b, "sum", algorithm=algorithm, async_op=True) for b in bufs]
             for h in handles:
                 h.wait()
-            if it:
-                samples.append(time.perf_counter() - start)
+
+        samples = time_collective(issue_all, reps)
         out["sizes"].append(int(nbytes))
         out["k"].append(k)
         out["queued_s"].append(float(statistics.median(samples)))
@@ -83,35 +83,38 @@ def copy_contention(nbytes: int, reps: int, algorithm: str = "native") -> dict[s
     (the queue of three 16 MiB buckets here took 34 ms bare and 46 ms with the copies between
     the waits, 2026-11). The copies repeat until they last about as long as the collective."""
     import torch
-    import torch.distributed as dist
 
     from commlab import collectives
     from commlab.costmodel.calibration.devicetime import clock_for
 
     src, dst, buf = (torch.ones(max(nbytes // 4, 1), dtype=torch.float32) for _ in range(3))
-
-    def timed(call) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        return time.perf_counter() - start
-
     reduce = lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)  # noqa: E731
-    one_copy = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(3))
-    one_reduce = statistics.median(timed(reduce) for _ in range(2))
+    one_copy = statistics.median(time_collective(lambda: dst.copy_(src), 3, warmup=0))
+    one_reduce = statistics.median(time_collective(reduce, 2, warmup=0))
     copies = max(1, min(round(one_reduce / max(one_copy, 1e-6)), 64))
     copy = lambda: [dst.copy_(src) for _ in range(copies)]  # noqa: E731
+    return {**alone_and_together(algorithm, buf, copy, reps, clock_for(buf.device)), "nbytes": nbytes, "copies": copies}
+
+
+def alone_and_together(algorithm: str, buf, compute, reps: int, clock, side=None) -> dict[str, float]:
+    """The fluid model's raw figures for ``compute`` beside an all-reduce of ``buf``: medians over
+    ``reps`` of each alone, then of both started together (:func:`together`), each from a barrier."""
+    import torch.distributed as dist
+
+    from commlab import collectives
+
+    reduce = lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)  # noqa: E731
     alone_c, alone_m, both_c, both_m = [], [], [], []
     for _ in range(reps):
-        alone_c.append(timed(copy))
-        alone_m.append(timed(reduce))
+        alone_c += time_collective(compute, 1, warmup=0, clock=clock)
+        alone_m += time_collective(reduce, 1, warmup=0, clock=clock)
         dist.barrier()
-        c, m = together(algorithm, buf, copy, clock_for(buf.device))
+        c, m = together(algorithm, buf, compute, clock, side)
         both_c.append(c)
         both_m.append(m)
     med = lambda xs: float(statistics.median(xs))  # noqa: E731
     return {"compute_alone_s": med(alone_c), "comm_alone_s": med(alone_m), "compute_both_s": med(both_c),
-            "comm_both_s": med(both_m), "nbytes": nbytes, "copies": copies}
+            "comm_both_s": med(both_m)}
 
 
 def together(algorithm: str, buf, compute, clock, side=None) -> tuple[float, float]:

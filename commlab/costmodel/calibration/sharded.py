@@ -17,7 +17,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from commlab.costmodel.calibration.devicetime import clock_for, timed
+from commlab.costmodel.calibration.devicetime import clock_for
+from commlab.runtime.timer import time_collective
 from commlab.sharded import comm
 
 
@@ -64,13 +65,9 @@ def fresh_memory(sizes: list[int], iters: int, device: torch.device = torch.devi
 
 
 def _median(clock, iters: int, call) -> float:
-    samples = []
-    for it in range(iters + 1):
-        dist.barrier()
-        seconds = timed(clock, call)
-        if it:  # the first call warms the buffers and the backend's pairs up
-            samples.append(seconds)
-    return float(statistics.median(samples))
+    """The median of ``iters`` calls, each from a barrier, after one that warms the buffers and
+    the backend's pairs up."""
+    return float(statistics.median(time_collective(call, iters, clock=clock)))
 
 
 def activation_bytes(model: torch.nn.Module, loss_fn, batch) -> int:

@@ -1,7 +1,7 @@
 """A workload's compute from its FLOPs at a stated fraction of a device's peak: no device needed.
 
 For what-if predictions on hardware nobody here has (``commlab predict --hardware``) when no
-profile calibrated on such a device is given. torch.utils.flop_counter counts the model's
+calibration made on such a device is given. torch.utils.flop_counter counts the model's
 forward and forward+backward FLOPs on the meta device (shapes only: no weights allocated, no
 compute run); time = FLOPs / (fraction x peak). A gradient's ready time in backward is its
 module's share of the backward FLOPs, in reverse module order (the order autograd reaches the

@@ -4,8 +4,8 @@ Presets live in commlab/costmodel/hardware.yaml, each number with its source; a 
 file of the same form works too. A preset's all-reduce is priced by NCCL's own tuning model
 (commlab/costmodel/hardware/nccl.py). A workload's compute on it comes from, in this order:
 
-1. a profile calibrated on one device of the preset's kind (``commlab calibrate --backend nccl
-   --world-size 1`` on that machine, then the profile file copied here): the measured
+1. a calibration made on one device of the preset's kind (``commlab calibrate --backend nccl
+   --world-size 1`` on that machine, then the calibration file copied here): the measured
    forward, gradient ready times, optimizer, write-back and per-bucket cost, used as they are;
 2. otherwise the model's FLOPs at the preset's stated fraction of the device's peak
    (commlab/costmodel/hardware/flops.py), the optimizer and write-back as memory traffic at the
@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from commlab._lazy import renamed_getattr
 from commlab.costmodel.hardware import flops as flop_model
 from commlab.costmodel.hardware import nccl
 from commlab.costmodel.terms.costs import DDPProfile, Overheads, SystemCosts
@@ -79,7 +80,7 @@ def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduc
     return nccl.NCCLAllReduce(network(preset), world_size)
 
 
-def flops_profile(preset: dict[str, Any], counted: flop_model.Flops) -> tuple[DDPProfile, Overheads]:
+def compute_from_flops(preset: dict[str, Any], counted: flop_model.Flops) -> tuple[DDPProfile, Overheads]:
     """The compute of a counted workload on the preset's device (path 2 of the module docstring)."""
     hbm = float(preset["hbm_gbps"]) * 1e9
     rate = float(preset["peak_tflops"]) * 1e12 * float(preset["compute_fraction"])
@@ -102,3 +103,6 @@ def assumptions(preset: dict[str, Any], compute: str) -> str:
             f"no NVLS/CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
             f"GPUs, {preset['nics_per_node']} x {preset['nic_busbw_gbps']} GB/s NICs across nodes; {compute}; "
             f"compute and communication assumed not to slow each other; sources: {preset['source']}")
+
+
+__getattr__ = renamed_getattr(__name__, {"flops_profile": "compute_from_flops"})  # the old name, for a release

@@ -9,9 +9,11 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
 
 - buckets come from the bucket policy's ``rebuild`` (commlab/ddp/policy.py), what the real DDP
   rebuilds its buckets with after the first iteration, fed the calibrated ready order;
-- a gradient's time includes its copy into the bucket (it was profiled inside DDP) and, where the
-  bucket layout makes each step's gradients fresh pages (:func:`fresh_gradients`), allocating it
-  anew at the calibrated cost, less what the profile itself paid for fresh pages;
+- a gradient's time includes its copy into the bucket (it was profiled inside DDP) and its
+  allocation, as profiled: with glibc's heap thresholds fixed in the calibration's and the measured
+  ranks alike (commlab/_malloc.py), whether a gradient is fresh pages each step is decided by its
+  size alone (at least the mmap threshold), never by the bucket layout, so the profile paid for
+  exactly the faults every layout pays;
 - bucket k is launched (a compute task of the reducer's fixed cost per bucket) as soon as its last
   gradient is ready and bucket k-1 was launched; with overlap off, all launches follow backward;
 - its all-reduce runs on channel k mod groups, after the previous bucket of that channel (on one of
@@ -33,7 +35,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from commlab.costmodel.lowering.buckets import DEFAULT_POLICY, assign, bucket_tasks
-from commlab.costmodel.terms.costs import CollectiveCost, DDPProfile, SystemCosts
+from commlab.costmodel.terms.costs import DDPProfile, SystemCosts
 from commlab.sim import SimResult, Task, simulate
 from commlab.runs.store import STEP_COLUMNS
 
@@ -61,16 +63,11 @@ class StepCosts(DDPProfile):
     # the write-back's copies beside a collective (costs.Contention); None: kc / km
     kc_copy: float | None = None
     km_copy: float | None = None
-    # seconds per byte of fresh pages (fault_cost; 0: not measured) and the share of the
-    # gradients' bytes that were fresh pages when the profile was taken (see fresh_gradients)
-    fresh_s_per_byte: float = 0.0
-    profiled_fresh_share: float = 0.0
     activation_bytes: int = 0  # what forward keeps for backward, where calibration measured it (peak bytes)
 
 
 def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
-               activation_bytes: int = 0, fresh: CollectiveCost | None = None,
-               profiled_fresh_bytes: float = 0) -> StepCosts:
+               activation_bytes: int = 0) -> StepCosts:
     """The lowering's costs of one workload on one algorithm and world size (ValueError if the
     system has no all-reduce cost for them). One rank has no co-run stretch."""
     c, o = system.contention_of(algorithm), system.overheads
@@ -81,9 +78,7 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
         allreduce=table, lanes=c.lanes, lane_gain=c.lane_gain,
         lane_gain_at=(lambda n: c.gain_at(n, table(n))) if c.paired is not None else None,
-        kc_copy=c.kc_copy, km_copy=c.km_copy, fresh_s_per_byte=fault_cost(fresh),
-        profiled_fresh_share=min(max(profiled_fresh_bytes / max(sum(profile.param_nbytes), 1), 0.0), 1.0),
-        activation_bytes=int(activation_bytes))
+        kc_copy=c.kc_copy, km_copy=c.km_copy, activation_bytes=int(activation_bytes))
 
 
 @dataclass(frozen=True)
@@ -139,11 +134,8 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
                           launched_by=[f"launch{k}" for k in range(len(buckets))])
     k = 0
     previous = 0.0
-    # the profile's ready times with fresh gradients as often as this layout has them
-    fresh = (fresh_gradients(nbytes, costs.param_nbytes) - costs.profiled_fresh_share) * costs.fresh_s_per_byte
     for j, p in enumerate(costs.ready_order):
-        extra = fresh * costs.param_nbytes[p]
-        compute(f"grad{p}", costs.ready_s[j] - previous + extra, "backward", param=p)
+        compute(f"grad{p}", costs.ready_s[j] - previous, "backward", param=p)
         previous = costs.ready_s[j]
         while k < len(buckets) and launch_after[k] == j:
             compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
@@ -153,36 +145,6 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",), stretched=False, bucket=k)
     compute("optimizer", costs.optimizer_s, "optimizer")
     return tasks
-
-
-def fault_cost(fresh: CollectiveCost | None) -> float:
-    """Seconds per byte of fresh pages (pure): the dearest per byte of the calibrated sizes of at
-    least 1 MiB. A block under glibc's largest mmap threshold (32 MiB) freed and allocated again
-    comes back from the heap without faults, so only the table's large blocks price a fault;
-    gradients on fresh pages fault page by page whatever their size. 0 where not measured."""
-    if fresh is None:
-        return 0.0
-    return max([t / s for s, t in zip(fresh.sizes, fresh.seconds) if s >= 1 << 20] or [0.0])
-
-
-def fresh_gradients(bucket_nbytes: Sequence[int], param_nbytes: Sequence[int]) -> bool:
-    """Whether each step's gradients land on fresh pages (pure): where a bucket holds more than
-    one large gradient (over 1.5x the largest), which is what the sweep measured here.
-
-    Autograd allocates every gradient anew each step (zero_grad(set_to_none=True) freed the last
-    ones); glibc's malloc returns them from memory it kept or from the kernel as fresh pages,
-    depending on its dynamic mmap and trim thresholds (malloc/malloc.c: M_MMAP_THRESHOLD rises to
-    the largest block freed, up to 32 MiB, and the trim threshold with it), i.e. on what else the
-    process allocated and freed, the bucket buffers included. Measured in `commlab sweep` runs
-    (2026-11, 2 ranks): the 48 MiB MLP of 4 MiB gradients spent 28 ms in backward with buckets of
-    one gradient and 41-46 ms with buckets of four or all twelve, three sweeps alike (a held-out
-    4 x 1536 MLP's first validation run showed the same, 18 against 31 ms). A one-rank DDP
-    faulted ~12,000 pages (48 MiB) per step at some caps and ~2,000-4,000 at others, about
-    1.1 ms per 1,000 faults, but at other caps than the sweep: the rule is the sweep's
-    measurement, not glibc's algorithm (whose buffers pin the heap is not modelled)."""
-    if not bucket_nbytes or not param_nbytes:
-        return False
-    return max(bucket_nbytes) > 1.5 * max(param_nbytes)
 
 
 def contention_rate(kc: float, km: float, lane_gain: float = 1.0,

@@ -36,7 +36,7 @@ from commlab.pipeline.schedule.actions import Action, Actions, flatten, num_micr
 from commlab.pipeline.schedule.comm import Message, lower_comm
 from commlab.pipeline.schedule.kinds import KINDS
 from commlab.pipeline.schedule.tasks import tasks
-from commlab.pipeline.schedule.validate import recomputes
+from commlab.pipeline.schedule.checks import recomputes
 from commlab.sim import SimResult, Task
 from commlab.sim import simulate as run_tasks
 
@@ -180,7 +180,7 @@ def sharing(cores: float):
 
 
 def checkpointed_microbatches(mode: str, microbatches: int) -> tuple[int, ...]:
-    """The micro-batches a checkpoint mode recomputes (:func:`commlab.pipeline.schedule.validate.recomputes`)."""
+    """The micro-batches a checkpoint mode recomputes (:func:`commlab.pipeline.schedule.checks.recomputes`)."""
     return tuple(i for i in range(microbatches) if recomputes(mode, i, microbatches))
 
 

@@ -37,6 +37,7 @@ from typing import Any
 from commlab.costmodel.lowering.buckets import DEFAULT_POLICY, assign
 from commlab.costmodel.terms.costs import DDPProfile, SystemCosts
 from commlab.costmodel.lowering.ddp import StepCosts, contention_rate, step_costs
+from commlab.runs.zero_stage import ZeroStage, parse_stage
 from commlab.sim import SimResult, Task, simulate
 from commlab.runs.store import STEP_COLUMNS
 
@@ -59,9 +60,13 @@ class ShardedSetting:
     policy: Any = DEFAULT_POLICY
     optimizer_bytes: float = 0.0  # optimizer state per parameter: 0 for plain SGD (the sweep's), 8 for Adam
 
+    @property
+    def zero(self) -> ZeroStage:
+        return parse_stage(self.stage)  # ValueError for a stage outside 0-3
+
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"a sharded setting has stage 1, 2 or 3, got {self.stage!r}")
+        if self.zero.ddp:
+            raise ValueError("a sharded setting has stage 1, 2 or 3 (stage 0, DDP, is a DDPSetting)")
         if self.prefetch < 0 or self.accumulate < 1 or not self.bucket_cap_mb > 0:
             raise ValueError(f"prefetch >= 0, accumulate >= 1 and bucket_cap_mb > 0 needed, got "
                              f"{self.prefetch}, {self.accumulate}, {self.bucket_cap_mb}")
@@ -219,7 +224,7 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
     terms (stage 3 without reshard holds every gathered bucket), plus the largest parameter's
     gradient as autograd makes it (before the copy into its bucket), plus the profile's activations
-    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a profile
+    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a calibration
     made without them). Left out: the allocator's caching and fragmentation, the forward's
     transient tensors that are not saved, the temporaries of the optimizer's step and of the
     collectives (a p2p algorithm's send/receive chunks)."""
@@ -230,7 +235,7 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     unpadded = [sum(costs.step.param_nbytes[p] for p in b) // ELEMENT for b in buckets]
     base = zero_memory(sum(unpadded), w, setting.stage, "fp32", optimizer_bytes=k).total
     m = bucket_memory([f // ELEMENT for f in full], w, setting.stage, setting.prefetch, ELEMENT, int(k), unpadded)
-    gathered = sum(full) if setting.stage == 3 and not setting.reshard else m.gathered
+    gathered = sum(full) if setting.zero.parameters and not setting.reshard else m.gathered
     # autograd's own .grad of a parameter lives until the hook has copied it into the bucket: the
     # largest parameter's bytes at once (DDP's peak counts every .grad already)
     transient = max(costs.step.param_nbytes, default=0)
@@ -243,7 +248,7 @@ def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     from commlab.runs.traffic import comm_bytes as sent
 
     full = padded_bytes(costs, buckets)
-    gathers = 2 if setting.stage == 3 and setting.reshard else 1
-    reduction = "all_reduce" if setting.stage == 1 else "reduce_scatter"
+    gathers = 2 if setting.zero.parameters and setting.reshard else 1
+    reduction = "reduce_scatter" if setting.zero.gradients else "all_reduce"
     return int(round(sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full],
                           costs.world_size)))

@@ -19,7 +19,7 @@ Both then enter the one costs type, :class:`~commlab.costmodel.terms.costs.Syste
 point-to-point line and per-action overhead), exactly as the bench's do. For a hybrid plan
 (``--dp``), :func:`allreduce_table` measures the all-reduce table at the data-parallel world
 size (``dist.all_reduce`` on that many Gloo ranks at the plans' bucket sizes, what commlab's DDP
-runs with its default ``algorithm="native"``); without calibration, :func:`profile_line` takes
+runs with its default ``algorithm="native"``); without calibration, :func:`calibrated_line` takes
 the alpha-beta line of a DDP calibration (``commlab calibrate``) of this machine at that world size.
 """
 
@@ -28,15 +28,16 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from commlab.costmodel.terms.alpha_beta import least_squares_line
-from commlab.costmodel.calibration import cache as prof
-from commlab.costmodel.calibration.driver import DEFAULT_PROFILE, table_sizes
+from commlab.costmodel.terms.uncertainty import Steadiness, overall_spread
+from commlab.costmodel.calibration import cache
+from commlab.costmodel.calibration.driver import DEFAULT_CALIBRATION, table_sizes
+from commlab.costmodel.calibration.run import run_calibration
 from commlab.costmodel.terms.costs import (
     CollectiveCost,
     Overheads,
@@ -48,6 +49,7 @@ from commlab.costmodel.terms.costs import (
 from commlab.costmodel.lowering.pipeline import shared
 from commlab.costmodel.calibration.pipeline import comm_latency, executor_overhead
 from commlab.costmodel.planner.offgrid import executor_timelines, profiled_runs, run_rank, schedule_costs
+from commlab.runtime.timer import time_sizes
 
 
 def measured(alpha: float = 0.0, beta: float = 0.0, overhead: float = 0.0) -> SystemCosts:
@@ -83,20 +85,23 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
     rt = commlab.Runtime.current()
     keep_freed_memory()  # as the plans are measured (commlab.validation.planner.measure_rank)
-    pingpong: dict[int, list[float]] = {}
-    for size in sizes:
+
+    def round_trip(size: int):
         buf = torch.empty(max(1, size // 4), dtype=torch.float32)
-        for k in range(common["repeats"] + 1):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def call() -> None:  # rank 0 sends first, rank 1 answers; the others only meet the barriers
             if rt.rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
             elif rt.rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            if k:  # the first round allocates and connects
-                pingpong.setdefault(size, []).append((time.perf_counter() - start) / 2)
+
+        return call
+
+    # one way: half the round trip
+    pingpong = {size: [t / 2 for t in samples]
+                for size, samples in zip(sizes, time_sizes(round_trip, sizes, common["repeats"]))}
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(rt.world_size)])
     calibration = executor_timelines(model, RankStages(model, [1] * rt.world_size), "1f1b", 4, torch.randn(8, 4),
@@ -107,21 +112,23 @@ def measure_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
 
 
 def calibrate(ranks: int, sizes: Sequence[int], *, repeats: int = 10, steps: int = 5, timeout: float = 120.0,
-              stages: Mapping | None = None, offgrid: Mapping | None = None) -> tuple[SystemCosts, list[dict[str, Any]]]:  # fmt: skip
+              stages: Mapping | None = None, offgrid: Mapping | None = None) -> tuple[SystemCosts, list[dict[str, Any]], Steadiness]:  # fmt: skip
     """Measure :func:`measured`'s terms on ``ranks`` Gloo ranks (``sizes``: the plans' boundary
     bytes), with ``stages`` (:func:`~commlab.costmodel.planner.model.rank_stage_times`'s spec) the
     model's stages, with ``offgrid`` (:func:`~commlab.costmodel.planner.offgrid.run_rank`'s) its
-    runs off the grid; returns the costs and every rank's measurements."""
-    import commlab  # commlab.launch imports torch: loaded only when calibrating
-
+    runs off the grid, in one calibration run (commlab/costmodel/calibration/run.py); returns the
+    costs, every rank's measurements, and how steady the ping-pongs were."""
     sizes = sorted({64, *(int(s) for s in sizes if s > 0)})
     common = {"repeats": repeats, "steps": steps, "timeout": timeout, "offgrid_steps": 2 * steps, "stage_times": stages,
               "offgrid": offgrid}  # fmt: skip
-    per_rank = commlab.launch(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout)
+    # the ranks that ping-pong (0 and 1; the others only meet the barriers)
+    run = run_calibration(measure_rank, sizes, common, world_size=ranks, backend="gloo", timeout=timeout,
+                          spread=lambda rs: overall_spread(r["pingpong"][s] for r in rs if r["rank"] < 2 for s in sizes))
+    per_rank = run.results
     zero = next(r for r in per_rank if r["rank"] == 0)
     _, beta = fit_line(sizes, [statistics.median(zero["pingpong"][s]) for s in sizes])
     system = measured(comm_latency(per_rank, ranks), beta, executor_overhead(per_rank, ranks, _share(ranks)))
-    return system, per_rank
+    return system, per_rank, run.steadiness
 
 
 def _share(ranks: int) -> int | None:
@@ -146,13 +153,13 @@ def plan_costs(profiles: Mapping[int, Any], ranks: int, dp: int = 1, *, measure:
     system, overheads = measured(), {}
     if measure and ranks > 1:
         # Every boundary a plan can have is some layer's output at some micro-batch size.
-        system, per_rank = calibrate(ranks, sorted({int(b) for p in profiles.values() for b in p.output}), timeout=timeout,
-                                     stages=stages, offgrid=offgrid)  # fmt: skip
+        system, per_rank, steadiness = calibrate(ranks, sorted({int(b) for p in profiles.values() for b in p.output}),
+                                                 timeout=timeout, stages=stages, offgrid=offgrid)  # fmt: skip
         if stages:
             profiles = with_stages(profiles, co_run([r["stage_times"] for r in per_rank]))
         echo(f"calibrated on {ranks} Gloo ranks: executor overhead {system.overheads.action_s * 1e6:.0f} us/action, message "
              f"{system.p2p.alpha_s * 1e6:.0f} us + {system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte"
-             + (", every stage timed on every rank at once" if stages else ""))  # fmt: skip
+             + (", every stage timed on every rank at once" if stages else "") + f"; {steadiness.describe()}")  # fmt: skip
         if offgrid:
             count = offgrid["microbatches"]
             alone = profiled_runs(profiles[count], offgrid, ranks)
@@ -172,39 +179,35 @@ def allreduce_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    times: dict[int, list[float]] = {}
-    for size in sizes:
+    def all_reduce(size: int):
         buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
-        for k in range(common["repeats"] + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            if k:  # the first round allocates and connects
-                times.setdefault(size, []).append(time.perf_counter() - start)
-    return {"times": times}
+        return lambda: dist.all_reduce(buf)
+
+    return {"times": dict(zip(sizes, time_sizes(all_reduce, sizes, common["repeats"])))}
 
 
-def allreduce_table(world: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 120.0) -> CollectiveCost:
+def allreduce_table(world: int, sizes: Sequence[int], *, repeats: int = 5,
+                    timeout: float = 120.0) -> tuple[CollectiveCost, Steadiness]:  # fmt: skip
     """The all-reduce table of ``world`` Gloo ranks at ``sizes`` bytes (a few seconds): per size,
-    the median over repeats of the slowest rank's time (a collective ends when its last rank does)."""
-    import commlab  # commlab.launch imports torch: loaded only when calibrating
-
+    the median over repeats of the slowest rank's time (a collective ends when its last rank does);
+    and how steady the calibration run (commlab/costmodel/calibration/run.py) was."""
     sizes = sorted({int(s) for s in sizes if s > 0})
     if len(sizes) < 2:
         sizes = sorted({*sizes, 4, 1 << 20})
-    per_rank = commlab.launch(allreduce_rank, sizes, {"repeats": repeats}, world_size=world, backend="gloo", timeout=timeout)
-    seconds = [statistics.median(max(ts) for ts in zip(*(r["times"][s] for r in per_rank))) for s in sizes]
-    return cost_from_entry(fit_table(sizes, seconds))
+    run = run_calibration(allreduce_rank, sizes, {"repeats": repeats}, world_size=world, backend="gloo", timeout=timeout,
+                          spread=lambda rs: overall_spread(r["times"][s] for r in rs for s in sizes))
+    seconds = [statistics.median(max(ts) for ts in zip(*(r["times"][s] for r in run.results))) for s in sizes]
+    return cost_from_entry(fit_table(sizes, seconds)), run.steadiness
 
 
-def profile_line(world: int, algorithm: str = "native", path: Path | None = None) -> CollectiveCost | None:
+def calibrated_line(world: int, algorithm: str = "native", path: Path | None = None) -> CollectiveCost | None:
     """The alpha-beta line of the newest DDP calibration (``commlab calibrate``) of this machine with
-    Gloo at ``world`` ranks that measured ``algorithm``; None when the profile has none."""
+    Gloo at ``world`` ranks that measured ``algorithm``; None when the calibration file has none."""
     try:
-        entries = prof.read_file(path or DEFAULT_PROFILE).values()
+        entries = cache.read_file(path or DEFAULT_CALIBRATION).values()
     except (OSError, ValueError):
         return None
-    found = [e for e in entries if e["key"].get("machine") == prof.machine_id() and e["key"].get("backend") == "gloo"
+    found = [e for e in entries if e["key"].get("machine") == cache.machine_id() and e["key"].get("backend") == "gloo"
              and e["key"].get("world_size") == world and algorithm in e.get("collectives", {})]  # fmt: skip
     for entry in sorted(found, key=lambda e: e.get("created", 0.0), reverse=True):
         line = entry["collectives"][algorithm]
@@ -218,14 +221,14 @@ def with_allreduce(system: SystemCosts, world: int, total_bytes: int, *, measure
                    timeout: float = 120.0) -> tuple[SystemCosts, str]:  # fmt: skip
     """``system`` with an all-reduce table at ``world`` ranks, and where it came from: measured
     (:func:`allreduce_table` at the bucket sizes that can occur up to ``total_bytes``), or with
-    ``measure=False`` the DDP calibration profile's line (:func:`profile_line`; ValueError if none)."""
+    ``measure=False`` the DDP calibration's line (:func:`calibrated_line`; ValueError if none)."""
     if measure:
-        cost = allreduce_table(world, table_sizes(total_bytes), timeout=timeout)
-        source = f"measured on {world} Gloo ranks ({len(cost.sizes)} sizes)"
+        cost, steadiness = allreduce_table(world, table_sizes(total_bytes), timeout=timeout)
+        source = f"measured on {world} Gloo ranks ({len(cost.sizes)} sizes; {steadiness.describe()})"
     else:
-        cost = profile_line(world)
+        cost = calibrated_line(world)
         if cost is None:
             raise ValueError(f"no DDP calibration at world size {world} on this machine")
-        source = f"from the alpha-beta line of the DDP calibration profile at world size {world}"
+        source = f"from the alpha-beta line of the DDP calibration at world size {world}"
     source += f": {cost(total_bytes) * 1e3:.2f} ms for all {total_bytes / 2**20:.2f} MiB of gradients"
     return replace(system, collectives={**system.collectives, ("allreduce", "native", world): cost}), source

@@ -9,7 +9,6 @@ each micro-batch size and, given the plans it will price, times every stage they
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ import torch
 from commlab.costmodel.planner.plan import LayerProfile
 from commlab.pipeline.runtime.memory import SavedBytes
 from commlab.pipeline.runtime.partition import best_per_layer, profile_times
+from commlab.runtime.threads import rank_threads
 
 
 def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int], ranks: int,
@@ -32,12 +32,7 @@ def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int],
 
     torch.manual_seed(0)
     model = mlp(depth, width)
-    # Profile with the threads a rank gets (commlab.launch: cores // ranks unless OMP_NUM_THREADS
-    # is set), not the parent's: on a shared machine 2 threads per op can be 20x slower than 1.
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    try:
+    with rank_threads(ranks):  # profiled with the threads a rank gets, not the parent's
         samples = {m: torch.randn(batch // m, width) for m in microbatches}
         targets = {m: torch.randint(0, 10, (batch // m,)) for m in microbatches}  # the bench's loss: cross-entropy, 10 classes
         losses = {m: (lambda y, t=targets[m]: F.cross_entropy(y, t)) for m in microbatches}
@@ -48,8 +43,6 @@ def profile_mlp(depth: int, width: int, batch: int, microbatches: Sequence[int],
 
         return add_stage_times(profiles, list(model), samples, losses, plans.get("ranks", ranks), plans["virtuals"], plans["schedules"],
                                plans.get("balance_mode", "time"))  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
 
 
 def profile(model, sample, repeat: int = 3) -> LayerProfile:

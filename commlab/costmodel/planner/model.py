@@ -15,7 +15,6 @@ candidate stages there, every rank at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -26,6 +25,7 @@ from torch import nn
 from commlab.costmodel.planner.plan import LayerProfile
 from commlab.costmodel.planner.layers import loss_saved_bytes, profile
 from commlab.pipeline.runtime.traced import check_split_points, trace_stages
+from commlab.runtime.threads import rank_threads
 
 
 def candidate_points(model: nn.Module, sample: torch.Tensor | None = None) -> list[str]:
@@ -99,10 +99,7 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
     model = workload.model
     first, _ = workload.make_batch(1, torch.Generator().manual_seed(0))
     points = check_split_points(model, list(points)) if points else candidate_points(model, first)
-    threads = torch.get_num_threads()  # a rank's threads, as :func:`commlab.costmodel.planner.layers.profile_mlp` does
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    try:
+    with rank_threads(ranks):  # a rank's threads, as :func:`commlab.costmodel.planner.layers.profile_mlp` does
         out, pieces_at, samples, losses = {}, {}, {}, {}
         for m in microbatches:
             pieces, sample, losses[m] = pieces_at_size(workload, points, max(1, batch // m), name)
@@ -116,8 +113,6 @@ def profile_model(name: str, batch: int, microbatches: Sequence[int], ranks: int
                                         plans["schedules"], plans.get("balance_mode", "time"), whole=True)[m] for m in out}  # fmt: skip
             out = timed
         return out, points
-    finally:
-        torch.set_num_threads(threads)
 
 
 def weight_node_bytes(pieces: nn.Sequential, sample: torch.Tensor) -> list[float]:

@@ -25,16 +25,17 @@ calibration count to the plans' counts is a per-action overhead and a ratio (:fu
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from commlab.costmodel.terms.costs import StageProfile, SystemCosts
 from commlab.costmodel.lowering.pipeline import predict
+from commlab.costmodel.calibration.pipeline import from_barrier, settle, step_of, step_timeline
 from commlab.costmodel.planner.model import stage_builder
 from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, Action
 from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.runtime.timer import StartTime, timed_rounds, timed_steps
 
 # Each schedule runs without and with checkpointing: a checkpointed micro-batch's forward runs
 # without grad and its backward recomputes it, and the two stretch differently in the pipeline.
@@ -63,7 +64,7 @@ def run_rank(common: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict]]:
     """On every rank of the calibration launch: each (schedule, balance) of ``common["offgrid"]["runs"]``
     on the model ``common["offgrid"]`` describes (as :func:`commlab.validation.planner.measure_rank`
     takes it) at its ``microbatches``, with each mode of :data:`CHECKPOINTS`, keyed by (schedule,
-    stages per rank) and mode: each timed step's timeline and start (:func:`timed_step`). The runs
+    stages per rank) and mode: each timed step's timeline and start (:func:`step_timeline`). The runs
     take turns, ``common["steps"]`` rounds in alternating order, each visit one step after one of
     its own, as ``pipeline plan --validate`` measures the plans: a burst of load on a shared host
     hits every schedule's calibration alike."""
@@ -75,53 +76,37 @@ def run_rank(common: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict]]:
     spec = common["offgrid"]
     m = spec["microbatches"]
     x, y, loss_fn, build = stage_builder({**spec, "batch": m * (spec["batch"] // m)})
-    runs = []
+    runs, steps = [], []
     for name, balance in spec["runs"]:
         model, stage = build({"balance": balance, "microbatches": m}, REGISTRY[name].placement(rt.world_size, len(balance)))
         for mode in CHECKPOINTS:
             pipe = PipelineExecutor(stage, name, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
                                     checkpoint=mode)  # fmt: skip
-            runs.append(((name, len(balance) // rt.world_size), mode, model, stage, pipe))
+            runs.append(((name, len(balance) // rt.world_size), mode, model, pipe))
+            steps.append(step_of(stage, pipe, x, y))
+    timelines: list[list] = [[] for _ in runs]
+    origins = timed_rounds(dict(enumerate(steps)), common["steps"], meters={"origins": StartTime()},
+                           before=lambda k: settle(runs[k][2], steps[k]),
+                           after=lambda k, _timed: timelines[k].append(step_timeline(runs[k][3])))["origins"]
     out: dict[tuple[str, int], dict[str, dict]] = {}
-    for k in range(common["steps"]):
-        for key, mode, model, stage, pipe in runs if k % 2 == 0 else reversed(runs):
-            timed_step(model, stage, pipe, x, y)  # settles: the timed step follows one of its own
-            origin, timeline = timed_step(model, stage, pipe, x, y)
-            found = out.setdefault(key, {}).setdefault(mode, {"timelines": [], "origins": []})
-            found["origins"].append(origin)
-            found["timelines"].append(timeline)
+    for k, (key, mode, _, _) in enumerate(runs):
+        out.setdefault(key, {})[mode] = {"timelines": timelines[k], "origins": origins[k]}
     return out
-
-
-def timed_step(model, stage, pipe, x, y) -> tuple[float, list]:
-    """One step of ``pipe`` on ``stage`` (of ``model``) from a barrier: its start and its timeline
-    as the bench records it, (stage, kind, micro-batch, start, end) per action."""
-    import torch.distributed as dist
-
-    model.zero_grad(set_to_none=False)
-    dist.barrier()
-    start = time.perf_counter()
-    pipe.step(x if stage.is_first else None, target=y if stage.is_last else None)
-    return start, [(t.action.stage, t.action.kind, t.action.microbatch, pipe.started_at + t.start, pipe.started_at + t.end)
-                   for t in pipe.timeline]  # fmt: skip
 
 
 def executor_timelines(model, stage, schedule: str, m: int, x, y, loss_fn, common: dict[str, Any],
                        checkpoint: str = "never") -> dict[str, list]:  # fmt: skip
     """A few steps (``common["steps"]``, after one untimed) of the real executor on ``stage``
-    (a :class:`~commlab.pipeline.runtime.stages.RankStages` of ``model``): each step's timeline
-    and start (:func:`timed_step`)."""
+    (a :class:`~commlab.pipeline.runtime.stages.RankStages` of ``model``), each from a barrier:
+    each step's timeline and start (:func:`step_timeline`)."""
     from commlab.pipeline.runtime.executor import PipelineExecutor
 
     pipe = PipelineExecutor(stage, schedule, microbatches=m, loss_fn=loss_fn, track_memory=False, timeout=common["timeout"],
                             checkpoint=checkpoint)  # fmt: skip
-    calibration: dict[str, list] = {"timelines": [], "origins": []}
-    for k in range(1 + common["steps"]):
-        origin, timeline = timed_step(model, stage, pipe, x, y)
-        if k:
-            calibration["origins"].append(origin)
-            calibration["timelines"].append(timeline)
-    return calibration
+    timelines: list[list] = []
+    origins = timed_steps(step_of(stage, pipe, x, y), common["steps"], 1, clock=StartTime(), before=lambda: from_barrier(model),
+                          after=lambda timed: timed and timelines.append(step_timeline(pipe)))
+    return {"timelines": timelines, "origins": origins}
 
 
 def schedule_costs(per_rank: list[dict[str, Any]], ranks: int, runs: Mapping[tuple[str, int], Any], m: int,

@@ -1,4 +1,4 @@
-"""Glue between a sweep plan and the predictor: which profiles it needs, and its records.
+"""Glue between a sweep plan and the predictor: which calibrations it needs, and its records.
 
 Used by commlab/cli/predict.py and by :func:`commlab.tune`; the pieces it joins (calibration,
 lowering, prediction, hardware presets, the search) know nothing of each other.
@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from commlab.costmodel.calibration.driver import DEFAULT_PROFILE, Workload, default_threads, profile_for
+from commlab.costmodel.calibration.driver import DEFAULT_CALIBRATION, Workload, calibration_for, default_threads
 from commlab.costmodel.calibration.cache import key_id
 from commlab.costmodel.lowering.ddp import step_costs
-from commlab.runs.config import Config
+from commlab.runs.config import Config, zero_stage_of
 
 Key = tuple[str, str, int, str, int, int]
 
@@ -31,10 +31,10 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
     return (cfg.model, cfg.model_args, cfg.batch_per_rank, backend, world, int(threads))
 
 
-def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, recalibrate: bool = False,
+def entries_for(configs: Iterable[Config], *, calibration_path: Path | None = None, recalibrate: bool = False,
                 world_size: int | None = None, echo: Callable[[str], None] = lambda _l: None,
                 algorithms: Iterable[str] = (), shard: bool = False) -> dict[Key, dict]:
-    """One profile entry per group of configurations, calibrating what is missing or stale.
+    """One calibration entry per group of configurations, calibrating what is missing or stale.
     ``algorithms``: calibrated for every group besides the configurations' own and ``native``;
     a group with a configuration at stage 1-3 (or every group, ``shard``) gets the reduce-scatter
     and all-gather tables too."""
@@ -43,7 +43,7 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
     sharded: set[Key] = set()  # groups with a configuration at stage 1-3: they need the sharded tables
     for cfg in configs:
         group = wanted.setdefault(group_key(cfg, world_size), [])
-        if (cfg.get("stage", 0) if isinstance(cfg, dict) else getattr(cfg, "stage", 0)) or shard:
+        if not zero_stage_of(cfg).ddp or shard:
             sharded.add(group_key(cfg, world_size))
         for algorithm in ("native", *extra, cfg.algorithm):
             if algorithm not in group:
@@ -51,9 +51,10 @@ def entries_for(configs: Iterable[Config], *, profile_path: Path | None = None, 
     entries = {}
     for key, names in wanted.items():
         model, model_args, batch, backend, world, threads = key
-        entries[key] = profile_for(Workload(model, model_args, batch), backend=backend, world_size=world,
-                                   threads=threads, path=profile_path or DEFAULT_PROFILE, recalibrate=recalibrate,
-                                   algorithms=tuple(names), echo=echo, sharded=key in sharded)
+        entries[key] = calibration_for(Workload(model, model_args, batch), backend=backend, world_size=world,
+                                       threads=threads, path=calibration_path or DEFAULT_CALIBRATION,
+                                       recalibrate=recalibrate, algorithms=tuple(names), echo=echo,
+                                       sharded=key in sharded)
     return entries
 
 
@@ -62,21 +63,21 @@ def predict(plan, entries: dict[Key, dict]) -> tuple[list[dict], dict[str, Any]]
     from commlab.costmodel.search.predict import costs_for_config, predict_plan
 
     records = predict_plan(plan.configs, lambda cfg: costs_for_config(entries[group_key(cfg)], cfg))
-    note = ("PREDICTED by commlab predict from calibration profile(s) "
+    note = ("PREDICTED by commlab predict from calibration(s) "
             + ", ".join(key_id(e["key"]) for e in entries.values()))
     meta = {"source": "predicted", "figure_note": note,
-            "profiles": {key_id(e["key"]): {"key": e["key"], "created": e["created"]} for e in entries.values()},
+            "calibrations": {key_id(e["key"]): {"key": e["key"], "created": e["created"]} for e in entries.values()},
             "hardware": None}
     return records, meta
 
 
-def predict_on(plan, preset: dict, profile_path: Path | None = None,
+def predict_on(plan, preset: dict, calibration_path: Path | None = None,
                echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
     """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware/presets.py): nothing is
-    calibrated here; each workload's compute is a profile calibrated on the preset's device when
-    ``profile_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
+    calibrated here; each workload's compute is a calibration made on the preset's device when
+    ``calibration_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
     reduce-scatter or all-gather, so a sharded configuration is a ValueError, not a DDP guess."""
-    sharded = [c.id for c in plan.configs if getattr(c, "stage", 0)]
+    sharded = [c.id for c in plan.configs if not zero_stage_of(c).ddp]
     if sharded:
         raise ValueError(f"--hardware predicts DDP (stage 0) only; {len(sharded)} configuration(s) have a sharded "
                          "stage: predict them from a calibration of this machine instead")
@@ -90,14 +91,14 @@ def predict_on(plan, preset: dict, profile_path: Path | None = None,
         key = (cfg.model, cfg.model_args, cfg.batch_per_rank)
         if key in computes:
             continue
-        entry = device_entry(profile_path or DEFAULT_PROFILE, *key, device=str(preset["device"]))
+        entry = device_entry(calibration_path or DEFAULT_CALIBRATION, *key, device=str(preset["device"]))
         if entry is not None:
             c = entry["compute"]
             computes[key] = (profile_from_entry(entry), Overheads(c["bucket_fixed_s"], c["writeback_s_per_byte"]),
-                             f"compute measured on {c['device_name']} (profile {key_id(entry['key'])})")
+                             f"compute measured on {c['device_name']} (calibration {key_id(entry['key'])})")
         else:
             counted = flops.count(cfg.model, cfg.model_kwargs(), cfg.batch_per_rank)
-            profile, overheads = hardware.flops_profile(preset, counted)
+            profile, overheads = hardware.compute_from_flops(preset, counted)
             computes[key] = (profile, overheads, flops.describe(counted, float(preset["peak_tflops"]) * 1e12,
                                                                 float(preset["compute_fraction"]), cfg.batch_per_rank)
                              + f"; optimizer and write-back as memory traffic at {preset['hbm_gbps']} GB/s")
@@ -110,11 +111,11 @@ def predict_on(plan, preset: dict, profile_path: Path | None = None,
     records = predict_plan(plan.configs, costs_for)
     said = "; ".join(dict.fromkeys(c[2] for c in computes.values()))
     note = f"PREDICTED for hardware preset {preset['name']}: {hardware.assumptions(preset, said)}"
-    return records, {"source": "predicted", "figure_note": note, "profiles": {}, "hardware": preset}
+    return records, {"source": "predicted", "figure_note": note, "calibrations": {}, "hardware": preset}
 
 
 def device_entry(path: Path, model: str, model_args: str, batch_per_rank: int, *, device: str) -> dict | None:
-    """The newest world-size-1 NCCL profile entry of this workload calibrated on a device whose
+    """The newest world-size-1 NCCL calibration entry of this workload made on a device whose
     name holds ``device`` (made on any machine: that is the point), or None."""
     from commlab.costmodel.calibration.cache import check_entry, read_file
 
@@ -147,7 +148,7 @@ def check_run_dir(run_dir: Path) -> None:
 
 def tune_entry(entry: dict, world_size: int | None = None, *, algorithms: Iterable[str] | None = None,
                force: bool = False, **search_options) -> dict[str, Any]:
-    """The two recommendations (commlab/costmodel/search/tune.py) for one profile entry, as JSON-ready
+    """The two recommendations (commlab/costmodel/search/tune.py) for one calibration entry, as JSON-ready
     data. ``algorithms``: those searched (default: every calibrated one); the entry's steadiness
     (commlab/costmodel/terms/uncertainty.py) widens the intervals and, unless ``force``, withholds a pick."""
     # Lazy, as predict() below: the lowering pulls in the sweep's tables (pandas); CLI start-up.

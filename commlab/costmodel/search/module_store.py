@@ -5,7 +5,7 @@ Calibration spawns ranks (commlab.launch), and a rank builds its workload from a
 whole (``torch.save``: the classes are pickled by reference, so they must be importable, as
 for any ``package.module:factory``), under a digest of its class and parameter shapes, and
 returns the factory name ``commlab.costmodel.search.module_store:load`` with ``digest=...`` as its size. The
-digest makes the name stable across calls, so a cached calibration profile is found again;
+digest makes the name stable across calls, so a cached calibration is found again;
 timings do not depend on the weights' values, only on their shapes.
 """
 

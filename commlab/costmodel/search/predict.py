@@ -1,4 +1,4 @@
-"""Predicting a sweep: each configuration of a plan simulated from a calibration profile.
+"""Predicting a sweep: each configuration of a plan simulated from a calibration.
 
     records = predict_plan(plan, costs_for)     # one sweep record per configuration, no process
 
@@ -31,11 +31,12 @@ from commlab.costmodel.lowering.zero import (
     simulate_sharded,
 )
 from commlab.runs.traffic import comm_bytes
-from commlab.runs.config import Config
+from commlab.runs.config import LATER_FIELDS, Config, zero_stage_of
 from commlab.runs.store import MEASURE_COLUMNS
 
 SOURCE = "predicted"
-SHARDED_DEFAULTS = {"stage": 0, "prefetch": 1, "reshard": True}  # the sweep's keys for sharded runs
+# stage 3's keys, as records written before they were columns hold them (the stage: zero_stage_of)
+SHARDED_DEFAULTS = {k: LATER_FIELDS[k] for k in ("prefetch", "reshard")}
 
 
 class UnpriceableConfig(ValueError):
@@ -43,13 +44,13 @@ class UnpriceableConfig(ValueError):
 
 
 def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
-    """What one calibration profile entry (commlab/costmodel/calibration/cache.py) measured about the machine,
+    """What one calibration entry (commlab/costmodel/calibration/cache.py) measured about the machine,
     its all-reduce tables priced at ``world_size`` (the entry's own)."""
     c = entry["compute"]
     contention = {}
     for algorithm in entry["collectives"]:
         k = entry["contention"].get(algorithm, {"kc": 0.0, "km": 0.0})
-        # optional (profiles made before it was measured price one collective at a time)
+        # optional (calibrations made before it was measured price one collective at a time)
         lanes = entry.get("concurrency", {}).get(algorithm, {"lanes": 1, "gain": 1.0})
         paired = CollectiveCost(tuple(lanes["sizes"]), tuple(lanes["paired_s"])) if "paired_s" in lanes else None
         contention[algorithm] = Contention(k["kc"], k["km"], int(lanes["lanes"]), float(lanes["gain"]), paired,
@@ -64,31 +65,28 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
 
 
 def profile_from_entry(entry: dict) -> DDPProfile:
-    """The workload's compute from one calibration profile entry."""
+    """The workload's compute profile from one calibration entry."""
     c, p = entry["compute"], entry["params"]
     return DDPProfile(forward_s=c["forward_s"], ready_s=tuple(c["ready_s"]), ready_order=tuple(p["ready_order"]),
                       param_nbytes=tuple(p["nbytes"]), optimizer_s=c["optimizer_s"], nosync_s=c["nosync_s"])
 
 
 def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
-    """The lowering's costs from one calibration profile entry (commlab/costmodel/calibration/cache.py)."""
+    """The lowering's costs from one calibration entry (commlab/costmodel/calibration/cache.py)."""
     if algorithm not in entry["collectives"]:
-        raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in profile "
+        raise UnpriceableConfig(f"no all-reduce cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(entry['collectives'])) or 'none'})")
-    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
     return step_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
-                      activation_bytes=entry["compute"].get("activation_bytes", 0),
-                      fresh=cost_from_entry(fresh) if fresh else None,
-                      profiled_fresh_bytes=entry["compute"].get("profiled_fresh_bytes", 0))
+                      activation_bytes=entry["compute"].get("activation_bytes", 0))
 
 
 def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
-    """The sharded lowering's costs from one profile entry (one calibrated with its sharded tables)."""
+    """The sharded lowering's costs from one calibration entry (one with its sharded tables)."""
     have = entry.get("sharded_collectives", {}).get("reduce_scatter", {})
     if algorithm not in have or algorithm not in entry["collectives"]:
-        raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in profile "
+        raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(have)) or 'none'}): calibrate again")
-    fresh = entry["compute"].get("fresh_memory")  # absent from profiles made before it was measured
+    fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
                          activation_bytes=entry["compute"].get("activation_bytes", 0),
                          fresh=cost_from_entry(fresh) if fresh else None)
@@ -101,14 +99,14 @@ def knob(cfg: Any, name: str) -> Any:
 
 
 def sharded_setting_of(cfg: Config) -> ShardedSetting:
-    return ShardedSetting(stage=int(knob(cfg, "stage")), prefetch=int(knob(cfg, "prefetch")),
+    return ShardedSetting(stage=zero_stage_of(cfg).stage, prefetch=int(knob(cfg, "prefetch")),
                           reshard=bool(knob(cfg, "reshard")), bucket_cap_mb=cfg.bucket_mb,
                           accumulate=cfg.accumulate, policy=cfg.bucket_policy)
 
 
 def costs_for_config(entry: dict, cfg: Config) -> StepCosts | ShardedCosts:
     """Stage 0 (commlab DDP): the DDP lowering's costs; stages 1-3: the sharded lowering's."""
-    if int(knob(cfg, "stage")) == 0:
+    if zero_stage_of(cfg).ddp:
         return costs_from_entry(entry, cfg.algorithm, cfg.world_size)
     return sharded_costs_from_entry(entry, cfg.algorithm, cfg.world_size)
 
@@ -165,9 +163,9 @@ def table(records: list[dict[str, Any]]) -> str:
     for rec in records:
         it = rec["iterations"][0]  # ranks are symmetric in the model: rank 0's row stands for all
         buckets = sum(1 for b in rec["buckets"] if b["rank"] == 0)
-        stage = int(knob(rec["config"], "stage"))
+        zero = zero_stage_of(rec["config"])
         rows.append((rec["config"]["config"], f"{it['step'] * 1e3:.1f}", f"{it['exposed_comm'] * 1e3:.1f}", str(buckets),
-                     str(stage), str(knob(rec["config"], "prefetch")) if stage == 3 else "-",
+                     str(zero.stage), str(knob(rec["config"], "prefetch")) if zero.parameters else "-",
                      f"{it['peak_bytes'] / 2**20:.1f}"))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731

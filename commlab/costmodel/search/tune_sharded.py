@@ -24,10 +24,10 @@ from typing import Any
 
 from commlab.costmodel.lowering.ddp import DDPSetting, breakdown, simulate_step
 from commlab.costmodel.lowering.zero import ShardedSetting, sharded_breakdown, simulate_sharded
+from commlab.runs.zero_stage import STAGES, parse_stage
 
 GRID_MB = tuple(round(0.5 * 2 ** (i / 2), 3) for i in range(0, 17))  # 0.5 .. 128 MB, x1.41 steps
 PREFETCHES = (0, 1, 2)
-STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,11 @@ class ShardedCandidate:
 
     def kwargs(self) -> dict[str, Any]:
         """ShardedDataParallel's keywords (stage 0: commlab DistributedDataParallel's)."""
-        if self.stage == 0:
+        zero = parse_stage(self.stage)
+        if zero.ddp:
             return {"bucket_cap_mb": self.bucket_cap_mb, "algorithm": self.algorithm}
         out = {"stage": self.stage, "bucket_cap_mb": self.bucket_cap_mb, "algorithm": self.algorithm}
-        if self.stage == 3:
+        if zero.parameters:
             out.update(prefetch=self.prefetch, reshard_after_forward=self.reshard)
         return out
 
@@ -57,7 +58,7 @@ class ShardedCandidate:
 def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | None = None,
                grid_mb: Sequence[float] = GRID_MB, prefetches: Sequence[int] = PREFETCHES,
                optimizer_bytes: float = 0.0) -> list[ShardedCandidate]:
-    """Every candidate of the given stages priced from one profile entry at its world size."""
+    """Every candidate of the given stages priced from one calibration entry at its world size."""
     from commlab.costmodel.search.predict import costs_from_entry, ddp_columns, sharded_costs_from_entry
 
     world = entry["key"]["world_size"]
@@ -69,7 +70,7 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
                      and a in entry.get("sharded_collectives", {}).get("reduce_scatter", {})]
     out = []
     for stage in stages:
-        if stage == 0:
+        if parse_stage(stage).ddp:
             for a in (x for x in names if x in entry["collectives"]):
                 costs = costs_from_entry(entry, a, world)
                 # DDP's peak (commlab/costmodel/search/predict.py) plus the optimizer state given
@@ -78,7 +79,7 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
                     result, buckets = simulate_step(costs, DDPSetting(bucket_cap_mb=mb, first_bucket_mb=mb))
                     out.append(ShardedCandidate(0, a, mb, 0, True, breakdown(result, buckets, costs)[0]["step"], peak))
             continue
-        knobs = itertools.product(prefetches, (True, False)) if stage == 3 else [(1, True)]
+        knobs = itertools.product(prefetches, (True, False)) if parse_stage(stage).parameters else [(1, True)]
         for a, (prefetch, reshard) in itertools.product(sharded_names, list(knobs)):
             costs = sharded_costs_from_entry(entry, a, world)
             for mb in grid_mb:
@@ -93,7 +94,7 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
 def pick(found: Sequence[ShardedCandidate], memory_bytes: float | None) -> ShardedCandidate:
     """The fastest candidate that fits (ValueError naming the smallest peak when none does)."""
     if not found:
-        raise ValueError("no candidate to search: the profile has no costs for the stages asked "
+        raise ValueError("no candidate to search: the calibration has no costs for the stages asked "
                          "(calibrate with a sharded configuration, or give --stage 0)")
     fits = [c for c in found if memory_bytes is None or c.peak_bytes <= memory_bytes]
     if not fits:
@@ -124,17 +125,17 @@ def default_pick(found: Sequence[ShardedCandidate], memory_bytes: float | None,
                               abs(math.log(c.bucket_cap_mb / DEFAULT_MB)), c.peak_bytes))
 
 
+AUTO = "auto"  # the tuner's own choice beside the stages: search every one
+
+
 def parse_stages(value: int | str) -> tuple[int, ...]:
-    """"auto" -> every stage; "0".."3" (or an int) -> that one; ValueError otherwise."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
+    """"auto" -> every stage; a stage (commlab/runs/zero_stage.py) -> that one; ValueError otherwise."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
         return STAGES
     try:
-        stage = int(value)
-    except (TypeError, ValueError):
-        stage = None
-    if stage not in STAGES or isinstance(value, bool):
-        raise ValueError(f"stage must be 0, 1, 2, 3 or 'auto', got {value!r}")
-    return (stage,)
+        return (parse_stage(value).stage,)
+    except ValueError as err:
+        raise ValueError(f"{err}; or {AUTO!r}, every stage") from None
 
 
 def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes: float | None = None,
@@ -144,10 +145,7 @@ def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes:
     that fits (or, where none does, the one with the smallest peak) so that a user sees what
     memory buys. ``chosen_by`` says "search" or, for an unsteady calibration without ``force``,
     "default" (:func:`default_pick`)."""
-    stages = tuple(stages)
-    for s in stages:
-        if s not in STAGES:
-            raise ValueError(f"stage must be 0, 1, 2, 3 or auto, got {s!r}")
+    stages = tuple(parse_stage(s).stage for s in stages)
     if memory_bytes is not None and not memory_bytes > 0:
         raise ValueError(f"the memory limit must be positive, got {memory_bytes}")
     from commlab.sharded.comm import resolve_algorithm  # what ShardedDataParallel's "auto" runs here
@@ -155,8 +153,8 @@ def sharded_answer(entry: dict, *, stages: Iterable[int] = STAGES, memory_bytes:
     found = candidates(entry, stages, algorithms, optimizer_bytes=optimizer_bytes)
     steady = entry.get("steadiness", {}).get("steady", True)  # commlab/costmodel/terms/uncertainty.py's verdict
     backend = entry["key"].get("backend", "gloo")
-    defaults = {0: "native", **{s: resolve_algorithm("auto", backend, "cpu" if backend == "gloo" else "cuda")
-                                for s in STAGES[1:]}}
+    device = "cpu" if backend == "gloo" else "cuda"
+    defaults = {s: "native" if parse_stage(s).ddp else resolve_algorithm("auto", backend, device) for s in STAGES}
     chosen_by = "search" if steady or force else "default"
     best = pick(found, memory_bytes) if chosen_by == "search" else default_pick(found, memory_bytes, defaults)
     per_stage = {}

@@ -1,4 +1,4 @@
-"""Calibration profiles, cost tables, contention factors and hardware presets (pure, no processes)."""
+"""The calibration cache, cost tables, contention factors and hardware presets (pure, no processes)."""
 
 import json
 import math
@@ -21,7 +21,7 @@ def entry(**key_over):
             "steadiness": {"steady": True}}
 
 
-def test_profile_round_trip_and_lookup(tmp_path):
+def test_calibration_round_trip_and_lookup(tmp_path):
     path = tmp_path / "p.json"
     e = entry()
     prof.store(path, e)
@@ -32,36 +32,36 @@ def test_profile_round_trip_and_lookup(tmp_path):
         prof.lookup(path, {**e["key"], "world_size": 4}, now=1060.0)
 
 
-def test_stale_and_changed_profiles_are_detected(tmp_path):
+def test_stale_and_changed_calibrations_are_detected(tmp_path):
     path = tmp_path / "p.json"
     e = entry()
     prof.store(path, e)
-    with pytest.raises(prof.StaleProfile, match="old"):
+    with pytest.raises(prof.StaleCalibration, match="old"):
         prof.lookup(path, e["key"], now=1000.0 + prof.DEFAULT_MAX_AGE_S + 1)
-    with pytest.raises(prof.StaleProfile, match="changed"):
+    with pytest.raises(prof.StaleCalibration, match="changed"):
         prof.lookup(path, e["key"], signature="other", now=1001.0)
     del e["steadiness"]  # made before calibration judged its own steadiness: measured again
     prof.store(path, e)
-    with pytest.raises(prof.StaleProfile, match="steadiness"):
+    with pytest.raises(prof.StaleCalibration, match="steadiness"):
         prof.lookup(path, e["key"], now=1001.0)
 
 
-def test_foreign_or_broken_profiles_are_errors(tmp_path):
+def test_foreign_or_broken_calibrations_are_errors(tmp_path):
     path = tmp_path / "p.json"
     prof.store(path, entry(machine="elsewhere|cpu|64"))
     here = entry()["key"]
-    with pytest.raises(prof.ProfileError, match="another machine"):
+    with pytest.raises(prof.CalibrationError, match="another machine"):
         prof.lookup(path, here)
     path2 = tmp_path / "q.json"
     prof.store(path2, entry(torch="1.0.0"))
-    with pytest.raises(prof.ProfileError, match="torch 1.0.0"):
+    with pytest.raises(prof.CalibrationError, match="torch 1.0.0"):
         prof.lookup(path2, here)
     broken = entry()
     del broken["compute"]["corun"]
-    with pytest.raises(prof.ProfileError, match="compute.corun"):
+    with pytest.raises(prof.CalibrationError, match="compute.corun"):
         prof.store(tmp_path / "r.json", broken)
     (tmp_path / "s.json").write_text("{not json")
-    with pytest.raises(prof.ProfileError, match="not a readable profile"):
+    with pytest.raises(prof.CalibrationError, match="not a readable calibration file"):
         prof.lookup(tmp_path / "s.json", here)
 
 
@@ -122,7 +122,7 @@ def test_table_sizes_cover_the_buckets_that_occur():
     assert len(small) >= 2 and small[-1] >= 35_000 and small == sorted(set(small))
 
 
-def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_multirank_ddp(tmp_path, monkeypatch):
+def test_calibration_for_recalibrates_stale_or_incomplete_entries_and_never_runs_multirank_ddp(tmp_path, monkeypatch):
     """A stale entry (too old) or one lacking an algorithm is measured again, not used; a fresh
     complete one is used as is. (calibrate is replaced by a stub: no process is spawned.)"""
     import time
@@ -146,13 +146,13 @@ def test_profile_for_recalibrates_stale_or_incomplete_entries_and_never_runs_mul
 
     monkeypatch.setattr(cal, "calibrate", fake)
     path, kw = tmp_path / "p.json", dict(backend="gloo", world_size=2, threads=1)
-    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
-    cal.profile_for(workload, path=path, algorithms=("native",), **kw)
+    cal.calibration_for(workload, path=path, algorithms=("native",), **kw)
+    cal.calibration_for(workload, path=path, algorithms=("native",), **kw)
     assert calls == [("native",)]  # fresh: reused
-    cal.profile_for(workload, path=path, algorithms=("native", "ring"), **kw)
+    cal.calibration_for(workload, path=path, algorithms=("native", "ring"), **kw)
     assert calls[-1] == ("native", "ring")  # lacking an algorithm: recalibrated
     said = []
-    cal.profile_for(workload, path=path, algorithms=("native",), max_age_s=0.0, echo=said.append, **kw)
+    cal.calibration_for(workload, path=path, algorithms=("native",), max_age_s=0.0, echo=said.append, **kw)
     assert len(calls) == 3 and "recalibrating" in said[-1]  # stale: recalibrated, and said so
     # the rank side refuses to profile DDP on a group of more than one rank
     monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)

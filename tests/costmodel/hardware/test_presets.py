@@ -4,7 +4,7 @@ compute from FLOPs, and predictions labelled with their assumptions. Pure: no pr
 import pytest
 
 from commlab.costmodel.hardware import flops, nccl
-from commlab.costmodel.hardware.presets import allreduce_cost, flops_profile, load_preset, preset_names
+from commlab.costmodel.hardware.presets import allreduce_cost, compute_from_flops, load_preset, preset_names
 
 A100 = nccl.Network(gpus_per_node=8, nvlink_busbw=240.0, nic_busbw=24.0, nics_per_node=8, channels=16, arch="ampere",
                     net_overhead_us=2.0)
@@ -68,9 +68,9 @@ def test_flops_are_counted_on_the_meta_device_and_shared_between_parameters():
         flops.profile(counted, 0.0)
 
 
-def test_a_presets_flops_profile_runs_at_the_stated_fraction_of_peak():
+def test_a_presets_compute_from_flops_runs_at_the_stated_fraction_of_peak():
     preset = load_preset("dgx-a100-hdr200")
     counted = flops.count("mlp", {"depth": 2, "width": 64}, 8)
-    profile, overheads = flops_profile(preset, counted)
+    profile, overheads = compute_from_flops(preset, counted)
     assert profile.forward_s == pytest.approx(counted.forward / (312e12 * 0.4))
     assert overheads.writeback_s_per_byte == pytest.approx(2 / 2039e9)

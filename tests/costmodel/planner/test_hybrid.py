@@ -78,9 +78,9 @@ def test_planner_prices_data_parallel_buckets():
     assert max(hybrid[0].peak_bytes) == pytest.approx(max(one.peak_bytes) + 800.0)
 
 
-def test_plan_dp_takes_the_calibration_profile_line(tmp_path, monkeypatch):
-    path = tmp_path / "profile.json"
-    monkeypatch.setattr(plan_calibrate, "DEFAULT_PROFILE", path)
+def test_plan_dp_takes_the_calibrations_line(tmp_path, monkeypatch):
+    path = tmp_path / "calibration.json"
+    monkeypatch.setattr(plan_calibrate, "DEFAULT_CALIBRATION", path)
     args = ["pipeline", "plan", "--depth", "2", "--width", "16", "--batch", "8", "-m", "2", "--dp", "2", "--no-calibrate"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and "needs a DDP calibration at world size 2" in result.output
@@ -89,7 +89,7 @@ def test_plan_dp_takes_the_calibration_profile_line(tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": 1, "entries": {"mlp-gloo-w2": entry}}))
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "all-reduce from the alpha-beta line of the DDP calibration profile at world size 2" in result.output
+    assert "all-reduce from the alpha-beta line of the DDP calibration at world size 2" in result.output
     assert "zb-" not in result.output.split("all-reduce")[1]
     result = CliRunner().invoke(main, ["pipeline", "plan", "--dp", "2", "--validate"])
     assert result.exit_code != 0 and "--validate measures pipeline-only plans" in result.output

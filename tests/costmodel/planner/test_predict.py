@@ -256,7 +256,7 @@ def test_waiting_for_a_core_is_not_executor_overhead():
 
 def test_checkpoint_modes_recompute_the_same_microbatches_for_executor_and_predictor():
     from commlab.costmodel.lowering.pipeline import checkpointed_microbatches
-    from commlab.pipeline.schedule.validate import recomputes
+    from commlab.pipeline.schedule.checks import recomputes
 
     assert checkpointed_microbatches("never", 4) == ()
     assert checkpointed_microbatches("always", 4) == (0, 1, 2, 3)

@@ -1,7 +1,7 @@
 """`commlab predict` and `commlab tune` for sharded data parallelism (ZeRO stages 1-3).
 
-The CLI tests run on a synthetic profile (tests/support/profiles.py's, plus reduce-scatter and
-all-gather tables) or on nothing at all (--memory): no process is spawned. One test calibrates
+The CLI tests run on a synthetic calibration (tests/support/calibrations.py's, plus reduce-scatter
+and all-gather tables) or on nothing at all (--memory): no process is spawned. One test calibrates
 the sharded collectives for real: the only spawn here.
 """
 
@@ -14,7 +14,7 @@ import commlab
 from commlab.costmodel.calibration import cache as prof
 from commlab.costmodel.terms.costs import fit_table
 from commlab.runs.grid import build_grid, merge
-from tests.support.profiles import STEADY, invoke, synthetic_entry
+from tests.support.calibrations import STEADY, invoke, synthetic_entry
 
 TUNE = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64"]
 
@@ -26,8 +26,8 @@ def sharded_entry(**over):
 
 
 @pytest.fixture
-def profile(tmp_path):
-    path = tmp_path / "profile.json"
+def calibration(tmp_path):
+    path = tmp_path / "calibration.json"
     prof.store(path, sharded_entry())
     return path
 
@@ -58,9 +58,9 @@ def test_memory_prints_the_papers_four_zero_numbers_without_any_process(no_spawn
         assert r.exit_code == 2 and message in r.output, r.output
 
 
-def test_tune_stage_auto_recommends_the_fastest_that_fits_and_says_when_nothing_does(profile, no_spawn):
-    base = json.loads(invoke(*TUNE, "--profile", str(profile), "--json").output)
-    r = invoke(*TUNE, "--profile", str(profile), "--json", "--stage", "auto")
+def test_tune_stage_auto_recommends_the_fastest_that_fits_and_says_when_nothing_does(calibration, no_spawn):
+    base = json.loads(invoke(*TUNE, "--calibration", str(calibration), "--json").output)
+    r = invoke(*TUNE, "--calibration", str(calibration), "--json", "--stage", "auto")
     assert r.exit_code == 0, r.output
     free = json.loads(r.output)
     assert {k: v for k, v in free.items() if k != "sharded"} == base  # the DDP answer is unchanged
@@ -69,29 +69,29 @@ def test_tune_stage_auto_recommends_the_fastest_that_fits_and_says_when_nothing_
     assert s["predicted_step_s"] == min(b["predicted_step_s"] for b in s["by_stage"].values())
     # with Adam's state (8 bytes per parameter) every sharded stage holds less than stage 0 (16
     # bytes per parameter): a limit of 4/5 of stage 0's peak needs a sharded stage
-    adam = json.loads(invoke(*TUNE, "--profile", str(profile), "--json", "--stage", "auto", "--optimizer-bytes", "8")
+    adam = json.loads(invoke(*TUNE, "--calibration", str(calibration), "--json", "--stage", "auto", "--optimizer-bytes", "8")
                       .output)["sharded"]["by_stage"]
     peaks = {int(k): b["predicted_peak_bytes"] for k, b in adam.items()}
     assert peaks[0] > peaks[1]  # (the fastest at stages 2-3 uses one big bucket: its peak is higher)
     limit_gb = 0.8 * peaks[0] / 2**30
-    tight = json.loads(invoke(*TUNE, "--profile", str(profile), "--json", "--stage", "auto", "--memory-gb",
+    tight = json.loads(invoke(*TUNE, "--calibration", str(calibration), "--json", "--stage", "auto", "--memory-gb",
                               repr(limit_gb), "--optimizer-bytes", "8").output)["sharded"]
     assert tight["stage"] >= 1 and tight["predicted_peak_bytes"] <= limit_gb * 2**30
     assert tight["predicted_step_s"] >= s["predicted_step_s"]
-    assert tight == commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, stage="auto",
+    assert tight == commlab.tune("mlp", model_args="depth=2,width=64", calibration=calibration, stage="auto",
                                  memory_gb=limit_gb, optimizer_bytes=8)["sharded"]
-    r = invoke(*TUNE, "--profile", str(profile), "--stage", "auto", "--memory-gb", "1e-7")
+    r = invoke(*TUNE, "--calibration", str(calibration), "--stage", "auto", "--memory-gb", "1e-7")
     assert r.exit_code == 1 and "nothing fits" in r.output and "smallest predicted peak" in r.output
-    only3 = json.loads(invoke(*TUNE, "--profile", str(profile), "--json", "--stage", "3").output)["sharded"]
+    only3 = json.loads(invoke(*TUNE, "--calibration", str(calibration), "--json", "--stage", "3").output)["sharded"]
     assert only3["stage"] == 3 and set(only3["by_stage"]) == {"3"}
-    text = invoke(*TUNE, "--profile", str(profile), "--stage", "auto").output
+    text = invoke(*TUNE, "--calibration", str(calibration), "--stage", "auto").output
     assert "ShardedDataParallel" in text or "DistributedDataParallel(model, bucket_cap_mb" in text
     assert "stage 3: step" in text and "fastest that fits" in text
     for args, message in ((["--stage", "5"], "stage must be"), (["--memory-gb", "1"], "needs --stage")):
-        r = invoke(*TUNE, "--profile", str(profile), *args)
+        r = invoke(*TUNE, "--calibration", str(calibration), *args)
         assert r.exit_code == 2 and message in r.output, r.output
     with pytest.raises(ValueError, match="nothing fits"):
-        commlab.tune("mlp", model_args="depth=2,width=64", profile=profile, stage=3, memory_gb=1e-7)
+        commlab.tune("mlp", model_args="depth=2,width=64", calibration=calibration, stage=3, memory_gb=1e-7)
 
 
 def test_a_profile_without_sharded_tables_is_calibrated_again_for_them(tmp_path, monkeypatch):
@@ -107,13 +107,13 @@ def test_a_profile_without_sharded_tables_is_calibrated_again_for_them(tmp_path,
     path = tmp_path / "cache.json"
     prof.store(path, synthetic_entry(collectives={a: synthetic_entry()["collectives"][a]
                                                   for a in ("native", "ring", "tree", "halving_doubling")}))
-    assert invoke(*TUNE, "--profile", str(path), "--json").exit_code == 0 and calls == []  # DDP needs none
-    r = invoke(*TUNE, "--profile", str(path), "--json", "--stage", "2")
+    assert invoke(*TUNE, "--calibration", str(path), "--json").exit_code == 0 and calls == []  # DDP needs none
+    r = invoke(*TUNE, "--calibration", str(path), "--json", "--stage", "2")
     assert r.exit_code == 0 and calls == [True], r.output
     assert json.loads(r.stdout)["sharded"]["stage"] == 2
 
 
-def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(profile, tmp_path):
+def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(calibration, tmp_path):
     from commlab.costmodel.search import grid_costs as session
     from commlab.costmodel.search.predict import UnpriceableConfig, costs_for_config, table, write_prediction
     from commlab.runs.store import read_tables
@@ -121,7 +121,7 @@ def test_predicted_records_of_sharded_configurations_carry_the_sharded_columns(p
     plan = build_grid(merge({}, {"model": "mlp", "model_args": "depth=2,width=64", "bucket_mb": "0.01"}))
     configs = [dataclasses.replace(plan.configs[0], stage=s, prefetch=p)
                for s, p in ((0, 1), (1, 1), (2, 1), (3, 0), (3, 2))]
-    entry = prof.read_file(profile)
+    entry = prof.read_file(calibration)
     entries = {session.group_key(configs[0]): next(iter(entry.values()))}
     records, meta = session.predict(type("Grid", (), {"configs": configs})(), entries)
     rows = [rec["iterations"][0] for rec in records]
@@ -174,7 +174,7 @@ def test_an_unsteady_calibration_gives_the_lowest_stage_that_fits_at_the_default
     path = tmp_path / "unsteady.json"
     unsteady = {**STEADY, "steady": False, "spread": 0.85, "reasons": ["repeated micro-benchmarks spread by 85%"]}
     prof.store(path, sharded_entry(steadiness=unsteady))
-    args = [*TUNE, "--profile", str(path), "--json", "--stage", "auto", "--optimizer-bytes", "8"]
+    args = [*TUNE, "--calibration", str(path), "--json", "--stage", "auto", "--optimizer-bytes", "8"]
     searched = json.loads(invoke(*args, "--force").output)["sharded"]
     assert searched["chosen_by"] == "search" and not searched["steady"]
     peaks = {int(k): b["predicted_peak_bytes"] for k, b in searched["by_stage"].items()}
@@ -187,7 +187,7 @@ def test_an_unsteady_calibration_gives_the_lowest_stage_that_fits_at_the_default
         assert s["chosen_by"] == "default" and s["stage"] == min(fits)
         want_algorithm = "native" if s["stage"] == 0 else "ring"  # what "auto" runs on Gloo with CPU tensors
         assert s["kwargs"]["algorithm"] == want_algorithm
-        assert s == commlab.tune("mlp", model_args="depth=2,width=64", profile=path, stage="auto",
+        assert s == commlab.tune("mlp", model_args="depth=2,width=64", calibration=path, stage="auto",
                                  memory_gb=limit, optimizer_bytes=8)["sharded"]
     assert s["stage"] >= 1 and s["kwargs"].get("prefetch", 1) == 1
     text = invoke(*[a for a in args if a != "--json"]).output

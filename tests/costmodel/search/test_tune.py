@@ -157,7 +157,7 @@ def test_the_calibrations_spread_comes_from_every_rank_and_the_ddp_steps():
 @pytest.mark.slow
 def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch):
     """commlab.tune(nn.Module) calibrates the module itself (its ranks load the saved instance):
-    the profile's parameter bytes are the module's, and a second call finds the cached entry."""
+    the calibration's parameter bytes are the module's, and a second call finds the cached entry."""
     import json
 
     import torch
@@ -168,11 +168,11 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
 
     monkeypatch.setenv("COMMLAB_MODULE_DIR", str(tmp_path / "modules"))
     net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 3))
-    profile = tmp_path / "profile.json"
-    kw = dict(world_size=1, algorithms=("native",), batch_per_rank=4, profile=profile)
+    calibration = tmp_path / "calibration.json"
+    kw = dict(world_size=1, algorithms=("native",), batch_per_rank=4, calibration=calibration)
     rec = commlab.tune(net, **kw)
     assert set(rec["torch"]["ddp_kwargs"]) <= {"bucket_cap_mb"} and rec["commlab"]["predicted_step_s"] > 0
-    entries = json.loads(profile.read_text())["entries"]
+    entries = json.loads(calibration.read_text())["entries"]
     (entry,) = entries.values()
     assert entry["key"]["model"] == instance.FACTORY
     assert sorted(entry["params"]["nbytes"]) == sorted(p.numel() * 4 for p in net.parameters())
@@ -182,7 +182,7 @@ def test_tune_takes_a_module_instance_a_name_and_a_factory(tmp_path, monkeypatch
     assert commlab.tune(twin, **kw) == rec
     # a package.module:factory string gets its own entry
     commlab.tune("examples.heldout_models:convnet", model_args="channels=4,hidden=16", **kw)
-    assert len(json.loads(profile.read_text())["entries"]) == 2
+    assert len(json.loads(calibration.read_text())["entries"]) == 2
     with pytest.raises(TypeError, match="nn.Module"):
         commlab.tune(42, **kw)
     with pytest.raises(ValueError, match="no trainable"):

@@ -1,6 +1,6 @@
 """A real trace: a few steps of one configuration under torch.profiler on every rank, merged.
 
-``commlab trace RUN_DIR --profile`` reruns the configuration and records what really ran: the
+``commlab trace RUN_DIR --torch-profiler`` reruns the configuration and records what really ran: the
 phases commlab labels (forward, backward with its gradient all-reduces, optimizer, no_sync
 micro-batches) as ``torch.profiler.record_function`` ranges, every torch operator, and the
 backend's own collective events (c10d's ``gloo:all_reduce`` / ``nccl:all_reduce``, CUDA kernels
@@ -23,7 +23,7 @@ from typing import Any
 SYNC = "commlab:clock sync"
 
 
-def profile_rank(cfg, steps: int) -> dict[str, Any]:
+def trace_rank(cfg, steps: int) -> dict[str, Any]:
     """Run ``cfg.warmup`` steps, then ``steps`` under torch.profiler; return this rank's trace."""
     import torch
     import torch.distributed as dist
@@ -75,4 +75,4 @@ def _sync_ts(trace: dict[str, Any], rank: int) -> float:
     for event in trace.get("traceEvents", []):
         if event.get("name") == SYNC and "ts" in event:
             return float(event["ts"])
-    raise ValueError(f"rank {rank}'s trace has no {SYNC!r} event: not recorded by commlab.sweep.profile")
+    raise ValueError(f"rank {rank}'s trace has no {SYNC!r} event: not recorded by commlab.sweep.torch_trace")

@@ -1,6 +1,6 @@
 """A spawned rank's work: join the FileStore rendezvous, run the function, report through the queue.
 
-Imported by :func:`commlab.runtime.rank_entry.main` only after the rank set its parent-death
+Imported by :func:`commlab.runtime.rank_entry.start_rank` only after the rank set its parent-death
 signal, because importing torch takes seconds during which a killed parent would leave it behind.
 """
 
@@ -15,17 +15,18 @@ import torch
 import torch.distributed as dist
 
 from commlab.runtime.devices import rank_device
+from commlab.runtime.threads import use_rank_threads
 
 
-def rank_main(rank, world_size, backend, store_path, timeout, fn, args, q) -> None:
-    """A spawned rank's work, after :func:`commlab.runtime.rank_entry.main` set its death signal."""
+def run_in_process_group(rank, world_size, backend, store_path, timeout, fn, args, q) -> None:
+    """Initialise the process group from the FileStore, run ``fn(*args)``, put ``(rank, ok,
+    result or traceback)`` on ``q``, destroy the group (after :func:`~commlab.runtime.rank_entry.start_rank`
+    set the death signal)."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     # Gloo picks its transport interface from the hostname unless told: keep it on loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Like torchrun, do not let N ranks each start a thread per core on a shared machine.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    use_rank_threads(world_size)  # not a thread per core in each of N ranks (the rule's docstring)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank_device(backend, rank))

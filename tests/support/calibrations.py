@@ -1,5 +1,5 @@
-"""A calibration profile written by hand (no process calibrates) and the CLI runner for the
-cost model's command tests: `predict`, `tune` and `calibrate`, plain and sharded."""
+"""A calibration written by hand (no process calibrates) and the CLI runner for the cost model's
+command tests: `predict`, `tune` and `calibrate`, plain and sharded."""
 
 import time
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from commlab.runs.zero_stage import ZeroStage, parse_stage
+
 # Optimizers whose update of an element depends on other elements of the same parameter (matrix
 # factors, orthogonalisation, whole-parameter line searches): a flat shard that cuts parameters
 # at arbitrary points gives them the wrong neighbours. Per-parameter norms (LAMB, LARS trust
@@ -22,15 +24,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "Muon", "SparseAdam")
 
 
-def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward) -> None:
+def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward) -> ZeroStage:
+    """ValueError for the first bad argument; the stage, parsed, when all are good."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
-    if stage == 0:
+    zero = parse_stage(stage)  # ValueError for what is no stage at all
+    if zero.ddp:
         raise ValueError(
             "stage=0 is replicated data parallelism (no sharding): use commlab.DistributedDataParallel"
         )
-    if stage not in (1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"stage must be 1, 2 or 3 (0 is commlab.DistributedDataParallel), got {stage!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
@@ -43,6 +45,7 @@ def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forwar
             f"the module is on several devices {sorted(map(str, devices))}; sharded data parallelism "
             "needs one module on one device per rank"
         )
+    return zero
 
 
 def optimizer_guard(owner, originals: set[int], shards: set[int]):

@@ -1,6 +1,6 @@
 """Checks that a schedule can run: complete, ordered, placed on the right ranks, deadlock-free.
 
-:func:`validate` raises ValueError naming every problem it finds, before any process starts; it
+:func:`check_schedule` raises ValueError naming every problem it finds, before any process starts; it
 accepts any per-rank action lists (made here, by hand, or by torch.distributed.pipelining) and
 checks them against the micro-batches, stages and placement the caller expects.
 """
@@ -28,7 +28,7 @@ from commlab.pipeline.schedule.comm import BACKENDS, RECV, SEND, WAIT, Comm, Low
 from commlab.pipeline.schedule.kinds import dependencies, split_stages
 from commlab.pipeline.schedule.registry import spec
 
-__all__ = ["CHECKPOINT_MODES", "check_plan", "comm_problems", "message_order", "problems", "recomputes", "resolve", "validate"]
+__all__ = ["CHECKPOINT_MODES", "check_plan", "comm_problems", "message_order", "problems", "recomputes", "resolve", "check_schedule"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -141,7 +141,7 @@ def comm_problems(lowered: Lowered) -> list[str]:
     return []
 
 
-def validate(
+def check_schedule(
     actions: Actions,
     microbatches: int | None = None,
     stages: int | None = None,
@@ -154,7 +154,7 @@ def validate(
 
 
 def resolve(schedule, ranks: int, microbatches: int, stages: int, placement: Sequence[int] | None = None) -> Actions:
-    """The validated per-rank actions of ``schedule`` (a registered name or per-rank action lists)."""
+    """The checked per-rank actions of ``schedule`` (a registered name or per-rank action lists)."""
     if isinstance(schedule, str):
         found = spec(schedule)
         if stages % ranks:
@@ -163,13 +163,13 @@ def resolve(schedule, ranks: int, microbatches: int, stages: int, placement: Seq
         want = found.placement(ranks, stages)
         if placement is not None and tuple(placement) != tuple(want):
             raise ValueError(f"schedule {schedule!r} places stages on ranks {list(want)}, but the stage was built "
-                             f"with placement {list(placement)}: pass Stage(..., placement={list(want)})")  # fmt: skip
+                             f"with placement {list(placement)}: pass RankStages(..., placement={list(want)})")  # fmt: skip
         actions = found.build(ranks, microbatches, stages // ranks)
     else:
         actions = as_actions(schedule)
         if len(actions) != ranks:
             raise ValueError(f"the schedule lists actions for {len(actions)} ranks, the pipeline has {ranks}")
-    validate(actions, microbatches, stages, placement)
+    check_schedule(actions, microbatches, stages, placement)
     return actions
 
 
