@@ -5,7 +5,7 @@
 - no module outside commlab/cli/ declares a click command or runs as ``__main__`` (the sweep's
   torchrun rank entry aside: torchrun starts a module, not a command);
 - no folder of commlab/ holds more than 20 modules, and no module is over 300 lines.
-Imports are counted wherever they are written (tests/test_imports.py's walk).
+Imports are counted wherever they are written (tests/support/import_graph.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from test_imports import ROOT, import_graph, module_files
+from tests.support.import_graph import ROOT, import_graph, module_files
 
 MAX_MODULES, MAX_LINES = 20, 300
 # torchrun runs `python -m commlab.sweep.worker` on every rank of a multi-node sweep.

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import commlab
-from test_imports import import_graph
+from tests.support.import_graph import import_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -26,6 +26,7 @@ for n in map(int, sys.argv[1:]):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc", reason="glibc only")
 def test_with_fixed_thresholds_only_blocks_over_the_mmap_threshold_fault_again():
     small, large = MMAP_THRESHOLD // 2, MMAP_THRESHOLD + (4 << 20)  # 16 MiB: a trunk's; 36 MiB: a head's

@@ -60,6 +60,7 @@ def test_the_readme_has_examples():
 
 
 @pytest.mark.parametrize("code", RUNNABLE, ids=[f"block{i}" for i in range(len(RUNNABLE))])
+@pytest.mark.slow
 def test_readme_python_block_runs(tmp_path, code):
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -110,6 +111,7 @@ def bash_session(tmp_path_factory):
 
 
 @pytest.mark.parametrize("index", range(len(BASH)), ids=[f"bash{i}-{info or 'run'}" for i, (info, _) in enumerate(BASH)])
+@pytest.mark.slow
 def test_readme_bash_block_runs(bash_session, index):
     info, code = BASH[index]
     if info:
