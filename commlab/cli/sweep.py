@@ -43,7 +43,7 @@ _LIST = "comma-separated list"
 @click.option("--iters", type=click.IntRange(min=1), help=f"measured steps per configuration [{DEFAULTS['iters']}]")
 @click.option("--warmup", type=click.IntRange(min=0), help=f"unmeasured steps first [{DEFAULTS['warmup']}]")
 @click.option("--repeat", type=click.IntRange(min=1), help="run the grid N times, alternating forward and backward order; "
-              "each configuration reports the median of its repetitions and their spread [1]")
+              "each configuration reports the median step over all of them and the spread of their medians [1]")
 @click.option("--out", type=click.Path(file_okay=False), help="parent directory of results [results]")
 @click.option("--name", help="results go to OUT/NAME [the spec file's name, else sweep-<time>]")
 @click.option("--resume", is_flag=True, help="skip configurations already finished in OUT/NAME [latest run]")
