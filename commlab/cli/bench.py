@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import click
 
+from commlab.cli.writable import check_writable
+
 DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 OPS = ("sum", "avg", "max", "min")
 
@@ -102,6 +104,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
 
     from commlab.bench.collectives_plugins import collective_names
 
+    check_writable(out_dir)
     names = list(dict.fromkeys(c.strip() for c in collective.split(",") if c.strip()))
     if not names or (unknown := [c for c in names if c not in collective_names()]):
         raise click.BadParameter(f"unknown collective(s) {', '.join(unknown) or repr(collective)}: choose from "

@@ -23,6 +23,7 @@ import click
 from commlab.cli.bench import _OVERSUBSCRIBE, _check_capacity
 from commlab.cli.pipeline_options import SCHEDULE_NAMES, ints as _ints, names as _names
 from commlab.cli.pipeline_plan import plan
+from commlab.cli.writable import check_writable
 from commlab.pipeline.schedule.actions import format_actions, from_csv
 from commlab.pipeline.schedule.comm import BACKENDS, lower_comm
 from commlab.pipeline.schedule.registry import REGISTRY, build
@@ -173,6 +174,7 @@ def bench(schedules, microbatches, balance_modes, checkpoints, world_size, backe
     """
     from commlab.runtime import resolve_backend
 
+    check_writable(out)
     try:
         resolved = resolve_backend("gloo" if against and backend == "auto" else backend, world_size)
     except ValueError as e:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from commlab.cli.pipeline_options import OPTIMIZERS, SCHEDULE_NAMES, ints as _ints, names as _names
+from commlab.cli.writable import check_writable
 from commlab.pipeline.schedule.registry import REGISTRY
 from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
 
@@ -80,6 +81,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
     if out is not None and not check:
         raise click.BadParameter("--out writes what --validate measures: give --validate too", param_hint="--out")
+    for option, path in (("--out", out), ("--predictions", predictions)):
+        if path is not None:
+            check_writable(path.parent, option)
     if model_args is not None and model_name is None:
         raise click.BadParameter("--model-args sizes --model", param_hint="--model-args")
     sizes = _sizes(model_name, model_args)

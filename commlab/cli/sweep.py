@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import yaml
 
+from commlab.cli.writable import check_writable
 from commlab.sweep.spec import DEFAULTS, LAUNCHERS, SCALINGS, build_plan, merge
 
 _LIST = "comma-separated list"
@@ -73,6 +74,10 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     spec = _read_spec(spec_file)
     try:
         plan = build_plan(merge(spec, options))
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    check_writable(plan.out)
+    try:
         runner.check_plan(plan)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
