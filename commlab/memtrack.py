@@ -22,11 +22,20 @@ so a step's peak is ``live_bytes(device)`` at entry plus the window's ``peak_byt
   stage-1 step whose all-gathers were in flight). Frees of blocks allocated while no window was
   open are not seen, because the reporter only knows sizes it saw allocated. So track one
   step you measure: what that step allocates and the next one frees is then known.
+
+While a CPU window is open, the process's stderr (fd 2) goes to a temporary file, and on
+closing every line but the profiler's own is written back: kineto prints a start and a stop
+marker for every window and c10 a warning for the first free of a block it never saw allocated
+(both straight to the file descriptor, not through Python), which a sweep's ranks would
+otherwise print dozens of times into the user's console.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,12 +74,54 @@ def track_peak(device: torch.device | str = "cpu") -> Iterator[Peak]:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    prof.start()
+    with _without_profiler_chatter():
+        prof.start()
+        try:
+            yield peak
+        finally:
+            prof.stop()
+    peak.peak_bytes, peak.net_bytes = replay(_cpu_events(prof))
+
+
+# What the profiler itself prints on every window (module docstring): kineto's markers, e.g.
+# "USDT:2026-11-27 05:28:23 3800:3800 SyncActivityProfilerHandler.cpp:52] profiler_start",
+# and c10's CPUAllocator.cpp warning about a block allocated before the window.
+PROFILER_CHATTER = (b"SyncActivityProfilerHandler.cpp", b"GenericActivityProfiler.cpp",
+                    b"Memory block of unknown size was allocated before the profiling started")
+
+
+@contextmanager
+def _without_profiler_chatter(fd: int = 2) -> Iterator[None]:
+    """Hold ``fd`` in a temporary file inside the block; then write back all but PROFILER_CHATTER."""
     try:
-        yield peak
+        saved = os.dup(fd)
+    except OSError:  # no such descriptor (a daemon): nothing to hold
+        yield
+        return
+    held = tempfile.TemporaryFile()  # a file, not a pipe: a pipe would block a writer once full
+    _flush()
+    os.dup2(held.fileno(), fd)
+    try:
+        yield
     finally:
-        prof.stop()
-        peak.peak_bytes, peak.net_bytes = replay(_cpu_events(prof))
+        _flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        held.seek(0)
+        kept = b"".join(line for line in held.read().splitlines(keepends=True)
+                        if not any(mark in line for mark in PROFILER_CHATTER))
+        held.close()
+        while kept:
+            kept = kept[os.write(fd, kept):]
+
+
+def _flush() -> None:
+    """Send what Python has buffered for stdout and stderr to their descriptors now."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):  # closed or replaced by something without flush
+            pass
 
 
 def _cpu_events(prof) -> Iterator[tuple[int, int]]:

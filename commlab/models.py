@@ -13,6 +13,7 @@ launcher's directory), so ``examples.heldout_models:convnet`` works from the rep
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -163,8 +164,20 @@ def check_workload(name: str, **sizes) -> None:
         return
     module_name, _, attr = name.partition(":")
     module = import_user_module(name)
-    if not callable(getattr(module, attr, None)):
+    factory = getattr(module, attr, None)
+    if not callable(factory):
         raise ValueError(f"model {name!r}: {module_name!r} has no callable {attr!r}")
+    try:  # the sizes go to the factory as keywords: a name it does not take fails here, not on a rank
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins and C callables have no signature to check
+        return
+    try:
+        signature.bind(**sizes)
+    except TypeError as err:
+        takes = ", ".join(p.name for p in signature.parameters.values()
+                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or "no sizes"
+        raise ValueError(f"model {name!r}: --model-args {','.join(f'{k}={v}' for k, v in sizes.items()) or '(none)'} "
+                         f"do not fit {attr}{signature} ({err}); it takes {takes}") from None
 
 
 def build_workload(name: str, **sizes) -> Workload:

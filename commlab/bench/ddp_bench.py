@@ -157,7 +157,7 @@ def _report(per_rank: list[dict], cfg: dict, world_size: int, backend: str) -> N
     shape = f" ({depth} x {width})" if model == "mlp" else ""
     click.echo(
         f"model {model}{shape}, {per_rank[0]['params'] / 1e6:.1f} M params, batch {batch}/rank, "
-        f"world {world_size}, {backend}, {bucket_mb:g} MB buckets ({per_rank[0]['buckets']} in commlab), "
+        f"world {world_size}, {backend}, {bucket_mb:g} MiB buckets ({per_rank[0]['buckets']} in commlab), "
         f"all-reduce {algorithm}"
     )
     click.echo(f"{iters} timed iterations each after {warmup} warm-up, alternating; slowest rank per iteration")

@@ -67,7 +67,9 @@ def balance(mode: str, depth: int, width: int, batch: int, stages: int, world_si
     torch.manual_seed(0)
     model = mlp(depth, width)
     if stages > len(model):
-        raise ValueError(f"{stages} stages but the MLP has only {len(model)} layers")
+        raise ValueError(f"{world_size} ranks x {stages // world_size} stage(s) per rank = {stages} pipeline stages, but "
+                         f"the MLP of --depth {depth} has only {len(model)} layers to split among them: lower "
+                         "--world-size (or raise --depth)")
     if mode == "uniform":
         return partition([1.0] * len(model), stages)
     sample = torch.randn(batch, width)

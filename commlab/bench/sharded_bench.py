@@ -184,7 +184,7 @@ def _report(done: dict[str, list[dict]], facts: dict, cfg: dict, comparisons: li
         ours, theirs = COMPARISONS[c]
         s, cpu = compare(done, ours, theirs), compare(done, ours, theirs, "cpu")
         setting = (f"units: each Linear, {reshard}, commlab prefetch {cfg['prefetch']}" if c == "fully_shard"
-                   else f"{cfg['bucket_mb']:g} MB buckets")
+                   else f"{cfg['bucket_mb']:g} MiB buckets")
         click.echo(f"{LABELS[ours]} vs {LABELS[theirs]} ({setting}), {s['launches']} launches each, alternating")
         click.echo("                       wall ms/step   cpu ms/step   faults/step   (medians over launches)")
         for impl, key in ((ours, "ours"), (theirs, "theirs")):

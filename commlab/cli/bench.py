@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import click
 
+from commlab.cli.writable import check_writable
+
 DTYPES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 OPS = ("sum", "avg", "max", "min")
 
@@ -84,11 +86,14 @@ def _backends(backend: str, worlds: list[int]) -> dict[int, str]:
 @click.option("--algorithm", "algorithm", default="all", show_default=True,
               help="Comma list of algorithms, or all (each collective runs those of them it has).")
 @click.option("--world-size", "world_size", default="2", show_default=True, help="Comma list of world sizes.")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
-@click.option("--op", type=click.Choice(OPS), default="sum", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="gloo", show_default=True,
+              help="process group backend; auto: NCCL when every rank has its own GPU, else Gloo")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True, help="Element type of the buffers.")
+@click.option("--op", type=click.Choice(OPS), default="sum", show_default=True,
+              help="Reduction of the reducing collectives (all_reduce, reduce_scatter).")
 @click.option("--check/--no-check", default=True, show_default=True, help="Count wrong elements (#wrong).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/collectives", show_default=True,
+              help="Directory of the CSV, metadata and figure.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=900.0, show_default=True, help="Seconds per world size.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run the whole sweep N times; with native among the algorithms, print each run's ratios to it.")
@@ -101,6 +106,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
 
     from commlab.bench.collectives_plugins import collective_names
 
+    check_writable(out_dir)
     names = list(dict.fromkeys(c.strip() for c in collective.split(",") if c.strip()))
     if not names or (unknown := [c for c in names if c not in collective_names()]):
         raise click.BadParameter(f"unknown collective(s) {', '.join(unknown) or repr(collective)}: choose from "
@@ -130,12 +136,13 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
 
 
 @click.command("ddp")
-@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, or package.module:factory")
+@click.option("--model", default="mlp", show_default=True, help="mlp, transformer, gpt, resnet50, bert or package.module:factory")
 @click.option("--depth", default=12, show_default=True, type=click.IntRange(min=1), help="MLP layers")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="per-rank batch size")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
-@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]))
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["auto", "gloo", "nccl"]),
+              help="process group backend; auto: NCCL when every rank has its own GPU, else Gloo")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="bucket_cap_mb (MiB) of both DDPs")
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed iterations each")

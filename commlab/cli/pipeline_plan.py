@@ -10,17 +10,19 @@ from pathlib import Path
 import click
 
 from commlab.cli.pipeline_options import OPTIMIZERS, SCHEDULE_NAMES, ints as _ints, names as _names
+from commlab.cli.writable import check_writable
 from commlab.pipeline.schedule.registry import REGISTRY
 from commlab.pipeline.schedule.checks import CHECKPOINT_MODES
 
 
 @click.command()
-@click.option("--ranks", "-p", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--ranks", "-p", default=2, show_default=True, type=click.IntRange(min=1), help="pipeline ranks (with --dp: per replica)")
 @click.option("--budget-mb", default=64.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="per-rank memory budget, MiB")
-@click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True)
+@click.option("--schedules", default=",".join(SCHEDULE_NAMES), show_default=True, help="comma-separated schedules to plan with")
 @click.option("--microbatches", "-m", default="2,4,8,16", show_default=True, help="comma-separated")
 @click.option("--virtual", "-v", default="1,2", show_default=True, help="stages per rank to try (interleaved)")
-@click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True)
+@click.option("--checkpoint", "checkpoints", default="never,except_last,always", show_default=True,
+              help="comma-separated activation checkpointing modes to try: never, except_last (every micro-batch but the last), always")
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP blocks")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--model", "model_name", help="plan this model instead of the MLP: gpt, transformer or package.module:factory")
@@ -29,7 +31,7 @@ from commlab.pipeline.schedule.checks import CHECKPOINT_MODES
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="mini-batch size")
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(min=1),
               help="data-parallel degree: every stage on this many replicas, its DDP buckets all-reduced after its last backward")
-@click.option("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), help="--dp: DDP's bucket cap [DDP's default]")
+@click.option("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), help="--dp: DDP's bucket cap in MiB [DDP's default, 25]")
 @click.option("--balance", "balance_mode", default="time", show_default=True, type=click.Choice(["time", "uniform"]),
               help="split layers by profiled time, or in equal counts (as pipeline bench --balance uniform)")
 @click.option("--optimizer", default="none", show_default=True, type=click.Choice(OPTIMIZERS), help="whose state the memory model counts")
@@ -49,9 +51,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     """The fastest plan (schedule x micro-batches x stages per rank x checkpointing) under a per-rank memory budget.
 
     Layers are profiled at each micro-batch size, and every plan is predicted on the shared
-    simulator core with its peak memory per rank. ``--validate`` then measures the grid. ``--dp N``:
-    each plan is one of N replicas (``--batch`` each), its stages' DDP buckets all-reduced.
-    ``--model``: any model the splitter cuts by name, its blocks the layers, the plan's split points printed.
+    simulator core with its peak memory per rank. --validate then measures the grid. --dp N:
+    each plan is one of N replicas (--batch each), its stages' DDP buckets all-reduced.
+    --model: any model the splitter cuts by name, its blocks the layers, the plan's split points printed.
     """
     import os
 
@@ -79,6 +81,9 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
     if out is not None and not check:
         raise click.BadParameter("--out writes what --validate measures: give --validate too", param_hint="--out")
+    for option, path in (("--out", out), ("--predictions", predictions)):
+        if path is not None:
+            check_writable(path.parent, option)
     if model_args is not None and model_name is None:
         raise click.BadParameter("--model-args sizes --model", param_hint="--model-args")
     sizes = _sizes(model_name, model_args)

@@ -24,6 +24,7 @@ import click
 from commlab.cli import sweep as sweep_cli
 from commlab.cli import tune_text, zero_memory  # click declarations at import; torch inside the calls
 from commlab.cli.renamed import add_old_spelling
+from commlab.cli.writable import check_writable
 
 # The sweep's options about running and measuring: nothing here runs a configuration.
 _RUN_ONLY = {"resume", "force", "launcher", "timeout", "nnodes", "rdzv_endpoint", "repeat"}
@@ -164,6 +165,7 @@ def _predict(spec_file, against, calibration_path, recalibrate, hardware, draw, 
         # Without --name, a prediction never lands on measured results (the sweep of the same
         # spec writes OUT/<spec name>): it takes a name of its own beside them.
         run_dir = Path(plan.out) / f"{name}-predicted"
+    check_writable(run_dir)  # before a calibration that can take a minute
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         if preset is None:

@@ -20,13 +20,14 @@ import yaml
 from commlab.cli.renamed import add_old_spelling
 from commlab.runs.config import DEFAULTS, LAUNCHERS, SCALINGS
 from commlab.runs.grid import build_grid, merge
+from commlab.cli.writable import check_writable
 
 _LIST = "comma-separated list"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("spec_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--model", help=f"{_LIST}: mlp, transformer, resnet50, bert or package.module:factory [mlp]")
+@click.option("--model", help=f"{_LIST}: mlp, transformer, gpt, resnet50, bert or package.module:factory [mlp]")
 @click.option("--model-args", help="model sizes as key=value,... e.g. depth=2,width=64")
 @click.option("--bucket-mb", help=f"{_LIST} of bucket caps in MiB (as torch's bucket_cap_mb), e.g. 5,25,100 [25]")
 @click.option("--backend", help=f"{_LIST}: gloo, nccl [gloo]")
@@ -45,10 +46,11 @@ _LIST = "comma-separated list"
 @click.option("--iters", type=click.IntRange(min=1), help=f"measured steps per configuration [{DEFAULTS['iters']}]")
 @click.option("--warmup", type=click.IntRange(min=0), help=f"unmeasured steps first [{DEFAULTS['warmup']}]")
 @click.option("--repeat", type=click.IntRange(min=1), help="run the grid N times, alternating forward and backward order; "
-              "each configuration reports the median of its repetitions and their spread [1]")
+              "each configuration reports the median step over all of them and the spread of their medians [1]")
 @click.option("--out", type=click.Path(file_okay=False), help="parent directory of results [results]")
 @click.option("--name", help="results go to OUT/NAME [the spec file's name, else sweep-<time>]")
-@click.option("--resume", is_flag=True, help="skip configurations already finished in OUT/NAME [latest run]")
+@click.option("--resume", is_flag=True, help="continue OUT/NAME (NAME: --name, else the spec file's name, else the "
+              "latest run under OUT), skipping configurations already finished")
 @click.option("--force", is_flag=True, help="with --resume: accept a grid or --repeat that differs from the run's")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), help="spawn local ranks, or one torchrun per configuration [local]")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="seconds per configuration before it is ended [300]")
@@ -75,6 +77,10 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     spec = _read_spec(spec_file)
     try:
         plan = build_grid(merge(spec, options))
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    check_writable(plan.out)
+    try:
         runner.check_grid(plan)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
@@ -156,7 +162,7 @@ def figures(run_dir: Path) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--config", "config_id", help="configuration id (runs.csv `config`) [the first successful one]")
+@click.option("--config", "config_id", help="configuration id (runs.csv `config`) [one that communicates: the timeline figure's]")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>[-torch-profiler].json]")
 @click.option("--torch-profiler", is_flag=True, help="rerun the configuration under torch.profiler (a real trace) instead "
               "of laying its measured times end to end (the light default)")
@@ -179,7 +185,7 @@ def trace(run_dir: Path, config_id: str | None, output: Path | None, torch_profi
         if not torch_profiler:
             click.echo(str(write_trace(iterations, buckets, runs, config_id, output, run_dir)))
             return
-        config_id = pick_config(runs, config_id, run_dir)
+        config_id = pick_config(runs, config_id, run_dir, buckets)
     except (FileNotFoundError, ValueError) as err:
         raise click.UsageError(str(err)) from None
     import json

@@ -81,7 +81,7 @@ def tune_text(entry: dict, r: dict, force: bool) -> str:
                    else f"{gain * 100:+.1f}% over the default")
         lines.append(f"  {name + ':':13s} DistributedDataParallel(model{', ' if args else ''}{kw(args)})  "
                      f"step {span(a)}; {verdict}")
-    lines.append(f"  torch's default (25 MB buckets, 1 MB first bucket, native all-reduce, overlap): {ms(default)}")
+    lines.append(f"  torch's default (25 MiB buckets, 1 MiB first bucket, native all-reduce, overlap): {ms(default)}")
     lines.append(f"  intervals: the model's worst error on held-out work, {uncertainty.VALIDATION.abs_worst * 100:.1f}%"
                  f"{' plus the calibration spread' if r['steady'] is False else ''}; source: "
                  f"{uncertainty.VALIDATION.source}")

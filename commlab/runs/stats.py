@@ -1,4 +1,4 @@
-"""Summary statistics of a sweep: medians, p10/p90, samples per second, scaling efficiency.
+"""Summary statistics of a sweep: the median step and its quartiles, samples per second, scaling efficiency.
 
 Pure pandas functions over the tidy tables (see :mod:`commlab.runs.store`).
 """
@@ -14,45 +14,75 @@ from commlab.runs.config import CONFIG_COLUMNS
 # micro-batch (DDP's forward, backward compute, exposed communication), then the optimizer.
 SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
 PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time"]
+# What summarise() adds to a runs table.
+_SUMMARY = {"iterations", "repetitions", "step_q1", "step_q3", "step_spread_lo", "step_spread_hi", "step_p10",
+            "step_p90", "samples_per_s", "scaling_efficiency", *(f"{c}_median" for c in (*PHASES, "other", "step"))}
 # Columns that change with the world size inside one scaling series.
 _SCALING_AXIS = ["config", "world_size", "global_batch", "batch_per_rank"]
 
 
-def step_per_iteration(iterations: pd.DataFrame) -> pd.DataFrame:
-    """One row per (configuration, repetition, iteration): the step time of the slowest rank.
+def slowest_ranks(iterations: pd.DataFrame) -> pd.DataFrame:
+    """One row per (configuration, repetition, iteration): the slowest rank's, whose ``step`` is
+    the step.
 
     Ranks finish a synchronised step at nearly the same time (the all-reduce is a barrier); the
-    slowest rank is what the job waits for, so it defines the step.
+    slowest rank is what the job waits for, so it defines the step, and its phases are the step's.
     """
-    return iterations.groupby(["config", *_rep(iterations), "iteration"], as_index=False)["step"].max()
+    keys = ["config", *_rep(iterations), "iteration"]
+    return iterations.loc[iterations.groupby(keys)["step"].idxmax()]
+
+
+def median_step(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, the median step and its parts (the one statistic of the console and
+    every figure): of the slowest-rank rows ordered by step, the middle one, or the mean of the
+    two middle ones when their number is even. Its ``step`` is the median step, and its phases
+    with ``other`` (the step minus its named segments: zero_grad, Python between them) add up to
+    it exactly, which medians taken phase by phase would not."""
+    columns = [*PHASES, "other", "step"]
+    rows = rows.assign(other=rows["step"] - rows[SEGMENTS].sum(axis=1))
+
+    def middle(group: pd.DataFrame) -> pd.Series:
+        ordered = group.sort_values("step", kind="stable")
+        n = len(ordered)
+        return ordered.iloc[[(n - 1) // 2, n // 2]][columns].mean()
+
+    if rows.empty:
+        return pd.DataFrame(columns=columns, index=pd.Index([], name="config"), dtype=float)
+    return rows.groupby("config")[columns].apply(middle)
 
 
 def summarise(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
     """Add per-configuration statistics to ``runs`` (one row per configuration).
 
-    ``step_median`` is the median over repetitions of each repetition's median slowest-rank step
-    (with one repetition, simply the median); ``step_spread_lo``/``step_spread_hi`` are the
-    smallest and largest repetition medians (the drift between repetitions, equal to the median
-    with one); ``step_p10``/``step_p90`` are over every measured iteration of every repetition;
-    ``<phase>_median`` over every rank and iteration; ``samples_per_s`` counts every micro-batch of
-    a step (``global_batch * accumulate / step_median``); ``scaling_efficiency`` is given by
-    :func:`scaling_efficiency`.
+    The step of an iteration is its slowest rank's (:func:`slowest_ranks`). ``step_median`` is
+    the median step over every measured iteration of every repetition, ``step_q1``/``step_q3``
+    their quartiles (the band of every figure), ``<phase>_median`` and ``other_median`` the
+    phases of that median step (:func:`median_step`: they add up to ``step_median``);
+    ``step_p10``/``step_p90`` are the same steps' 10th and 90th percentiles (the measured noise the
+    cost model's comparison reads); ``step_spread_lo``/``step_spread_hi`` the smallest and largest
+    of the repetitions' median steps (the drift between repetitions; equal with one);
+    ``samples_per_s`` counts every micro-batch of a step (``global_batch * accumulate /
+    step_median``); ``scaling_efficiency`` is given by :func:`scaling_efficiency`.
     """
-    runs = runs.copy()
-    steps = step_per_iteration(iterations)
-    per_rep = steps.groupby(["config", *_rep(steps)])["step"].median().groupby("config")
-    pooled = steps.groupby("config")["step"]
+    # Recomputed, not kept, when ``runs`` already holds them: results summarised by an older
+    # commlab redraw with the statistic the console prints now.
+    runs = runs.drop(columns=[c for c in runs if c in _SUMMARY])
+    rows = slowest_ranks(iterations)
+    per_rep = rows.groupby(["config", *_rep(rows)])["step"].median().groupby("config")
+    pooled = rows.groupby("config")["step"]
     stats = pd.DataFrame({
         "iterations": pooled.size(),
         "repetitions": per_rep.size(),
-        "step_median": per_rep.median(),
+        "step_q1": pooled.quantile(0.25),
+        "step_q3": pooled.quantile(0.75),
         "step_spread_lo": per_rep.min(),
         "step_spread_hi": per_rep.max(),
         "step_p10": pooled.quantile(0.1),
         "step_p90": pooled.quantile(0.9),
     })
-    medians = iterations.groupby("config")[PHASES].median().add_suffix("_median")
-    stats = stats.join(medians)
+    middle = median_step(rows)
+    stats = stats.join(middle["step"].rename("step_median"))
+    stats = stats.join(middle[[*PHASES, "other"]].add_suffix("_median"))
     runs = runs.join(stats, on="config")
     for count in ("iterations", "repetitions"):
         runs[count] = runs[count].fillna(0).astype(int)
@@ -62,11 +92,11 @@ def summarise(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
 
 
 def spread(row: pd.Series) -> tuple[float, float]:
-    """The interval a configuration's step time is known to within: across repetitions when
-    there are several, else the p10-p90 of its iterations (one run says nothing about drift)."""
+    """The interval a configuration's median step is known to within: the repetitions' median
+    steps when there are several, else the q1-q3 of its steps (one run says nothing about drift)."""
     if row.get("repetitions", 1) > 1:
         return float(row["step_spread_lo"]), float(row["step_spread_hi"])
-    return float(row["step_p10"]), float(row["step_p90"])
+    return float(row["step_q1"]), float(row["step_q3"])
 
 
 # Configurations whose steps do the same work (so their step times compare): the same model,
@@ -89,8 +119,8 @@ def fastest(runs: pd.DataFrame) -> list[str]:
         best, second = group.sort_values("step_median").iloc[:2].itertuples(index=False)
         best, second = pd.Series(best._asdict()), pd.Series(second._asdict())
         (lo1, hi1), (lo2, hi2) = spread(best), spread(second)
-        what = "across repetitions" if best.get("repetitions", 1) > 1 else "p10-p90 of iterations"
-        head = (f"{best['config']} {best['step_median'] * 1e3:.1f} ms [{lo1 * 1e3:.1f}, {hi1 * 1e3:.1f}] vs "
+        what = "min-max of the repetitions' medians" if best.get("repetitions", 1) > 1 else "q1-q3 of the steps"
+        head = (f"{best['config']} median step {best['step_median'] * 1e3:.1f} ms [{lo1 * 1e3:.1f}, {hi1 * 1e3:.1f}] vs "
                 f"{second['config']} {second['step_median'] * 1e3:.1f} ms [{lo2 * 1e3:.1f}, {hi2 * 1e3:.1f}] ({what})")
         lines.append(f"fastest: {head}" if hi1 < lo2 else
                      f"no clear winner: the fastest two differ by less than their spread: {head}")
@@ -99,27 +129,6 @@ def fastest(runs: pd.DataFrame) -> list[str]:
 
 def _rep(df: pd.DataFrame) -> list[str]:
     return ["repetition"] if "repetition" in df else []
-
-
-def step_parts(iterations: pd.DataFrame) -> pd.DataFrame:
-    """Per configuration, the mean of each step segment over the same iterations, and ``other``.
-
-    For every iteration the slowest rank's row is taken (it defines the step, see
-    :func:`step_per_iteration`); segments and step are averaged over those rows, and ``other`` is
-    the step minus the named segments (time between them: the optimizer's zero_grad, Python).
-    Means of the same rows add up, so the parts sum exactly to ``step`` (the mean step time),
-    unlike per-segment medians, which come from different iterations and need not add up.
-    """
-    columns = [*SEGMENTS, "other", "step"]
-    if iterations.empty:
-        return pd.DataFrame(columns=[*columns, "step_lo", "step_hi"], index=pd.Index([], name="config"), dtype=float)
-    keys = ["config", *_rep(iterations)]
-    slowest = iterations.loc[iterations.groupby([*keys, "iteration"])["step"].idxmax()].copy()
-    slowest["other"] = slowest["step"] - slowest[SEGMENTS].sum(axis=1)
-    parts = slowest.groupby("config")[columns].mean()
-    # The spread of the mean step across repetitions (error bars; one repetition: no bar).
-    per_rep = slowest.groupby(keys)["step"].mean().groupby("config")
-    return parts.assign(step_lo=per_rep.min(), step_hi=per_rep.max())
 
 
 def scaling_efficiency(runs: pd.DataFrame) -> pd.Series:

@@ -22,8 +22,9 @@ Columns (besides the configuration's own, :data:`commlab.runs.config.CONFIG_COLU
   forward start at which it was ``ready`` (its last gradient arrived), ``launched`` (its
   all-reduce issued; it may then wait behind the group's previous one) and ``done``.
 - runs.csv: ``status``, ``error``, ``seconds``, ``threads_measured``, then the statistics of
-  :func:`commlab.runs.stats.summarise`: ``step_median``, ``step_p10``/``step_p90``,
-  ``step_spread_lo``/``step_spread_hi``, ``<phase>_median``, ``samples_per_s`` and
+  :func:`commlab.runs.stats.summarise`: ``step_median``, ``step_q1``/``step_q3``,
+  ``step_p10``/``step_p90``, ``step_spread_lo``/``step_spread_hi``, ``<phase>_median`` and
+  ``other_median`` (the median step's phases), ``samples_per_s`` and
   ``scaling_efficiency``. ``scaling_efficiency`` is relative to the *smallest world size of
   the same series in this grid*, not to one process: (samples/s at w / samples/s at w0) / (w /
   w0), so it is 1.0 on a grid whose only world size is 2, and it says nothing about w0 itself.

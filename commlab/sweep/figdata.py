@@ -20,14 +20,18 @@ AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb"
 SETTINGS = ["global_batch", "batch_per_rank", "iters", "warmup"]
 # Stacked segments of one step, bottom to top; section 5 of the paper splits an iteration the same
 # way (forward, backward compute, exposed communication, optimizer). "other" is the rest of the
-# step, so the stack adds up to the mean step time (see commlab.runs.stats.step_parts).
+# step, so the stack adds up to the median step (see commlab.runs.stats.median_step).
 SEGMENTS = [*stats.SEGMENTS, "other"]
+# What every figure and the console report (commlab.runs.stats.median_step), in words.
+STATISTIC = "median step (slowest rank per iteration)"
 
 
 def ok(runs: pd.DataFrame) -> pd.DataFrame:
     df = runs[(runs["status"] == "ok") & runs["step_median"].notna()].copy()
     # Results written before --repeat existed: one repetition, no spread across repetitions.
-    for column, default in (("repetitions", 1), ("step_spread_lo", df["step_median"]), ("step_spread_hi", df["step_median"])):
+    # (Tables built by hand without quartiles: no band.)
+    for column, default in (("repetitions", 1), ("step_spread_lo", df["step_median"]), ("step_spread_hi", df["step_median"]),
+                            ("step_q1", df["step_median"]), ("step_q3", df["step_median"])):
         if column not in df:
             df[column] = default
     return df
@@ -62,21 +66,22 @@ def label(row: pd.Series, columns: list[str]) -> str:
     return ", ".join(parts) or "all"
 
 
-def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
-    """Mean seconds of each step segment per configuration, with ``panel`` and ``bar`` labels.
+def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
+    """The median step of each configuration split into its segments (seconds), with its q1-q3,
+    and ``panel`` and ``bar`` labels.
 
-    The segments are means over the same iterations (each one's slowest rank) and include
-    ``other``, so they add up to ``step``, the mean step time (:func:`stats.step_parts`).
-    Panels split by whatever varies besides bucket size and overlap; bars within a panel are
-    bucket size x overlap, so with and without overlap stand next to each other.
+    The segments are the median step's phases (:func:`stats.median_step`), ``other`` included,
+    so they add up to ``step``, the median step the console prints. Panels split by whatever
+    varies besides bucket size and overlap; bars within a panel are bucket size x overlap, so
+    with and without overlap stand next to each other.
     """
     df = ok(runs)
-    if df.empty:
-        return df
-    df = df.drop(columns=[c for c in (*SEGMENTS, "step") if c in df]).join(stats.step_parts(iterations), on="config")
-    df = df.dropna(subset=["step"])
-    if df.empty:
-        return df
+    if df.empty or "other_median" not in df:  # results summarised before the median step had parts
+        return df.iloc[0:0]
+    df = df.drop(columns=[c for c in (*SEGMENTS, "step", "step_lo", "step_hi") if c in df])
+    for seg in SEGMENTS:
+        df[seg] = df[f"{seg}_median"]
+    df["step"], df["step_lo"], df["step_hi"] = df["step_median"], df["step_q1"], df["step_q3"]
     outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
     df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
     both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
@@ -93,7 +98,7 @@ def breakdown(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
 
 
 def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
-    """Median step time and its p10-p90 band against axis ``x`` (needs two or more x values).
+    """The median step and its q1-q3 band against axis ``x`` (needs two or more x values).
 
     ``panel`` splits by model, backend and world size (the paper draws one panel per backend and
     model); ``series`` by the other axes that vary. With ``x="accumulate"`` the times are per
@@ -103,7 +108,7 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     if df.empty or df[x].nunique() < 2:
         return df.iloc[0:0]
     scale = df["accumulate"] if x == "accumulate" else 1.0
-    for stat in ("median", "p10", "p90", "spread_lo", "spread_hi"):
+    for stat in ("median", "q1", "q3", "spread_lo", "spread_hi"):
         df[stat] = df[f"step_{stat}"] / scale * per
     panels = _context(df, [a for a in ("model", "model_args", "backend", "world_size") if a != x])
     series = varying(df, [a for a in AXES if a not in panels and a not in ("model", "model_args", "backend", "world_size", x)])
@@ -112,11 +117,13 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     df = _curves_only(df, ["panel", "series"], x)
     _one_per_cell(df, ["panel", "series", x])
     df = df.sort_values([*panels, "series", x], kind="stable")  # panels by value: w8 before w16
-    return df[["config", "panel", "series", x, "median", "p10", "p90", "spread_lo", "spread_hi", "repetitions"]]
+    return df[["config", "panel", "series", x, "median", "q1", "q3", "spread_lo", "spread_hi", "repetitions"]]
 
 
 def scaling(runs: pd.DataFrame) -> pd.DataFrame:
-    """Throughput and efficiency against world size, with the ideal (linear) throughput.
+    """Throughput at the median step and efficiency against world size, with the ideal (linear)
+    throughput; ``samples_q1``/``samples_q3``: the throughput at the steps' q3 and q1 (the band),
+    ``samples_lo``/``samples_hi`` at the repetitions' slowest and fastest median steps.
 
     ``ideal`` extends the smallest world size's throughput linearly; needs two or more world
     sizes. ``series`` names the scaling mode and every other axis that varies.
@@ -136,19 +143,20 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
     # Throughput is inverse to step time: the slowest repetition gives the low end.
     samples = df["global_batch"] * df["accumulate"]
     df["samples_lo"], df["samples_hi"] = samples / df["step_spread_hi"], samples / df["step_spread_lo"]
+    df["samples_q1"], df["samples_q3"] = samples / df["step_q3"], samples / df["step_q1"]
     parts = []
     for _, s in df.groupby("series", sort=True):
         base = s.loc[s["world_size"].idxmin()]
         s = s.assign(ideal=base["samples_per_s"] * s["world_size"] / base["world_size"])
         parts.append(s.sort_values("world_size"))
     out = pd.concat(parts)
-    return out[["config", "series", "world_size", "samples_per_s", "samples_lo", "samples_hi", "ideal",
+    return out[["config", "series", "world_size", "samples_per_s", "samples_q1", "samples_q3", "samples_lo", "samples_hi", "ideal",
                 "scaling_efficiency", "repetitions"]]
 
 
 def sharded(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per configuration of a grid over stages: step time, peak bytes and the exposed all-gather and
-    reduction seconds, with ``series`` (the stage; DDP's overlap and stage 3's prefetch and reshard
+    """Per configuration of a grid over stages: the median step and its q1-q3, peak bytes, the
+    exposed reduction in the median step and the exposed all-gather seconds, with ``series`` (the stage; DDP's overlap and stage 3's prefetch and reshard
     where they vary) and ``panel`` (what else varies besides bucket size). Empty unless two or
     more stages ran."""
     df = ok(runs)
@@ -160,11 +168,12 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
     panels = _context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
-    # DDP's exposed communication is its all-reduce after backward compute: the reductions' column.
-    df["exposed_reduction"] = df["exposed_reducescatter"].where(df["stage"] > 0, df["exposed_comm_median"])
+    # The step's exposed_comm is the reductions' wait after backward compute at every stage (DDP's
+    # all-reduce; commlab/sweep/wrap.py), so the median step's is the reductions' bar.
+    df["exposed_reduction"] = df["exposed_comm_median"]
     _one_per_cell(df, ["panel", "series", "bucket_mb"])
     df = df.sort_values([*panels, "stage", "series", "bucket_mb"], kind="stable")
-    return df[["config", "panel", "series", "stage", "bucket_mb", "step_median", "step_p10", "step_p90", "peak_bytes",
+    return df[["config", "panel", "series", "stage", "bucket_mb", "step_median", "step_q1", "step_q3", "peak_bytes",
                "exposed_allgather", "exposed_reduction"]]
 
 
@@ -181,23 +190,33 @@ def pick_timeline_config(runs: pd.DataFrame, buckets: pd.DataFrame) -> str | Non
     return df.sort_values(["overlap_first", "n_buckets"], ascending=[True, False]).iloc[0]["config"]
 
 
-def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank: int = 0, iteration: int | None = None) -> tuple[pd.Series, pd.DataFrame]:
+def timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str, rank: int | None = None,
+             iteration: int | None = None) -> tuple[pd.Series, pd.DataFrame]:
     """One iteration of one configuration on one rank: its phase row and its bucket rows.
 
-    Without ``iteration``, the iteration whose step time is the median of that rank's, so the
-    picture is typical rather than the warm-up-like first or an outlier.
+    Without ``iteration``, the median step (:func:`stats.median_step`; the upper of the two
+    middle ones when their number is even) on its slowest rank, or on ``rank``'s own steps, so
+    the picture is the typical step the other figures report, not the warm-up-like first or an
+    outlier. With ``iteration``: that one of the first repetition, on ``rank`` (default 0).
     """
-    its = first_repetition(iterations[(iterations["config"] == config) & (iterations["rank"] == rank)])
-    if its.empty:
-        raise ValueError(f"no iterations for configuration {config!r} on rank {rank}")
+    its = iterations[iterations["config"] == config]
     if iteration is None:
-        ordered = its.sort_values("step")
-        iteration = int(ordered.iloc[len(ordered) // 2]["iteration"])
-    row = its[its["iteration"] == iteration]
+        steps = stats.slowest_ranks(its) if rank is None else its[its["rank"] == rank]
+        if steps.empty:
+            raise ValueError(f"no iterations for configuration {config!r}" + ("" if rank is None else f" on rank {rank}"))
+        middle = steps.sort_values("step", kind="stable").iloc[len(steps) // 2]
+        iteration, rank = int(middle["iteration"]), int(middle["rank"])
+        repetition = middle.get("repetition")
+    else:
+        rank = 0 if rank is None else rank
+        repetition = its["repetition"].min() if "repetition" in its and not its.empty else None
+    if repetition is not None:
+        its = its[its["repetition"] == repetition]
+        buckets = buckets[buckets["repetition"] == repetition] if "repetition" in buckets else buckets
+    row = its[(its["rank"] == rank) & (its["iteration"] == iteration)]
     if row.empty:
-        raise ValueError(f"configuration {config!r} has no iteration {iteration}")
-    bks = first_repetition(buckets[(buckets["config"] == config) & (buckets["rank"] == rank)])
-    bks = bks[bks["iteration"] == iteration]
+        raise ValueError(f"configuration {config!r} has no iteration {iteration} on rank {rank}")
+    bks = buckets[(buckets["config"] == config) & (buckets["rank"] == rank) & (buckets["iteration"] == iteration)]
     return row.iloc[0], transfers(bks.sort_values("bucket"))
 
 

@@ -2,13 +2,16 @@
 
 The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, section 5):
 
-    breakdown        stacked step segments, with and without overlap
-    bucket_size      step latency vs bucket size, p10-p90 band
+    breakdown        the median step's segments, stacked, with and without overlap
+    bucket_size      the median step vs bucket size, q1-q3 band
     scaling          throughput vs world size with the ideal line, and efficiency
     no_sync          latency per micro-batch vs accumulation steps (skipping synchronisation)
     round_robin      step latency vs round-robin process groups
     timeline         one iteration's buckets: ready, launched, done vs backward compute
     sharded          a grid over ZeRO stages: step time, peak memory and exposed collectives
+
+Every one reports the statistic the console prints (commlab.runs.stats.median_step): per
+iteration the slowest rank's step, the median over iterations, q1-q3 as the band.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
+from commlab.runs.stats import summarise  # noqa: E402
 from commlab.runs.store import read_metadata, read_tables  # noqa: E402
 
 _NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
@@ -41,17 +45,18 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
     """
     run_dir = Path(run_dir)
     iterations, buckets, runs = read_tables(run_dir)
+    runs = summarise(runs, iterations)  # the statistic of today's console, whichever commlab wrote runs.csv
     # A prediction (commlab predict) says so under every figure, with its assumptions.
     note = read_metadata(run_dir).get("figure_note")
     out = run_dir / "figures"
     sns.set_theme(style="whitegrid", context="paper")
     written: list[Path] = []
     drawers = [
-        ("breakdown", lambda: _breakdown(figdata.breakdown(runs, iterations), measured=not note)),
-        ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket cap (MiB)", "step latency (ms)", "Step latency against bucket size", log=True)),
+        ("breakdown", lambda: _breakdown(figdata.breakdown(runs), measured=not note)),
+        ("bucket_size", lambda: _curve(figdata.curve(runs, "bucket_mb", 1e3), "bucket_mb", "bucket cap (MiB)", "median step (ms)", "Median step against bucket size", log=True)),
         ("scaling", lambda: _scaling(figdata.scaling(runs))),
-        ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "latency per micro-batch (ms)", "Skipping synchronisation: latency per micro-batch")),
-        ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "step latency (ms)", "Step latency against round-robin process groups")),
+        ("no_sync", lambda: _curve(figdata.curve(runs, "accumulate", 1e3), "accumulate", "micro-batches per synchronisation (no_sync)", "median step / micro-batches (ms)", "Skipping synchronisation: median step per micro-batch")),
+        ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "median step (ms)", "Median step against round-robin process groups")),
         ("timeline", lambda: _timeline(iterations, buckets, figdata.pick_timeline_config(runs, buckets))),
         ("sharded", lambda: _sharded(figdata.sharded(runs))),
     ]
@@ -111,19 +116,19 @@ def _breakdown(df: pd.DataFrame, measured: bool = True):
             ax.bar(part["bar"], part[seg] * 1e3, bottom=bottom * 1e3, color=colors[seg],
                    label="_nolegend_" if seg in thin else _NAMES[seg])
             bottom += part[seg]
-        if (part["step_hi"] > part["step_lo"]).any():  # --repeat: the repetitions' mean steps
+        if (part["step_hi"] > part["step_lo"]).any():  # the steps' q1-q3
             ax.errorbar(part["bar"], part["step"] * 1e3, yerr=[(part["step"] - part["step_lo"]) * 1e3,
                         (part["step_hi"] - part["step"]) * 1e3], fmt="none", ecolor="black", capsize=3)
         ax.set_title(panel)
-        ax.set_ylabel("mean step time (ms)")
+        ax.set_ylabel(f"{figdata.STATISTIC} (ms)", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle("Step time breakdown with and without overlapping communication")
+    fig.suptitle("The median step by phase, with and without overlapping communication")
     if measured:
-        fig.text(0.5, -0.02, "Each bar: means over the measured iterations (each iteration's slowest rank) of every "
-                 "phase; 'other' is the rest of the step, so a bar's height is the mean step time"
-                 + (" (error bar: min-max over repetitions)." if (df["step_hi"] > df["step_lo"]).any() else "."),
+        fig.text(0.5, -0.02, "Each bar: the median over the measured iterations of each iteration's slowest-rank step, "
+                 "split into that step's phases; 'other' is the rest of the step"
+                 + (" (whisker: the steps' q1-q3)." if (df["step_hi"] > df["step_lo"]).any() else "."),
                  ha="center", va="top", fontsize=7)
     fig.tight_layout()
     return fig
@@ -138,8 +143,10 @@ def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, log: 
     fig, axes = _panels(len(panels))
     for ax, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
+        banded = bool((part["q3"] > part["q1"]).any())
         for (series, s), color in zip(part.groupby("series", sort=True), sns.color_palette("deep")):
-            ax.fill_between(s[x], s["p10"], s["p90"], color=color, alpha=0.2, linewidth=0)
+            if banded:
+                ax.fill_between(s[x], s["q1"], s["q3"], color=color, alpha=0.2, linewidth=0)
             # Error bars: the spread of the repetitions' medians (--repeat), i.e. the drift.
             yerr = [s["median"] - s["spread_lo"], s["spread_hi"] - s["median"]] if (s["repetitions"] > 1).any() else None
             ax.errorbar(s[x], s["median"], yerr=yerr, marker="o", color=color, capsize=3,
@@ -154,12 +161,13 @@ def _curve(df: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, log: 
         ax.set_ylim(bottom=0)
         ax.yaxis.set_tick_params(labelleft=True)
         reps = int(part["repetitions"].max())
-        key = "median, band p10-p90" + (f", bars: min-max of {reps} repetitions" if reps > 1 else "")
+        key = ", ".join(["median"] + (["band q1-q3"] if banded else [])
+                        + ([f"bars: min-max of {reps} repetitions' medians"] if reps > 1 else []))
         if part["series"].nunique() > 1:
             ax.legend(fontsize=7, title=key, title_fontsize=7)
         else:  # one series needs no legend, but the band and bars still need saying
             ax.text(0.02, 0.02, key, transform=ax.transAxes, fontsize=7, va="bottom")
-    fig.suptitle(title)
+    fig.suptitle(f"{title}\n(step: slowest rank per iteration)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -168,8 +176,11 @@ def _scaling(df: pd.DataFrame):
     if df.empty:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    banded = bool((df["samples_q3"] > df["samples_q1"]).any())
     for (series, s), color in zip(df.groupby("series", sort=True), sns.color_palette("deep")):
         yerr = [s["samples_per_s"] - s["samples_lo"], s["samples_hi"] - s["samples_per_s"]] if (s["repetitions"] > 1).any() else None
+        if banded:
+            left.fill_between(s["world_size"], s["samples_q1"], s["samples_q3"], color=color, alpha=0.2, linewidth=0)
         left.errorbar(s["world_size"], s["samples_per_s"], yerr=yerr, marker="o", color=color, capsize=3, label=series)
         left.plot(s["world_size"], s["ideal"], linestyle="--", color=color, alpha=0.6)
         right.plot(s["world_size"], s["scaling_efficiency"], marker="o", color=color, label=series)
@@ -183,7 +194,8 @@ def _scaling(df: pd.DataFrame):
     # World sizes double (2, 4, ..., 256): on a linear axis the small ones collide ("816"); on a
     # log-2 axis they are evenly spaced and each keeps its plain label.
     spread = ticks[-1] / ticks[0] >= 8
-    for ax, ylabel in ((left, "samples / s (dashed: ideal)"), (right, "scaling efficiency")):
+    for ax, ylabel in ((left, "samples / s at the median step\n(" + ("band: at the steps' q1-q3; " if banded else "") + "dashed: ideal)"),
+                       (right, "scaling efficiency (median step)")):
         if spread:
             ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
@@ -191,8 +203,9 @@ def _scaling(df: pd.DataFrame):
         ax.set_xlabel("world size (processes)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
-    left.legend(fontsize=7)
-    fig.suptitle("Scaling: throughput against linear, and efficiency")
+    reps = int(df["repetitions"].max())
+    left.legend(fontsize=7, title=f"bars: min-max of {reps} repetitions' medians" if reps > 1 else None, title_fontsize=7)
+    fig.suptitle(f"Scaling: throughput against linear, and efficiency; {figdata.STATISTIC}")
     fig.tight_layout()
     return fig
 
@@ -219,11 +232,16 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
     ax.axvline(bwd_end * ms, color="gray", linestyle="--", linewidth=1)
     ax.invert_yaxis()
     ax.set_xlabel("time since forward start (ms)")
-    ax.set_title(f"One iteration's buckets: {config}, rank 0, iteration {int(row['iteration'])} (median step)", fontsize=8)
+    ax.set_title(f"One iteration's buckets: {config}, rank {int(row['rank'])}, iteration {int(row['iteration'])}: "
+                 f"the {figdata.STATISTIC}", fontsize=8)
+    # A state enters the legend only where a bar of it can be seen (wider than 0.2% of the axis).
+    visible = 0.002 * max(bwd_end, bks["done"].max() if not bks.empty else 0.0)
+    waited = bool(((bks["launched"] - bks["ready"]) > visible).any())
+    queued = bool(((bks["started"] - bks["launched"]) > visible).any())
     legend = [Patch(color=palette[1], label="forward"), Patch(color=palette[2], label="backward compute"),
-              Patch(color="lightgray", label="bucket ready, waiting to launch"),
-              Patch(facecolor="white", edgecolor=palette[3], hatch="////", linewidth=0.5,
-                    label="launched, queued behind the group's previous all-reduce"),
+              *([Patch(color="lightgray", label="bucket ready, waiting to launch")] if waited else []),
+              *([Patch(facecolor="white", edgecolor=palette[3], hatch="////", linewidth=0.5,
+                       label="launched, queued behind the group's previous all-reduce")] if queued else []),
               Patch(color=palette[3], label="all-reduce transferring"),
               Line2D([], [], color="black", marker="|", linestyle="none", markersize=10, label="bucket ready"),
               Line2D([], [], color="gray", linestyle="--", label="end of backward compute")]
@@ -242,17 +260,19 @@ def _sharded(df: pd.DataFrame):
     for row, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
         for series, s in part.groupby("series", sort=False):
-            row[0].fill_between(s["bucket_mb"], s["step_p10"] * 1e3, s["step_p90"] * 1e3, color=palette[series], alpha=0.2, linewidth=0)
+            row[0].fill_between(s["bucket_mb"], s["step_q1"] * 1e3, s["step_q3"] * 1e3, color=palette[series], alpha=0.2, linewidth=0)
             row[0].plot(s["bucket_mb"], s["step_median"] * 1e3, marker="o", color=palette[series], label=series)
             row[1].plot(s["bucket_mb"], s["peak_bytes"] / 2**20, marker="o", color=palette[series], label=series)
         bars = part.reset_index(drop=True)
         names = [f"{r.series}\n{r.bucket_mb:g} MiB" for r in bars.itertuples()]
-        row[2].bar(names, bars["exposed_allgather"] * 1e3, color=sns.color_palette("deep")[0], label="exposed all-gather")
+        row[2].bar(names, bars["exposed_allgather"] * 1e3, color=sns.color_palette("deep")[0],
+                   label="exposed all-gather (median over iterations, then ranks)")
         row[2].bar(names, bars["exposed_reduction"] * 1e3, bottom=bars["exposed_allgather"] * 1e3,
-                   color=sns.color_palette("deep")[3], label="exposed reduction (DDP: all-reduce)")
+                   color=sns.color_palette("deep")[3], label="exposed reduction in the median step (DDP: all-reduce)")
         row[2].tick_params(axis="x", labelsize=6, rotation=90)
-        for ax, ylabel in ((row[0], "step latency (ms), band p10-p90"), (row[1], "peak bytes per rank (MiB)"),
-                           (row[2], "exposed per step (ms, medians)")):
+        banded = bool((part["step_q3"] > part["step_q1"]).any())
+        for ax, ylabel in ((row[0], "median step (ms)" + (", band q1-q3" if banded else "")), (row[1], "peak bytes per rank (MiB)"),
+                           (row[2], "exposed per step (ms)")):
             ax.set_title(panel, fontsize=8)
             ax.set_ylabel(ylabel)
             ax.set_ylim(bottom=0)
@@ -263,7 +283,7 @@ def _sharded(df: pd.DataFrame):
             ax.set_xticks(ticks, labels=[f"{v:g}" for v in ticks])
             ax.minorticks_off()
             ax.set_xlabel("bucket cap (MiB)")
-    fig.suptitle("Sharded data parallelism by stage: step time, measured peak memory, exposed collectives")
+    fig.suptitle(f"Sharded data parallelism by stage: {figdata.STATISTIC}, measured peak memory, exposed collectives")
     fig.tight_layout()
     return fig
 

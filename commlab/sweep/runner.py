@@ -155,14 +155,16 @@ def run(plan: Grid, run_dir: Path, *, resume: bool, echo: Echo, write: bool = Tr
 
 
 def summary_line(row) -> str:
-    """One line per finished configuration, for the console."""
+    """One line per finished configuration, for the console: the median step (per iteration the
+    slowest rank's; the statistic of every figure, commlab.runs.stats.median_step), its q1-q3,
+    and the exposed communication inside that step."""
     if row["status"] != "ok":
         first = str(row["error"]).strip().splitlines()[0] if str(row["error"]).strip() else ""
         return f"{row['config']}  {row['status'].upper()}  {first[:120]}"
     return (
-        f"{row['config']}  step {row['step_median'] * 1e3:.1f} ms "
-        f"(p10 {row['step_p10'] * 1e3:.1f}, p90 {row['step_p90'] * 1e3:.1f})  "
-        f"exposed comm {row['exposed_comm_median'] * 1e3:.1f} ms  {row['samples_per_s']:.0f} samples/s"
+        f"{row['config']}  median step {row['step_median'] * 1e3:.1f} ms "
+        f"(q1-q3 {row['step_q1'] * 1e3:.1f}-{row['step_q3'] * 1e3:.1f}), of which exposed comm "
+        f"{row['exposed_comm_median'] * 1e3:.1f} ms  {row['samples_per_s']:.0f} samples/s"
         + (f"  peak {_size(row['peak_bytes'])}" if _known(row.get("peak_bytes")) else "")
     )
 

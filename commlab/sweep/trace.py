@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from commlab._atomic import write_text
+from commlab.sweep import figdata
 from commlab.sweep.figdata import first_repetition
 
 _US = 1e6  # trace timestamps are microseconds
@@ -67,13 +68,19 @@ def chrome_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str) -
             "otherData": {"config": config, "kind": "reconstructed from measured times, steps laid end to end"}}
 
 
-def pick_config(runs: pd.DataFrame, config: str | None, run_dir: Path) -> str:
-    """``config`` checked against the results, or the first successful configuration."""
+def pick_config(runs: pd.DataFrame, config: str | None, run_dir: Path, buckets: pd.DataFrame | None = None) -> str:
+    """``config`` checked against the results, or by default a successful configuration that
+    communicates (world size above 1: one rank alone has nothing to all-reduce), the one the
+    timeline figure draws among them (overlapped, the most buckets), else the first successful."""
     if config is None:
-        ok = runs[runs["status"] == "ok"]["config"]
+        ok = runs[runs["status"] == "ok"]
         if ok.empty:
             raise ValueError(f"{run_dir} has no successful configuration to trace")
-        return str(ok.iloc[0])
+        talking = ok[ok["world_size"] > 1]
+        if talking.empty:
+            return str(ok["config"].iloc[0])
+        return figdata.pick_timeline_config(talking, buckets if buckets is not None else pd.DataFrame()) \
+            or str(talking["config"].iloc[0])
     if config not in set(runs["config"]):
         raise ValueError(f"no configuration {config!r} in {run_dir}; choose from: {', '.join(runs['config'])}")
     return config
@@ -81,8 +88,8 @@ def pick_config(runs: pd.DataFrame, config: str | None, run_dir: Path) -> str:
 
 def write_trace(iterations: pd.DataFrame, buckets: pd.DataFrame, runs: pd.DataFrame, config: str | None,
                 output: Path | None, run_dir: Path) -> Path:
-    """Write the reconstructed trace of ``config`` (default: the first successful one); return its path."""
-    config = pick_config(runs, config, run_dir)
+    """Write the reconstructed trace of ``config`` (default: :func:`pick_config`'s); return its path."""
+    config = pick_config(runs, config, run_dir, buckets)
     path = Path(output) if output else Path(run_dir) / f"trace-{config}.json"
     write_text(path, json.dumps(chrome_trace(iterations, buckets, config)))
     return path

@@ -140,7 +140,7 @@ def draw(both: pd.DataFrame, path: Path) -> list[Path]:
         name = series_label(dict(zip(keys, values)), varying)
         b.plot(s["bucket_mb"], s["measured_s"] * 1e3, "o-", color=color, lw=1, ms=3, label=name)
         b.plot(s["bucket_mb"], s["predicted_s"] * 1e3, "x--", color=color, lw=1, ms=3)
-    b.set(xscale="log", xlabel="bucket size (MB)", ylabel="step (ms)", title="measured (solid), predicted (dashed)")
+    b.set(xscale="log", xlabel="bucket cap (MiB)", ylabel="step (ms)", title="measured (solid), predicted (dashed)")
     b.legend(fontsize=5)
     fig.tight_layout()
     from commlab.sweep.figures import save  # atomic, and PDFs without a creation date

@@ -7,6 +7,7 @@ import pytest
 
 from commlab.sweep import figdata, figures
 from commlab.runs.grid import build_grid, merge
+from commlab.runs.stats import summarise
 
 matplotlib.use("Agg")
 
@@ -18,7 +19,7 @@ def _runs(world_sizes, buckets=(5, 25)):
     for cfg in plan.configs:
         step = 0.001 * cfg.world_size * (1 + 1 / cfg.bucket_mb)  # w256 is 32 times w8
         rows.append({**cfg.columns(), "status": "ok", "error": "", "step_median": step, "step_p10": step * 0.9,
-                     "step_p90": step * 1.1, "repetitions": 1, "samples_per_s": 1024 / step,
+                     "step_p90": step * 1.1, "step_q1": step * 0.95, "step_q3": step * 1.05, "repetitions": 1, "samples_per_s": 1024 / step,
                      "scaling_efficiency": 1.0})
     return pd.DataFrame(rows)
 
@@ -30,7 +31,7 @@ def test_bucket_size_panels_in_numeric_order_each_with_its_own_y_axis():
     axes = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in axes] == list(dict.fromkeys(df["panel"]))
     for ax, (_, part) in zip(axes, df.groupby("panel", sort=False)):
-        assert ax.get_ylim()[1] >= part["p90"].max()  # nothing clipped
+        assert ax.get_ylim()[1] >= part["q3"].max()  # nothing clipped
     assert axes[0].get_ylim()[1] < axes[-1].get_ylim()[1] / 10  # w8 is not flattened by w256's scale
 
 
@@ -42,11 +43,11 @@ def test_breakdown_panels_in_numeric_order_and_a_prediction_shows_only_its_note(
                          "optimizer": 0.001, "step": 0.006} for c in plan_ids])
     runs = pd.concat([runs, runs.assign(overlap=False, config=runs["config"] + "-no")])
     its = pd.concat([its, its.assign(config=its["config"] + "-no")])
-    bd = figdata.breakdown(runs, its)
+    bd = figdata.breakdown(summarise(runs, its))
     assert list(dict.fromkeys(bd["panel"])) == ["mlp, gloo, w8", "mlp, gloo, w16"]
     measured = [t.get_text() for t in figures._breakdown(bd).texts]
     predicted = [t.get_text() for t in figures._breakdown(bd, measured=False).texts]
-    assert any(t.startswith("Each bar: means over the measured iterations") for t in measured)
+    assert any(t.startswith("Each bar: the median over the measured iterations") for t in measured)
     assert not any(t.startswith("Each bar") for t in predicted)  # draw_all adds the prediction's note alone
 
 

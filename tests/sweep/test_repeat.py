@@ -10,7 +10,7 @@ import pytest
 from commlab.sweep import figdata, runner
 from commlab.runs import store
 from commlab.runs.grid import build_grid, merge
-from commlab.runs.stats import fastest
+from commlab.runs.stats import fastest, summarise
 
 
 def plan(**options):
@@ -57,9 +57,10 @@ def test_each_configuration_reports_the_median_of_its_repetitions_and_their_spre
     assert sorted(iterations["repetition"].unique()) == [0, 1, 2] and len(iterations) == 6 * 3
     assert not iterations.duplicated(["config", "repetition", "rank", "iteration"]).any()
     for _, row in runs.iterrows():
-        reps = iterations[iterations["config"] == row["config"]].groupby("repetition")["step"].median()
+        own = iterations[iterations["config"] == row["config"]]
+        reps = own.groupby("repetition")["step"].median()
         assert row["repetitions"] == 3
-        assert row["step_median"] == pytest.approx(np.median(reps))
+        assert row["step_median"] == pytest.approx(np.median(own["step"]))  # over every repetition's steps
         assert (row["step_spread_lo"], row["step_spread_hi"]) == pytest.approx((reps.min(), reps.max()))
     # Drift of 5% per run against a 10% difference: the spreads overlap, so no winner is called.
     assert [line[:15] for line in fastest(runs)] == ["no clear winner"]
@@ -85,15 +86,18 @@ def _runs(rows):
 def test_a_winner_only_outside_the_spread():
     clear = _runs([(3, 0.100, 0.098, 0.102), (3, 0.120, 0.118, 0.125), (3, 0.2, 0.19, 0.21)])
     [line] = fastest(clear)
-    assert line.startswith("fastest: mlp-gloo-w2-b1-") and "across repetitions" in line
+    assert line.startswith("fastest: mlp-gloo-w2-b1-") and "min-max of the repetitions' medians" in line
     close = _runs([(3, 0.100, 0.090, 0.115), (3, 0.105, 0.100, 0.110), (3, 0.2, 0.19, 0.21)])
     assert fastest(close)[0].startswith("no clear winner")
     assert fastest(close.iloc[:1]) == []
     # a different world size does other work per step: it is not a competitor
     other = close.assign(world_size=[2, 4, 2], config=close["config"] + "x")
     assert len(fastest(other)) == 1 and fastest(other)[0].startswith("fastest: mlp-gloo-w2-b1-")
-    single = _runs([(1, 0.100, 0.0, 0.0), (1, 0.150, 0.0, 0.0)]).assign(step_p10=[0.09, 0.12], step_p90=[0.11, 0.2])
-    assert "p10-p90 of iterations" in fastest(single)[0] and fastest(single)[0].startswith("fastest")
+    single = _runs([(1, 0.100, 0.0, 0.0), (1, 0.150, 0.0, 0.0)]).assign(step_q1=[0.09, 0.12], step_q3=[0.11, 0.2])
+    assert "q1-q3 of the steps" in fastest(single)[0] and fastest(single)[0].startswith("fastest")
+    # with one repetition the interval is the steps' q1-q3, whatever their p10-p90
+    overlapping = single.assign(step_q3=[0.13, 0.2])
+    assert fastest(overlapping)[0].startswith("no clear winner")
 
 
 def test_curves_carry_the_spread_and_cells_are_never_shared():
@@ -115,5 +119,5 @@ def test_breakdown_bars_never_share_a_slot():
     iterations = pd.DataFrame([{"config": c, "rank": 0, "iteration": 0, "step": 0.1, "forward": 0.01,
                                 "backward_compute": 0.02, "comm": 0.0, "exposed_comm": 0.03, "total": 0.06,
                                 "accumulate_time": 0.0, "optimizer": 0.01} for c in runs["config"]])
-    bars = figdata.breakdown(runs, iterations)["bar"].tolist()
+    bars = figdata.breakdown(summarise(runs, iterations))["bar"].tolist()
     assert len(bars) == 6 and len(set(bars)) == 6 and "1 MiB\noverlap\niters 30" in bars

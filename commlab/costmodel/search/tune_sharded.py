@@ -101,7 +101,7 @@ def pick(found: Sequence[ShardedCandidate], memory_bytes: float | None) -> Shard
         small = min(found, key=lambda c: (c.peak_bytes, c.step_s))
         raise ValueError(f"nothing fits in {memory_bytes / 2**30:.3g} GiB per rank: the smallest predicted peak is "
                          f"{small.peak_bytes / 2**30:.3g} GiB ({small.peak_bytes} bytes; stage {small.stage}, "
-                         f"bucket {small.bucket_cap_mb:g} MB, prefetch {small.prefetch}, reshard {small.reshard})")
+                         f"bucket {small.bucket_cap_mb:g} MiB, prefetch {small.prefetch}, reshard {small.reshard})")
     best = fits[0]
     for c in fits[1:]:
         if c.step_s < best.step_s * (1 - 1e-9) or (c.step_s <= best.step_s * (1 + 1e-9) and c.peak_bytes < best.peak_bytes):
