@@ -91,8 +91,8 @@ def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_p
 
     seen = []
     monkeypatch.setattr(validate, "validate_parts", lambda parts, out, calibration, echo=None: seen.append(parts))
-    for args in (["--part", "convnet"], ["--part", "mlp", "--part", "blocks", "--part", "oversubscribed"], [],
-                 ["--no-oversubscribed"]):
+    for args in (["--part", "convnet"], ["--part", "mlp", "--part", "blocks", "--part", "oversubscribed", "--part", "head"],
+                 [], ["--no-oversubscribed"]):
         assert CliRunner().invoke(command, ["ddp", *args, "--out", str(tmp_path)]).exit_code == 0
     convnet, rest, whole, world2 = seen
     assert {p["model"] for p in convnet} == {CONVNET}
@@ -100,4 +100,4 @@ def test_parts_split_the_held_out_run_and_add_up_to_the_whole(monkeypatch, tmp_p
     assert all(p["iters"] == 12 for p in whole)
     bad = CliRunner().invoke(command, ["ddp", "--part", "bert", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and len(seen) == 4  # a usage error before anything runs
-    assert "examples.heldout_models:blocks" in {p["model"] for p in whole}
+    assert {"examples.heldout_models:blocks", "examples.heldout_models:wide_head"} <= {p["model"] for p in whole}
