@@ -155,6 +155,11 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                                for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
     corun = results[0]["corun"]
     factor = corun_factor(corun) if len(results) > 1 else 1.0
+    # the optimizer's and the write-back's own stretches (memory-bound: commlab/costmodel/calibration/corun.py),
+    # where measured; an entry without them prices them as before (predict.system_from_entry)
+    memory = {f"corun_{part}": max(corun_factor(results[0][f"corun_{part}"]) if len(results) > 1 else 1.0, 1.0)
+              for part in ("optimizer", "copy") if f"corun_{part}" in results[0]}
+    memory.update({f"{name}_raw": results[0][name] for name in memory})
     return {
         "key": key,
         "created": time.time(),
@@ -163,6 +168,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
+                    **memory,
                     # pages first touched in the profiled forward+backward: a record (the
                     # gradients over glibc's mmap threshold, every step and every layout alike)
                     "profiled_fresh_bytes": ddp.get("fresh_bytes", 0),

@@ -12,7 +12,8 @@
 2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
-4. the co-run factor: rank 0's forward+backward alone, then with every rank computing at once;
+4. the co-run factors: rank 0's forward+backward alone, then with every rank computing at once,
+   and so for the optimizer step and the write-back's copy (commlab/costmodel/calibration/corun.py);
    and the same interference as step 3 for a memory copy (a bucket's write-back) against each
    algorithm's all-reduce (commlab/costmodel/calibration/queueing.py);
 5. on Gloo, the native all-reduce's queue: at every table size, about the model's bytes of
@@ -44,6 +45,7 @@ from commlab.costmodel.calibration.devicetime import (
     timed,
     to_device,
 )
+from commlab.costmodel.calibration.corun import copy_turns, optimizer_turns, turns
 from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
 from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
@@ -71,6 +73,7 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out["collectives"] = {a: medians for a, (medians, _) in times.items()}
     out["collective_samples"] = {a: samples for a, (_, samples) in times.items()}  # for the spread
     model = _fresh_model(spec)
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if spec.get("sharded_algorithms"):  # the sharded collectives' tables and the activations' bytes
         out["sharded"] = time_sharded(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
         out["activation_bytes"] = activation_bytes(model, workload.loss_fn, batch)
@@ -83,13 +86,18 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     dist.broadcast_object_list(sizes, src=0)
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
-    out["corun"] = _corun(model, workload, batch, spec["reps"])
+    # the co-run turns (commlab/costmodel/calibration/corun.py): the model's compute, its optimizer
+    # step (fresh gradients before each, untimed) and, on the CPU, the write-back's memory copy
+    clock = clock_for(device)
+    out["corun"] = turns(_forward_backward(model, workload, batch), clock, spec["reps"])
+    out["corun_optimizer"] = optimizer_turns(
+        model, lambda: workload.loss_fn(model(batch[0]), batch[1]).backward(), clock, spec["reps"])
     # the write-back's copies against each algorithm's all-reduce, at the table size nearest 16 MiB
     if device.type == "cpu":  # (on a GPU the write-back is a device copy: not measured here)
+        out["corun_copy"] = copy_turns(total, clock, spec["reps"])
         copy_size = min(spec["sizes"], key=lambda n: abs(n - (16 << 20)))
         out["copy_contention"] = {a: copy_contention(copy_size, spec["reps"], a) for a in spec["algorithms"]}
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
-        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         out["queue"] = {"native": queued(spec["sizes"], total, max(spec["reps"], 3))}
     out["allocator"] = allocator_state(device)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -236,21 +244,3 @@ def _contention(algorithm: str, nbytes: int, model, workload, batch, reps: int) 
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     measured = alone_and_together(algorithm, buf, _forward_backward(model, workload, batch), reps, clock_for(device), side)
     return {**measured, "nbytes": nbytes}
-
-
-def _corun(model, workload, batch, reps: int) -> dict[str, Any]:
-    """Step 4: rank 0 computing alone, then every rank computing at once, in turns.
-
-    Every sample is kept: other jobs on the machine only ever add time, and a burst of theirs
-    hits some turns and not others (a calibration once read 2.0 here where the measured steps
-    said 1.2), so the factor is taken from the quickest of each (:func:`commlab.costmodel.calibration.driver.corun_factor`)."""
-    rank = dist.get_rank()
-    alone, together = [], []
-    for _ in range(max(reps, 9)):  # each turn is one forward+backward or two: cheap
-        dist.barrier()
-        if rank == 0:
-            alone.append(_compute(model, workload, batch))
-        dist.barrier()
-        together.append(_compute(model, workload, batch))
-    return {"alone_s": float(statistics.median(alone)) if alone else 0.0,
-            "together_s": float(statistics.median(together)), "alone_samples": alone, "together_samples": together}

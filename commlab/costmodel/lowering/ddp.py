@@ -25,7 +25,10 @@ order the real DDP (commlab/ddp/reducer.py) does things, the compute resource ru
   buckets queued on distinct buffers as overlap-off DDP queues them, commlab/costmodel/calibration/queueing.py);
 - a write-back (a memory copy) beside a collective uses its own pair of factors, measured with a
   copy against the all-reduce (commlab/costmodel/calibration/queueing.py), where calibration has them;
-- the model's compute is stretched by the co-run factor when more than one rank computes.
+- the model's compute is stretched by the co-run factor when more than one rank computes; the
+  optimizer step and the write-back, which stream memory rather than compute, by their own co-run
+  factors where calibration measured them (the optimizer otherwise by the compute's, the
+  write-back otherwise not at all, as before they were measured).
 """
 
 from __future__ import annotations
@@ -64,12 +67,22 @@ class StepCosts(DDPProfile):
     kc_copy: float | None = None
     km_copy: float | None = None
     activation_bytes: int = 0  # what forward keeps for backward, where calibration measured it (peak bytes)
+    # the optimizer's and the write-back's stretches when every rank runs them at once (memory-bound:
+    # more than the compute's); None: the optimizer takes ``corun``, the write-back is not stretched
+    corun_optimizer: float | None = None
+    corun_copy: float | None = None
+
+    def optimizer_stretch(self) -> float:
+        return self.corun if self.corun_optimizer is None else self.corun_optimizer
+
+    def copy_stretch(self) -> float:
+        return 1.0 if self.corun_copy is None else self.corun_copy
 
 
 def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
                activation_bytes: int = 0) -> StepCosts:
     """The lowering's costs of one workload on one algorithm and world size (ValueError if the
-    system has no all-reduce cost for them). One rank has no co-run stretch."""
+    system has no all-reduce cost for them). One rank has no co-run stretch (none of the three)."""
     c, o = system.contention_of(algorithm), system.overheads
     table = system.collective("allreduce", algorithm, world_size)
     return StepCosts(
@@ -78,7 +91,9 @@ def step_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_s
         corun=system.corun if world_size > 1 else 1.0, kc=c.kc, km=c.km,
         allreduce=table, lanes=c.lanes, lane_gain=c.lane_gain,
         lane_gain_at=(lambda n: c.gain_at(n, table(n))) if c.paired is not None else None,
-        kc_copy=c.kc_copy, km_copy=c.km_copy, activation_bytes=int(activation_bytes))
+        kc_copy=c.kc_copy, km_copy=c.km_copy, activation_bytes=int(activation_bytes),
+        corun_optimizer=system.corun_optimizer if world_size > 1 else None,
+        corun_copy=system.corun_copy if world_size > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -110,10 +125,11 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
     host, stretch = "rank", costs.corun
     tasks: list[Task] = []
 
-    def compute(name: str, seconds: float, kind: str, deps: tuple[str, ...] = (), stretched: bool = True, **meta) -> None:
-        # Launch and write-back were timed inside DDP on one rank and are memory copies; the
-        # co-run factor was measured on forward+backward, so it stretches only the model's work.
-        tasks.append(Task(name, COMPUTE, max(seconds, 0.0) * (stretch if stretched else 1.0), deps, kind, host, meta=meta))
+    def compute(name: str, seconds: float, kind: str, deps: tuple[str, ...] = (), stretch: float = stretch,
+                **meta) -> None:
+        # Each part by the co-run factor measured on its own kind of work: forward+backward's
+        # stretches the model's work; the launch (tiny, timed inside DDP on one rank) none.
+        tasks.append(Task(name, COMPUTE, max(seconds, 0.0) * stretch, deps, kind, host, meta=meta))
 
     if setting.accumulate > 1:
         compute("nosync", (setting.accumulate - 1) * costs.nosync_s, "nosync")
@@ -138,12 +154,13 @@ def lower(costs: StepCosts, setting: DDPSetting, buckets: Sequence[Sequence[int]
         compute(f"grad{p}", costs.ready_s[j] - previous, "backward", param=p)
         previous = costs.ready_s[j]
         while k < len(buckets) and launch_after[k] == j:
-            compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretched=False, bucket=k)
+            compute(f"launch{k}", costs.bucket_fixed_s, "launch", stretch=1.0, bucket=k)
             tasks.append(reduce[k])
             k += 1
     for k, size in enumerate(nbytes):
-        compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",), stretched=False, bucket=k)
-    compute("optimizer", costs.optimizer_s, "optimizer")
+        compute(f"writeback{k}", costs.writeback_s_per_byte * size, "writeback", (f"allreduce{k}",),
+                stretch=costs.copy_stretch(), bucket=k)
+    compute("optimizer", costs.optimizer_s, "optimizer", stretch=costs.optimizer_stretch())
     return tasks
 
 

@@ -61,6 +61,7 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
     return SystemCosts(
         collectives=tables,
         contention=contention, corun=c["corun"],
+        corun_optimizer=c.get("corun_optimizer"), corun_copy=c.get("corun_copy"),  # optional: newer entries
         overheads=Overheads(bucket_fixed_s=c["bucket_fixed_s"], writeback_s_per_byte=c["writeback_s_per_byte"]))
 
 

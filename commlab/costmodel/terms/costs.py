@@ -119,13 +119,17 @@ class SystemCosts:
     """What calibration measured about a machine (or a hardware preset states), in one place.
 
     ``collectives`` is keyed by (collective, algorithm, world size), e.g. ("allreduce", "ring", 4).
-    ``corun``: how much a rank's compute stretches when every rank of the host computes at once.
+    ``corun``: how much a rank's compute stretches when every rank of the host computes at once;
+    ``corun_optimizer`` and ``corun_copy``: the same for the optimizer step and the write-back's
+    memory copy (memory-bound: they share the host's bandwidth), None where not measured.
     """
 
     collectives: Mapping[tuple[str, str, int], CollectiveCost] = field(default_factory=dict)
     p2p: PointToPoint = PointToPoint()
     contention: Mapping[str, Contention] = field(default_factory=dict)  # per algorithm
     corun: float = 1.0
+    corun_optimizer: float | None = None
+    corun_copy: float | None = None
     overheads: Overheads = Overheads()
 
     def collective(self, collective: str, algorithm: str, world_size: int) -> CollectiveCost:
