@@ -27,7 +27,7 @@ __getattr__ = lazy_getattr("commlab", {
     "Topology": "commlab.runtime.topology",
     "collectives": "commlab.collectives",
     "pipeline": "commlab.pipeline",
-    "tune": "commlab.costmodel.api",
+    "tune": "commlab.costmodel.search.api",
 }, submodules=("collectives", "pipeline"))
 
 

@@ -3,9 +3,10 @@
     commlab predict --model examples.heldout_models:convnet --model-args channels=64 ...
 
 (run from the repository root, or with it on PYTHONPATH). The predictor was calibrated and
-tuned on the built-in MLP only; these are its held-out workloads (commlab/costmodel/validate.py).
+tuned on the built-in MLP only; these are its held-out workloads (commlab/validation/ddp.py).
 The pipeline planner's held-out check (``commlab pipeline plan --model ... --validate``) runs
-``mixer``, written for it and first run with the planner's method fixed (docs/measurements.md).
+``mixer``, written for it and first run with the planner's method fixed (docs/measurements.md); the DDP
+predictor's ``--part head`` runs ``wide_head``, written for a gradient over glibc's mmap threshold.
 Each factory returns an nn.Module with an ``input_shape`` attribute (commlab/models.py).
 """
 
@@ -94,3 +95,29 @@ class Mixer(nn.Module):
 def mixer(tokens: int = 64, patch: int = 48, channels: int = 96, depth: int = 6, token_hidden: int = 128,
           channel_hidden: int = 384) -> Mixer:  # fmt: skip
     return Mixer(tokens, patch, channels, depth, token_hidden, channel_hidden)
+
+
+class WideHead(nn.Module):
+    """A small MLP trunk and one vocabulary-sized output projection, as a language model's head.
+
+    At the default sizes the head's weight (7000 x 1280 fp32, 34.2 MiB) is over glibc's 32 MiB
+    mmap threshold (commlab/_malloc.py) and over half of a 64 MiB bucket: its gradient is fresh
+    pages every step, the trunk's 6.25 MiB ones never. It is ready first in backward, so with
+    buckets of 1-32 MiB it rides alone, and one 64 MiB bucket holds the whole 61.7 MiB model.
+    """
+
+    def __init__(self, features: int = 512, width: int = 1280, depth: int = 5, vocab: int = 7000):
+        super().__init__()
+        self.input_shape = (features,)
+        layers: list[nn.Module] = [nn.Linear(features, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.trunk = nn.Sequential(*layers)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+def wide_head(features: int = 512, width: int = 1280, depth: int = 5, vocab: int = 7000) -> WideHead:
+    return WideHead(features, width, depth, vocab)

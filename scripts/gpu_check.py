@@ -6,8 +6,8 @@ Covers: world size 1 on NCCL (comm streams, events, CUDA-event timings, DDP vs t
 size 2 with both ranks on one GPU over Gloo with CUDA tensors (DDP vs torch DDP, timings ordered
 ready <= launched <= done), the 2-GPU NCCL tests when two GPUs are visible, and the cost model's
 calibration on the GPU (model, batch and buffers on the device, CUDA-event timing, the caching
-allocator's state: tests/test_predict_device.py). Exits with pytest's status; without a GPU it
-says so and exits 2 (nothing ran).
+allocator's state: tests/costmodel/calibration/test_devicetime.py). Exits with pytest's status;
+without a GPU it says so and exits 2 (nothing ran).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = [
     "tests/test_gpu.py",
-    "tests/test_ddp.py",
-    "tests/test_collectives.py",
-    "tests/test_predict_device.py",
+    "tests/ddp/test_ddp.py",
+    "tests/collectives/test_all_reduce.py",
+    "tests/costmodel/calibration/test_devicetime.py",
     "tests/test_memtrack.py",
 ]
 

@@ -7,7 +7,7 @@
     python scripts/pipeline_heldout.py pred.csv results/forward [results/reverse ...]
 
 Prints each measured configuration beside its prediction, then the median and worst absolute
-error over all of them (commlab.costmodel.plan_check.against_bench, errors) and, with several
+error over all of them (commlab.validation.planner.against_bench, errors) and, with several
 runs of one grid (forward and in reverse), against the mean of their measurements.
 """
 
@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from commlab.costmodel.plan_check import KEY, against_bench, errors
+from commlab.validation.planner import KEY, against_bench, errors
 
 
 def main(predictions: str, *run_dirs: str) -> None:

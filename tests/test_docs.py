@@ -3,7 +3,8 @@
 - README.md and docs/design.md stay within their line budgets;
 - no paragraph of 200 characters or more appears twice in README, CHANGELOG or docs/;
 - no tracked file names development rounds or tracker numbers (say the version, date or commit);
-- docs/design.md's package map lists, per package, exactly the packages its modules import;
+- docs/design.md's package map lists, per package, exactly the packages its modules import, and
+  each package's section opens with a file map naming exactly the modules in its folder;
 - the version in pyproject.toml is commlab.__version__.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import commlab
-from test_imports import import_graph
+from tests.support.import_graph import import_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -83,7 +84,7 @@ def package_graph(modules: dict[str, set[str]], packages: list[str]) -> dict[str
 
 def test_line_budgets():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
-    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 780  # ~40 lines per major part
+    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 800  # one short section per package
 
 
 def test_the_checks_find_what_they_look_for():
@@ -143,3 +144,28 @@ def test_the_package_map_matches_the_imports():
 def test_the_version_is_one():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == commlab.__version__
+
+
+def file_maps(design: str) -> dict[str, set[str]]:
+    """Each ``## `commlab.x`: ...`` (or ``###``) section's package -> the files its ``Files:`` paragraph names."""
+    maps = {}
+    for match in re.finditer(r"^#{2,3} `(commlab(?:\.\w+)*)`:.*?\n\nFiles: (.*?)\n\n", design, re.M | re.S):
+        maps[match.group(1)] = set(re.findall(r"`([\w.]+\.py)`", match.group(2)))
+    return maps
+
+
+def test_the_checks_read_file_maps():
+    text = "## `commlab.a`: the a\n\nFiles: `x.py` one; `y.py`\ntwo.\n\nProse `z.py`.\n\n### `commlab.a.b`: b\n\nFiles: `w.py` w.\n\n"
+    assert file_maps(text) == {"commlab.a": {"x.py", "y.py"}, "commlab.a.b": {"w.py"}}
+
+
+def test_every_package_has_a_section_whose_file_map_is_its_folder():
+    maps = file_maps((ROOT / "docs" / "design.md").read_text())
+    folders = {".".join(p.relative_to(ROOT).parts): {f.name for f in p.glob("*.py")}
+               for p in sorted((ROOT / "commlab").rglob("*")) if p.is_dir() and any(p.glob("*.py"))}
+    folders["commlab"] = {f.name for f in (ROOT / "commlab").glob("*.py")}
+    missing = sorted(set(folders) - set(maps))
+    wrong = {pkg: {"unlisted": sorted(folders[pkg] - maps[pkg]), "gone": sorted(maps[pkg] - folders[pkg])}
+             for pkg in folders if pkg in maps and maps[pkg] != folders[pkg]}
+    assert not missing, f"packages without a section and file map in docs/design.md: {missing}"
+    assert not wrong, f"file maps that differ from their folders: {wrong}"

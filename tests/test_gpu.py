@@ -24,6 +24,8 @@ from commlab import collectives as C
 from commlab.collectives import worker as W
 from commlab.models import mlp
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.py on a GPU machine)"
 )

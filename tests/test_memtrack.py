@@ -2,6 +2,9 @@
 (one world-size-2 spawn: what the tracker sees inside collectives and autograd, and the measured
 peak of a step by stage)."""
 
+import gc
+import sys
+
 import pytest
 import torch
 
@@ -12,7 +15,21 @@ from commlab.sharded.memory_model import bucket_memory, zero_memory
 MB = 2**20
 
 
-def test_peak_and_net_of_known_allocations_frees_backward_and_resizes():
+@pytest.fixture
+def no_traces_left():
+    """Let go of the fake tensors an earlier test's torch.export left reachable: torch keeps its last
+    trace in a module-level map and its shape environments in lru caches, and live_bytes, which
+    walks every reachable tensor, cannot read a fake tensor's storage."""
+    proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
+    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+    symbolic_shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")
+    for attr in vars(getattr(symbolic_shapes, "ShapeEnv", object)).values():
+        if hasattr(attr, "cache_clear"):
+            attr.cache_clear()
+    gc.collect()
+
+
+def test_peak_and_net_of_known_allocations_frees_backward_and_resizes(no_traces_left):
     with track_peak("cpu") as freed_first:  # 1 MB freed before 2 MB is allocated: peak 2 MB
         a = torch.empty(MB // 4)
         del a
@@ -48,11 +65,12 @@ def test_replay_and_bad_device():
 
 @pytest.fixture(scope="module")
 def world2():
-    import memtrack_cases
+    from tests.support import memtrack_cases
 
     return commlab.launch(memtrack_cases.run_world2, world_size=2, backend="gloo", timeout=300)
 
 
+@pytest.mark.slow
 def test_the_tracker_sees_collective_outputs_and_backward_in_ranks(world2):
     for rank in world2:
         # The functional all-gather allocates its 2 x 256 KiB output inside the op.
@@ -62,6 +80,7 @@ def test_the_tracker_sees_collective_outputs_and_backward_in_ranks(world2):
             assert stage["untracked"] is None  # ShardedMemory.peak only inside track_memory
 
 
+@pytest.mark.slow
 def test_sharding_lowers_the_measured_peak_below_ddp(world2):
     for rank in world2:
         peaks = {s["stage"]: s["peak"] for s in rank["stages"]}
@@ -78,7 +97,7 @@ def _stage3_bound(s) -> float:
     reduce-scatter (two shard-sized allocations per reduction in the allocation events), and a
     flat staging buffer of the full bucket per all-gather in flight (ProcessGroupGloo gathers
     into a new flat tensor, then copies it out: prefetch + 1 of them, the gathered term again)."""
-    import memtrack_cases as c
+    from tests.support import memtrack_cases as c
 
     model = zero_memory(s["params"], 2, 3, "fp32").total
     buckets = bucket_memory(s["padded"], 2, 3, prefetch=1, element_size=4, optimizer_bytes=8, unpadded_numels=s["numels"])
@@ -86,6 +105,7 @@ def _stage3_bound(s) -> float:
     return model + 2 * buckets.gathered + buckets.reduce_scatter + buckets.padding + activations + s["largest_param"] + 3 * s["largest_shard"]
 
 
+@pytest.mark.slow
 def test_the_peak_falls_stage_by_stage_and_stage3_stays_under_its_bound(world2):
     for rank in world2:
         peaks = {s["stage"]: s["peak"] for s in rank["stages"]}

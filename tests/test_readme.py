@@ -8,7 +8,7 @@ Bash: the ```bash blocks run in order, each with ``bash -e`` (every command must
 temporary working directory shared by all of them, as a user would type them one after another
 in a fresh clone: the directory holds a copy of the repository's sweeps/ and examples/, a
 ``commlab`` on PATH runs this checkout's CLI with this interpreter (PYTHONPATH is the repository
-root), and HOME is a fresh directory so that calibration profiles do not touch the user's cache.
+root), and HOME is a fresh directory so that calibrations do not touch the user's cache.
 Each block has its own timeout. Blocks are fenced with a word after ``bash`` when they must not
 run here:
 
@@ -60,6 +60,7 @@ def test_the_readme_has_examples():
 
 
 @pytest.mark.parametrize("code", RUNNABLE, ids=[f"block{i}" for i in range(len(RUNNABLE))])
+@pytest.mark.slow
 def test_readme_python_block_runs(tmp_path, code):
     script = tmp_path / "example.py"
     script.write_text(code)
@@ -110,6 +111,7 @@ def bash_session(tmp_path_factory):
 
 
 @pytest.mark.parametrize("index", range(len(BASH)), ids=[f"bash{i}-{info or 'run'}" for i, (info, _) in enumerate(BASH)])
+@pytest.mark.slow
 def test_readme_bash_block_runs(bash_session, index):
     info, code = BASH[index]
     if info:

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 import commlab
-from commlab.costmodel.alpha_beta import format_size
+from commlab.runs.traffic import format_size
 from commlab.runtime.interrupt import keep_partial
 from commlab.bench.collectives_plugins import Collective, collective_names, get_collective
 from commlab.bench.collectives_ratio import ratio_lines

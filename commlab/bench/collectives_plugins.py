@@ -16,17 +16,8 @@ Buffers: every rank holds an ``input`` of ``count`` elements (its own data) and 
 ``buf`` (nccl-tests' two placements). Sizes: ``size`` is the whole buffer in bytes and ``count``
 its elements, as nccl-tests reports them for the collectives here.
 
-Bus bandwidth (nccl-tests' doc/PERFORMANCE.md): the algorithm bandwidth ``algbw = size / time``
-is what a program sees; it falls as ranks are added because each byte crosses more links.
-``busbw = algbw * factor`` is the traffic through the busiest rank's link, comparable with the
-hardware's bandwidth and across world sizes. With n ranks and S bytes:
-
-- reduce-scatter: each rank ends with S/n reduced bytes, and every one of them needs the other
-  n - 1 ranks' contributions, so each rank receives at least (n - 1) S / n: factor (n - 1)/n.
-- all-gather: each rank receives the n - 1 blocks of S/n it lacks: (n - 1) S / n, factor (n - 1)/n.
-- all-reduce: a reduce-scatter followed by an all-gather of the result (the least traffic
-  possible, which the ring reaches): 2 (n - 1) S / n, factor 2 (n - 1)/n.
-- broadcast: S bytes leave the root through its one link, whatever the algorithm: factor 1.
+Bus bandwidth (nccl-tests' doc/PERFORMANCE.md) is ``algbw * factor``, the factor being the bytes
+through one rank per byte of buffer, derived in commlab/runs/traffic.py.
 
 The data follow nccl-tests' idea of values exact in every dtype: rank r's element i is
 (r + 1) * (i % 5 + 1), so sums stay small integers (exact even in bfloat16 up to 8 ranks).
@@ -36,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,6 +36,7 @@ from commlab import collectives
 from commlab.collectives.reduce_ops import finish_
 from commlab.collectives.scatter_gather import check_scatter_gather
 from commlab.collectives.schedules import chunk_bounds
+from commlab.runs.traffic import bus_factor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has the old ones.
@@ -130,10 +123,6 @@ def _block(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # -- all-reduce: every registered algorithm of commlab.collectives -----------------------------
 
-def _all_reduce_factor(n: int) -> float:
-    return 2 * (n - 1) / n
-
-
 def _all_reduce_expected(rank, world, count, dtype, op, device):
     return reduced(world, count, dtype, op, device)
 
@@ -145,15 +134,11 @@ def _all_reduce_run(algorithm, source, buf, op, placement):
     collectives.all_reduce(buf, op, algorithm=algorithm)
 
 
-register(Collective("all_reduce", collectives.algorithm_names, _all_reduce_factor, rank_data,
+register(Collective("all_reduce", collectives.algorithm_names, partial(bus_factor, "all_reduce"), rank_data,
                     _all_reduce_expected, _all_reduce_run))
 
 
 # -- reduce-scatter: the backend's, and commlab's ring and halving-doubling -------------------
-
-def _scatter_factor(n: int) -> float:
-    return (n - 1) / n
-
 
 def _reduce_scatter_algorithms() -> list[str]:
     return ["native", *collectives.scatter_gather_names()]
@@ -180,7 +165,7 @@ def _reduce_scatter_run(algorithm, source, buf, op, placement):
     collectives.reduce_scatter(buf, op, algorithm=algorithm)
 
 
-register(Collective("reduce_scatter", _reduce_scatter_algorithms, _scatter_factor, rank_data,
+register(Collective("reduce_scatter", _reduce_scatter_algorithms, partial(bus_factor, "reduce_scatter"), rank_data,
                     _reduce_scatter_expected, _reduce_scatter_run, result=_block, blocks=True,
                     check_world=_scatter_gather_world))
 
@@ -209,16 +194,12 @@ def _all_gather_run(algorithm, source, buf, op, placement):
     collectives.all_gather(buf, algorithm=algorithm)
 
 
-register(Collective("all_gather", _reduce_scatter_algorithms, _scatter_factor, _all_gather_init,
+register(Collective("all_gather", _reduce_scatter_algorithms, partial(bus_factor, "all_gather"), _all_gather_init,
                     _all_gather_expected, _all_gather_run, blocks=True, reduces=False,
                     check_world=_scatter_gather_world))
 
 
 # -- broadcast from rank 0: the backend's, and commlab's pipelined tree -----------------------
-
-def _broadcast_factor(n: int) -> float:
-    return 1.0
-
 
 def _broadcast_algorithms() -> list[str]:
     return ["native", "tree"]
@@ -244,5 +225,5 @@ def _broadcast_run(algorithm, source, buf, op, placement):
         collectives.broadcast(buf, src=0)
 
 
-register(Collective("broadcast", _broadcast_algorithms, _broadcast_factor, _broadcast_init,
+register(Collective("broadcast", _broadcast_algorithms, partial(bus_factor, "broadcast"), _broadcast_init,
                     _broadcast_expected, _broadcast_run, reduces=False, root=0))

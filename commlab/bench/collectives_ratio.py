@@ -17,7 +17,7 @@ import statistics
 
 import pandas as pd
 
-from commlab.costmodel.alpha_beta import format_size
+from commlab.runs.traffic import format_size
 
 
 def ratio_table(df: pd.DataFrame, baseline: str = "native", placement: str = "in-place") -> pd.DataFrame:

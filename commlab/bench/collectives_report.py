@@ -8,7 +8,7 @@ import os
 import pandas as pd
 
 from commlab._atomic import write_via
-from commlab.costmodel.alpha_beta import bandwidths, fit_alpha_beta
+from commlab.costmodel.terms.alpha_beta import bandwidths, fit_alpha_beta
 
 KEY_COLUMNS = [  # the printed table, in nccl-tests' order: (column, title, width, format)
     ("size_bytes", "size(B)", 12, "d"),

@@ -5,7 +5,7 @@ warm-up and timed iterations of each of its algorithms, then the check of every 
 the plug-in's closed form (#wrong).
 
 Fairness on a noisy machine: for one size, each iteration runs every (algorithm, placement)
-once, in an order rotated by the iteration number, after a barrier; so all see the same
+once, in an order rotated by the iteration number, after a barrier (commlab/runtime/timer.py's loop); so all see the same
 background load and none always goes first. Each rank reports its own mean time per
 (size, algorithm, placement); the report averages them over ranks, as nccl-tests does.
 
@@ -32,6 +32,7 @@ from commlab._atomic import write_via
 from commlab.bench.collectives_plugins import Collective
 from commlab.bench.collectives_report import PLACEMENTS, combine_ranks, format_rows, header_lines
 from commlab.runtime.context import Runtime
+from commlab.runtime.timer import Counter, WallClock, rotate, timed_rounds
 
 
 def run_rank(config: dict) -> list[dict]:
@@ -64,23 +65,14 @@ def _one_size(c: Collective, algorithms: list[str], nbytes: int, config: dict) -
     source = c.init(rt.rank, rt.world_size, count, dtype, rt.device)
     buf = torch.empty_like(source)
     pairs = [(a, p) for a in algorithms for p in PLACEMENTS]
-    elapsed = {pair: [] for pair in pairs}
-    cpu = {pair: [] for pair in pairs}  # this process's CPU time, all threads (Gloo's included)
-    for it in range(config["warmup"] + config["iters"]):
-        shift = it % len(pairs)
-        for algorithm, placement in pairs[shift:] + pairs[:shift]:
-            buf.copy_(source)  # in place starts from the input; out of place overwrites it
-            dist.barrier()
-            # Process CPU time (user + system, every thread, Gloo's included): on a shared
-            # machine it moves far less with other jobs' load than wall time (what a rank spends).
-            cpu_start = time.process_time()
-            start = time.perf_counter()
-            c.run(algorithm, source, buf, config["op"], placement)
-            if buf.is_cuda:
-                torch.cuda.synchronize(buf.device)
-            if it >= config["warmup"]:
-                elapsed[(algorithm, placement)].append(time.perf_counter() - start)
-                cpu[(algorithm, placement)].append(time.process_time() - cpu_start)
+    runs = {(a, p): (lambda a=a, p=p: c.run(a, source, buf, config["op"], p)) for a, p in pairs}
+    # Process CPU time (user + system, every thread, Gloo's included) beside wall time: on a shared
+    # machine it moves far less with other jobs' load than wall time (what a rank spends).
+    samples = timed_rounds(runs, config["iters"], config["warmup"], order=rotate,
+                           meters={"elapsed": WallClock(buf.device), "cpu": Counter(time.process_time)},
+                           # in place starts from the input; out of place overwrites it
+                           before=lambda _pair: (buf.copy_(source), dist.barrier()))
+    elapsed, cpu = samples["elapsed"], samples["cpu"]
     wrong = dict.fromkeys(pairs, -1)  # -1: not checked
     if config["check"]:
         want = c.expected(rt.rank, rt.world_size, count, dtype, config["op"], rt.device)

@@ -17,6 +17,8 @@ The options are declared in :mod:`commlab.cli.bench`; this module is the run.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import resource
@@ -30,6 +32,7 @@ from commlab._atomic import write_text
 from commlab._malloc import keep_freed_memory
 from commlab.runtime.interrupt import keep_partial
 from commlab.runtime.orphans import private_tempdir
+from commlab.runtime.timer import Counter, WallClock, timed_rounds
 
 
 def _bench_rank(cfg: dict) -> dict:
@@ -55,32 +58,27 @@ def _bench_rank(cfg: dict) -> dict:
     gen = torch.Generator().manual_seed(1 + rt.rank)
     batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
     batches = [(x.to(rt.device), y.to(rt.device)) for x, y in batches]
-    sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
-    fresh = fresh_memory_counter(rt.device)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    cpu: dict[str, list[float]] = {name: [] for name in models}
-    faults: dict[str, list[int]] = {name: [] for name in models}
-    result = {"times": times, "cpu": cpu, "faults": faults, "params": sum(p.numel() for p in work.model.parameters()),
-              "cuda": rt.device.type == "cuda", "kept": kept, "buckets": len(models["commlab"].bucket_sizes)}
-    for i in range(cfg["warmup"] + cfg["iters"]):
-        order = list(models) if i % 2 == 0 else list(models)[::-1]  # neither always goes first
-        for name in order:
-            x, y = batches[i % len(batches)]
-            dist.barrier()
-            sync()
-            start_faults = fresh()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            opts[name].zero_grad()
-            work.loss_fn(models[name](x), y).backward()
-            opts[name].step()
-            sync()
-            if i >= cfg["warmup"]:
-                times[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
-                faults[name].append(fresh() - start_faults)
-        if cfg.get("partial_dir") and i >= cfg["warmup"]:  # untimed: what an interrupted run reports
-            write_text(os.path.join(cfg["partial_dir"], f"rank{rt.rank}.json"), json.dumps(result))
-    return result
+    feeds = {name: itertools.cycle(batches) for name in models}  # round i: batch i of the cycle, both
+
+    def step(name: str) -> None:
+        x, y = next(feeds[name])
+        opts[name].zero_grad()
+        work.loss_fn(models[name](x), y).backward()
+        opts[name].step()
+
+    facts = {"params": sum(p.numel() for p in work.model.parameters()), "cuda": rt.device.type == "cuda", "kept": kept,
+             "buckets": len(models["commlab"].bucket_sizes)}
+
+    def save(round_: int, samples: dict) -> None:  # untimed: what an interrupted run reports
+        if cfg.get("partial_dir") and round_ >= cfg["warmup"]:
+            write_text(os.path.join(cfg["partial_dir"], f"rank{rt.rank}.json"), json.dumps({**samples, **facts}))
+
+    # Iterations alternate between the two (neither always goes first), each from a barrier.
+    samples = timed_rounds({name: functools.partial(step, name) for name in models}, cfg["iters"], cfg["warmup"],
+                           meters={"times": WallClock(rt.device), "cpu": Counter(time.process_time),
+                                   "faults": Counter(fresh_memory_counter(rt.device))},
+                           before=lambda _name: dist.barrier(), after_round=save)
+    return {**samples, **facts}
 
 
 def fresh_memory_counter(device):

@@ -55,12 +55,11 @@ def check(schedules: list[str], microbatches: list[int], world: int, launches: i
 
 def _rank(impl: str, cfg: dict[str, Any]) -> list[float]:
     """One launch's rank: ``warmup`` then ``iters`` timed steps of ``impl``; the step times."""
-    import time
-
     import torch
     import torch.distributed as dist
 
     from commlab.models import GPT, lm_loss
+    from commlab.runtime.timer import timed_steps
 
     warnings.filterwarnings("ignore")  # torch.export's deprecation chatter
     torch.manual_seed(0)
@@ -89,15 +88,12 @@ def _rank(impl: str, cfg: dict[str, Any]) -> list[float]:
                   for s in range(len(placement)) if placement[s] == rank]  # fmt: skip
         run = getattr(schedules, REGISTRY[name].torch)(stages if len(stages) > 1 else stages[0], n_microbatches=m,
                                                        loss_fn=lm_loss).step  # fmt: skip
-    times = []
-    for k in range(cfg["warmup"] + cfg["iters"]):
-        model.zero_grad(set_to_none=True)
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step() -> None:
         run(*((tokens,) if first else ()), target=target if last else None)
         dist.barrier()  # the slowest rank's step
-        times.append(time.perf_counter() - start)
-    return times[cfg["warmup"] :]
+
+    return timed_steps(step, cfg["iters"], cfg["warmup"], before=lambda: (model.zero_grad(set_to_none=True), dist.barrier()))
 
 
 def _piece(part):

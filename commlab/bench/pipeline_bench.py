@@ -11,16 +11,14 @@ bubble feeds each step's own action times to the simulator: on a loaded machine 
 vary from one micro-batch to the next, which a per-stage median cannot predict. Activation memory is the bytes saved for backward (saved-tensor hooks),
 plus the CUDA allocator's peak on GPUs. torch has no checkpointing in its schedules, so the
 reference runs only for ``checkpoint=never``. The predicted step time is calibrated on
-``calibrate`` commlab steps run before the timed ones (:mod:`commlab.costmodel.pipeline_calibrate`).
+``calibrate`` commlab steps run before the timed ones (:mod:`commlab.costmodel.calibration.pipeline`).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,9 @@ import commlab
 from commlab._atomic import write_via
 from commlab.bench import pipeline_results as bench_results
 from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.costmodel.calibration.pipeline import from_barrier, step_of, step_timeline
+from commlab.runtime.threads import rank_threads
+from commlab.runtime.timer import StartTime, WallClock, timed_rounds
 
 COMMON_DEFAULTS = dict(depth=8, width=1024, batch=64, iters=10, warmup=3, virtual=2)
 
@@ -74,19 +75,12 @@ def balance(mode: str, depth: int, width: int, batch: int, stages: int, world_si
     sample = torch.randn(batch, width)
     if mode != "time":
         return balance_by_size(model, sample, stages)
-    # Profile with a rank's threads (commlab.launch gives each cores // world), not the parent's.
-    threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
+    with rank_threads(world_size):  # profiled with a rank's threads, not the parent's
         return balance_by_time(model, sample, stages, repeat=5)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from commlab.models import mlp
@@ -108,53 +102,42 @@ def _measure(rt, cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
                    timeout=common.get("timeout", 300.0))  # fmt: skip
     # Timing runs as a user would: no memory hooks, no per-action device synchronisation.
     ours = PipelineExecutor(stage, cfg["schedule"], track_memory=False, measure=False, **options)
-    runs = {"commlab": (ours_model, lambda: ours.step(x if stage.is_first else None, target=y if stage.is_last else None))}
+    nets, steps = {"commlab": ours_model}, {"commlab": step_of(stage, ours, x, y)}
     if cfg["checkpoint"] == "never" and found.torch is not None:
-        ref_model = model()
-        runs["torch"] = (ref_model, _torch_step(ref_model, cfg, rt, x, y))
+        nets["torch"] = model()
+        steps["torch"] = _torch_step(nets["torch"], cfg, rt, x, y)
     cuda = rt.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    # absolute perf_counter starts (one clock for all local ranks) and wall seconds, GPU work included
+    meters = {"origins": StartTime(rt.device), "seconds": WallClock(rt.device)}
     # Calibration steps first (commlab alone, after one warm-up step): the predictor's costs come
     # from these, never from the timed steps it is checked against.
-    calibration: dict[str, list] = {"timelines": [], "origins": []}
-    for i in range(1 + common.get("calibrate", 3)):
-        ours_model.zero_grad(set_to_none=False)
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        runs["commlab"][1]()
-        sync()
-        if i:
-            calibration["origins"].append(start)
-            calibration["timelines"].append([(t.action.stage, t.action.kind, t.action.microbatch, ours.started_at + t.start,
-                                              ours.started_at + t.end) for t in ours.timeline])  # fmt: skip
-    timelines, origins, cuda_peak = [], [], None
-    for i in range(common["warmup"] + common["iters"]):
-        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:  # neither always goes first
-            net, step = runs[name]
-            net.zero_grad(set_to_none=False)
-            dist.barrier()
-            sync()
+    calibration: dict[str, list] = {"timelines": []}
+    calibrated = timed_rounds({"commlab": steps["commlab"]}, common.get("calibrate", 3), 1, meters=meters,
+                              before=lambda _n: from_barrier(ours_model),
+                              after=lambda _n, timed: timed and calibration["timelines"].append(step_timeline(ours)))
+    calibration["origins"] = calibrated["origins"]["commlab"]
+    timelines, cuda_peak, base = [], None, 0
+
+    def before(name: str) -> None:
+        nonlocal base
+        from_barrier(nets[name])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(rt.device)
+            base = torch.cuda.memory_allocated(rt.device)
+
+    def after(name: str, timed: bool) -> None:
+        nonlocal cuda_peak
+        if timed and name == "commlab":
+            timelines.append(step_timeline(ours))
             if cuda:
-                torch.cuda.reset_peak_memory_stats(rt.device)
-                base = torch.cuda.memory_allocated(rt.device)
-            start = time.perf_counter()
-            step()
-            sync()
-            elapsed = time.perf_counter() - start
-            if i < common["warmup"]:
-                continue
-            times[name].append(elapsed)
-            if name == "commlab":  # absolute perf_counter times: one clock for all local ranks
-                at = ours.started_at
-                timelines.append([(t.action.stage, t.action.kind, t.action.microbatch, at + t.start, at + t.end) for t in ours.timeline])
-                origins.append(start)
-                if cuda:
-                    cuda_peak = torch.cuda.max_memory_allocated(rt.device) - base
+                cuda_peak = torch.cuda.max_memory_allocated(rt.device) - base
+
+    # Iterations alternate between commlab and torch (neither always goes first).
+    samples = timed_rounds(steps, common["iters"], common["warmup"], meters=meters, before=before, after=after)
+    times, origins = samples["seconds"], samples["origins"]["commlab"]
     # Memory from one more, untimed step with the accounting on.
     counted = PipelineExecutor(stage, cfg["schedule"], **options)
-    counted.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    step_of(stage, counted, x, y)()
     ours_model.zero_grad(set_to_none=True)
     return {"rank": rt.rank, "times": times, "timelines": timelines, "origins": origins, "cuda_peak": cuda_peak, "calibration": calibration,
             "saved_bytes": dict(counted.peak_saved_bytes), "rank_peak_bytes": counted.memory.peak}  # fmt: skip

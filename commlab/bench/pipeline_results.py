@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from commlab._atomic import write_text
-from commlab.costmodel.pipeline_calibrate import aligned, comm_latency, idle_breakdown, predicted_step, stage_times
+from commlab.costmodel.calibration.pipeline import (
+    aligned,
+    comm_latency,
+    idle_breakdown,
+    predicted_step,
+    stage_times,
+)
 from commlab.pipeline.schedule.actions import Action
 from commlab.pipeline.schedule.registry import build
 from commlab.pipeline.schedule.simulate import bubble_formula, simulate

@@ -21,7 +21,7 @@ Every implementation runs in a launch of its own (fresh processes), and launches
 (A B, then B A, ...): two models in one process share one heap, and whichever allocates second
 page-faults into memory the first one freed, which would decide the ratio (see
 :func:`commlab.bench.ddp_bench.keep_freed_memory`). A launch times ``iters`` steps (zero_grad,
-forward, backward, step) after ``warmup``, back to back (each from its start to the next one's);
+forward, backward, step) after ``warmup``, back to back (no barrier between them);
 a step's time is the slowest rank's, and a launch gives its median. The command prints, per
 implementation, the median over launches of those medians, and per comparison their ratio with
 the spread of the per-launch ratios (launch i of one against launch i of the other: p10 /
@@ -37,6 +37,7 @@ The options are declared in :mod:`commlab.cli.bench`; this module is the run.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -45,6 +46,7 @@ import click
 import commlab
 from commlab.runtime.interrupt import keep_partial
 from commlab.bench.ddp_bench import fresh_memory_counter, keep_freed_memory, spread
+from commlab.runtime.timer import Counter, CpuClock, timed_rounds
 
 # implementation -> its label in the table
 LABELS = {
@@ -99,25 +101,22 @@ def _bench_rank(cfg: dict) -> dict:
     model = wrap(cfg["impl"], work.model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + rt.rank)
-    batches = [work.make_batch(cfg["batch"], gen) for _ in range(4)]
-    fresh = fresh_memory_counter(rt.device)
-    stamps = []  # (wall, cpu, faults) at the start of each step, and after the last
-    steps = cfg["warmup"] + cfg["iters"]
-    dist.barrier()
-    for i in range(steps + 1):
-        stamps.append((time.perf_counter(), time.process_time(), fresh()))
-        if i == steps:
-            break
-        x, y = batches[i % len(batches)]
+    feed = itertools.cycle([work.make_batch(cfg["batch"], gen) for _ in range(4)])
+
+    def step() -> None:
+        x, y = next(feed)
         opt.zero_grad()
         work.loss_fn(model(x), y).backward()
         opt.step()
-    # A step is timed from its start to the next step's start, with no barrier between: work that
-    # an implementation leaves in flight after its step (an all-gather launched by the optimizer
-    # step) is waited for inside the next step, not hidden in a barrier.
-    timed = list(zip(stamps[cfg["warmup"] :], stamps[cfg["warmup"] + 1 :]))
-    times, cpu, faults = ([b[k] - a[k] for a, b in timed] for k in range(3))
-    return {"times": times, "cpu": cpu, "faults": faults, "params": params, "kept": kept}
+
+    # One barrier before the first step and none between steps: work that an implementation leaves
+    # in flight after its step (an all-gather launched by the optimizer step) is waited for inside
+    # the next step, not hidden in a barrier.
+    dist.barrier()
+    samples = timed_rounds({cfg["impl"]: step}, cfg["iters"], cfg["warmup"],
+                           meters={"times": CpuClock(), "cpu": Counter(time.process_time),
+                                   "faults": Counter(fresh_memory_counter(rt.device))})
+    return {**{meter: by_impl[cfg["impl"]] for meter, by_impl in samples.items()}, "params": params, "kept": kept}
 
 
 def launch_summary(per_rank: list[dict]) -> dict:

@@ -19,9 +19,10 @@ _COMMANDS = {
     "figures": ("commlab.cli.sweep:figures", "Regenerate every figure of a results directory."),
     "trace": ("commlab.cli.sweep:trace", "Write one configuration's timeline as a Chrome trace."),
     "pipeline": ("commlab.cli.pipeline:pipeline", "Pipeline schedules: show, simulate, benchmark."),
-    "calibrate": ("commlab.cli.predict:calibrate", "Measure the DDP model's terms once; cache them in a profile."),
+    "calibrate": ("commlab.cli.predict:calibrate", "Measure the DDP model's terms once; cache them in a file."),
     "predict": ("commlab.cli.predict:predict", "Predict a sweep (same files, ids, figures) without running it."),
     "tune": ("commlab.cli.predict:tune", "Recommend bucket_cap_mb, algorithm and overlap by simulation."),
+    "validate": ("commlab.cli.validate:validate", "Predictions against measurement on held-out work."),
 }
 _BENCH_COMMANDS = {
     "ddp": ("commlab.cli.bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),

@@ -25,7 +25,7 @@ class _Size(click.ParamType):
     name = "SIZE"
 
     def convert(self, value, param, ctx):
-        from commlab.costmodel.alpha_beta import parse_size  # numpy: not for --help
+        from commlab.runs.traffic import parse_size  # numpy: not for --help
 
         try:
             return parse_size(value)
@@ -46,15 +46,17 @@ def _int_list(value: str, name: str, minimum: int) -> list[int]:
 def _check_capacity(world: int, data_bytes_per_rank: int, oversubscribe: bool) -> None:
     """The sweep's rule for local CPU ranks (commlab.runtime.capacity), before any process starts.
 
-    Each rank gets commlab.launch's cpu_count // world_size torch threads (at least one).
+    Each rank gets the threads commlab.launch gives it (commlab/runtime/threads.py's rule), out of
+    the cores this process may run on.
     """
     from commlab.runtime.capacity import check_local_ranks
     from commlab.runtime.metadata import cpu_count
+    from commlab.runtime.threads import threads_per_rank
 
     if oversubscribe:
         return
     try:
-        check_local_ranks(world, max(1, cpu_count() // world), data_bytes_per_rank)
+        check_local_ranks(world, threads_per_rank(world, cores=cpu_count()), data_bytes_per_rank)
     except ValueError as e:
         raise click.BadParameter(f"{e}; or add --oversubscribe to run it anyway", param_hint="--world-size") from None
 
@@ -100,7 +102,7 @@ def bench_collectives(min_bytes, max_bytes, step_factor, iters, warmup, collecti
                       dtype, op, check, out_dir, timeout, repeat, oversubscribe):
     """nccl-tests-style benchmark of collectives and their algorithms (interleaved, fair comparison)."""
     from commlab.bench import collectives_bench  # imports torch: inside the command
-    from commlab.costmodel.alpha_beta import size_sweep
+    from commlab.costmodel.terms.alpha_beta import size_sweep
 
     from commlab.bench.collectives_plugins import collective_names
 

@@ -30,7 +30,7 @@ from commlab.pipeline.schedule.registry import REGISTRY, build
 from commlab.pipeline.schedule.render import grid
 from commlab.pipeline.schedule.simulate import bubble_formula
 from commlab.pipeline.schedule.simulate import simulate as run_simulation
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, validate
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES, check_plan, check_schedule
 
 BALANCE_MODES = ("uniform", "time", "size")
 # The most (rank, micro-batch, stage-per-rank) triples one schedule is simulated for. Building,
@@ -47,7 +47,7 @@ def _virtual(schedule: str, virtual: int) -> int:  # the schedule's own stages p
 def _actions(schedule: str, ranks: int, microbatches: int, virtual: int):
     try:
         actions = build(schedule, ranks, microbatches, _virtual(schedule, virtual))
-        validate(actions)
+        check_schedule(actions)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     return actions
@@ -73,7 +73,7 @@ def show(schedule, csv_path, ranks, microbatches, virtual, as_actions, comm, bac
     if csv_path is not None:
         try:
             actions = from_csv(csv_path.read_text())
-            validate(actions)
+            check_schedule(actions)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
     else:

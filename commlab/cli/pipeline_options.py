@@ -7,7 +7,7 @@ import click
 from commlab.pipeline.schedule.registry import REGISTRY
 
 SCHEDULE_NAMES = tuple(REGISTRY)  # the registry is the one list of schedules
-OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")  # commlab.costmodel.plan.OPTIMIZER_STATE (that module imports torch)
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")  # commlab.costmodel.planner.plan.OPTIMIZER_STATE (that module imports torch)
 
 
 def ints(text: str, option: str) -> list[int]:

@@ -12,7 +12,7 @@ import click
 from commlab.cli.pipeline_options import OPTIMIZERS, SCHEDULE_NAMES, ints as _ints, names as _names
 from commlab.cli.writable import check_writable
 from commlab.pipeline.schedule.registry import REGISTRY
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES
 
 
 @click.command()
@@ -57,13 +57,13 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     """
     import os
 
-    from commlab.costmodel.pipeline import DataParallel
+    from commlab.costmodel.lowering.pipeline import DataParallel
 
-    from commlab.costmodel.plan import best, candidates, no_fit, table
-    from commlab.costmodel.plan_profile import profile_mlp
-    from commlab.costmodel.plan_calibrate import plan_costs, profile_line
-    from commlab.costmodel.plan_offgrid import calibration_count, calibration_runs
-    from commlab.costmodel.plan_stages import needs_split, stage_ranges
+    from commlab.costmodel.planner.plan import best, candidates, no_fit, table
+    from commlab.costmodel.planner.layers import profile_mlp
+    from commlab.costmodel.planner.calibrate import plan_costs, calibrated_line
+    from commlab.costmodel.planner.offgrid import calibration_count, calibration_runs
+    from commlab.costmodel.planner.stages import needs_split, stage_ranges
 
     names = _names(schedules, tuple(REGISTRY), "--schedules")
     modes = _names(checkpoints, CHECKPOINT_MODES, "--checkpoint")
@@ -76,7 +76,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
         raise click.BadParameter("--validate needs at least 2 ranks", param_hint="--ranks")
     if check and dp > 1:
         raise click.BadParameter("--validate measures pipeline-only plans: use --dp 1", param_hint="--dp")
-    if dp > 1 and not calibrate and profile_line(dp) is None:
+    if dp > 1 and not calibrate and calibrated_line(dp) is None:
         raise click.UsageError(f"--dp {dp} --no-calibrate needs a DDP calibration at world size {dp} on this machine: "
                                "drop --no-calibrate to measure the all-reduce")  # fmt: skip
     if out is not None and not check:
@@ -101,7 +101,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     if model_name is None:
         profiles = profile_mlp(depth, width, batch, profiled, ranks * dp, None if co_run else priced)
     else:
-        from commlab.costmodel.plan_model import profile_model, split_points
+        from commlab.costmodel.planner.model import profile_model, split_points
 
         try:
             profiles, points = profile_model(model_name, batch, profiled, ranks * dp, split_at and split_at.split(","),
@@ -128,7 +128,7 @@ def plan(ranks, budget_mb, schedules, microbatches, virtual, checkpoints, depth,
     chosen = best(plans, budget)
     click.echo("\n".join(table(plans[:top], budget)))
     if predictions is not None:
-        from commlab.costmodel.plan_check import write_predictions
+        from commlab.validation.planner import write_predictions
 
         click.echo(f"wrote {write_predictions(predictions, plans)} predictions to {predictions}")
     if chosen is None:
@@ -150,7 +150,7 @@ def _sizes(model_name: str | None, model_args: str | None) -> dict:
     if model_name is None:
         return {}
     from commlab.models import check_workload
-    from commlab.sweep.options import parse_model_args
+    from commlab.runs.options import parse_model_args
 
     try:
         sizes = parse_model_args(model_args or "")
@@ -161,7 +161,7 @@ def _sizes(model_name: str | None, model_args: str | None) -> dict:
 
 
 def _plan_check(fitting, chosen, ranks: int, common: dict, budget: float | None = None, out: Path | None = None) -> None:
-    from commlab.costmodel.plan_check import measure_grid
+    from commlab.validation.planner import measure_grid
 
     what = "plans (every one)" if budget is not None else "plans that fit"
     click.echo(f"\nvalidating: {len(fitting)} {what}, {ranks} Gloo ranks, {common['iters']} timed rounds after "

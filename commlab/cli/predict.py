@@ -23,6 +23,7 @@ import click
 
 from commlab.cli import sweep as sweep_cli
 from commlab.cli import tune_text, zero_memory  # click declarations at import; torch inside the calls
+from commlab.cli.renamed import add_old_spelling
 from commlab.cli.writable import check_writable
 
 # The sweep's options about running and measuring: nothing here runs a configuration.
@@ -53,21 +54,25 @@ def _refused(names: set[str]) -> list[click.Parameter]:
     return out
 
 
-_PROFILE = click.Option(["--profile", "profile_path"], type=click.Path(dir_okay=False, path_type=Path),
-                        help="calibration profile (JSON) [~/.cache/commlab/profile.json]")
-_RECAL = click.Option(["--recalibrate"], is_flag=True, help="measure again even if the profile holds a fresh entry")
+def _calibration() -> click.Option:
+    """--calibration FILE (its old spelling --profile is added to each command below)."""
+    return click.Option(["--calibration", "calibration_path"], type=click.Path(dir_okay=False, path_type=Path),
+                        help="calibration file (JSON) [~/.cache/commlab/calibration.json]")
+
+
+_RECAL = click.Option(["--recalibrate"], is_flag=True, help="measure again even if the calibration file holds a fresh entry")
 _ECHO = lambda line: click.echo(line, err=True)  # noqa: E731
 
 
 def _plan(spec_file, options, *, hardware: str | None = None):
     from commlab.sweep import runner
-    from commlab.sweep.spec import build_plan, merge
+    from commlab.runs.grid import build_grid, merge
 
     spec = sweep_cli._read_spec(spec_file)
     try:
-        plan = build_plan(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
+        plan = build_grid(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
         if hardware is None:
-            runner.check_plan(plan)
+            runner.check_grid(plan)
         else:
             from commlab.models import check_workload
 
@@ -80,20 +85,20 @@ def _plan(spec_file, options, *, hardware: str | None = None):
     return plan
 
 
-def _calibrate(spec_file, profile_path, recalibrate, **options):
+def _calibrate(spec_file, calibration_path, recalibrate, **options):
     """Measure what `commlab predict` and `commlab tune` of these workloads need, and cache it (SPEC
     and the sweep's options): one entry per backend, world size, threads per rank and batch per
     rank of the grid, each with every registered all-reduce algorithm (tune searches them all),
     and with --stage 1-3 the sharded collectives. Calibrate the spec you will predict or tune."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     try:
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO,
-                                      algorithms=session.tune_algorithms())
+        entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate,
+                                      echo=_ECHO, algorithms=session.tune_algorithms())
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.costmodel.profile import key_id
+    from commlab.costmodel.calibration.cache import key_id
 
     for entry in entries.values():
         c = entry["compute"]
@@ -101,7 +106,7 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                    f"{c['ready_s'][-1] * 1e3:.1f} ms, optimizer {c['optimizer_s'] * 1e3:.1f} ms, co-run x{c['corun']:.2f}, "
                    f"write-back {c['writeback_s_per_byte'] * 2**30:.1f} s/GiB, bucket {c['bucket_fixed_s'] * 1e3:.2f} ms")
         if "steadiness" in entry:
-            from commlab.costmodel.uncertainty import Steadiness
+            from commlab.costmodel.terms.uncertainty import Steadiness
 
             click.echo(f"  calibration {Steadiness.from_json(entry['steadiness']).describe()}")
         for algorithm, fit in entry["collectives"].items():
@@ -111,17 +116,17 @@ def _calibrate(spec_file, profile_path, recalibrate, **options):
                        f"(line off by up to {worst * 100:.0f}%; table used), kc {k.get('kc', 0):.2f}, km {k.get('km', 0):.2f}")
 
 
-def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memory, num_params, precision, **options):
+def _predict(spec_file, against, calibration_path, recalibrate, hardware, draw, memory, num_params, precision, **options):
     """Predict a sweep (SPEC and the sweep's options) from a calibration: same files, ids, columns
     and figures as `commlab sweep`, with a `source` column saying `predicted`. Configurations at
     stage 1-3 (sharded data parallelism) are predicted too, with their peak bytes per rank.
     --memory prints the ZeRO memory model instead (no calibration)."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     if memory or num_params is not None or precision is not None:
         if not memory:
             raise click.UsageError("--params and --precision go with --memory")
-        extra = {**options, "against": against, "hardware": hardware, "profile": profile_path, "recalibrate": recalibrate}
+        extra = {**options, "against": against, "hardware": hardware, "calibration": calibration_path, "recalibrate": recalibrate}
         other = [k for k, v in extra.items() if v not in (None, False, ()) and k not in ("model", "model_args", "world_size")]
         if other or spec_file is not None:
             raise click.UsageError(f"--memory takes --params or --model/--model-args, --world-size and --precision "
@@ -132,7 +137,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     begin = time.monotonic()
     preset = None
     if hardware is not None:
-        from commlab.costmodel.hardware import load_preset
+        from commlab.costmodel.hardware.presets import load_preset
 
         try:
             preset = load_preset(hardware)
@@ -146,7 +151,7 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     plan = _plan(spec_file, options, hardware=hardware)
     measured = None
     if against is not None:
-        from commlab.sweep.store import read_tables
+        from commlab.runs.store import read_tables
 
         try:
             measured = read_tables(against)[2]
@@ -162,17 +167,17 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
     try:
         session.check_run_dir(run_dir)  # e.g. --name of a measured run: a usage error, not a traceback
         if preset is None:
-            entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO)
+            entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate, echo=_ECHO)
             _warn_unsteady(entries.values())
             records, meta = session.predict(plan, entries)
         else:  # what-if: nothing of this machine is measured (hardware.py)
             if recalibrate:
                 raise click.UsageError("--recalibrate with --hardware: a preset's prediction measures nothing here "
-                                       "(its compute is a profile calibrated on that device, or the model's FLOPs)")
-            records, meta = session.predict_on(plan, preset, profile_path, echo=_ECHO)
+                                       "(its compute is a calibration made on that device, or the model's FLOPs)")
+            records, meta = session.predict_on(plan, preset, calibration_path, echo=_ECHO)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    from commlab.costmodel.predict import table, write_prediction
+    from commlab.costmodel.search.predict import table, write_prediction
 
     click.echo(meta["figure_note"])  # what every figure below is: predicted, and from what
     click.echo(table(records))
@@ -184,8 +189,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
         written = draw_all(run_dir)
         _ECHO(f"figures in {run_dir / 'figures'}: {', '.join(p.name for p in written if p.suffix == '.png')}")
     if measured is not None:
-        from commlab.costmodel import compare
-        from commlab.sweep.store import read_tables
+        from commlab.validation import compare
+        from commlab.runs.store import read_tables
 
         both = compare.join(read_tables(run_dir)[2], measured)
         if both.empty:
@@ -202,8 +207,8 @@ def _predict(spec_file, against, profile_path, recalibrate, hardware, draw, memo
 
 def _warn_unsteady(entries) -> None:
     """Say so when a prediction rests on a calibration the machine's load disturbed."""
-    from commlab.costmodel.profile import key_id
-    from commlab.costmodel.uncertainty import Steadiness
+    from commlab.costmodel.calibration.cache import key_id
+    from commlab.costmodel.terms.uncertainty import Steadiness
 
     for entry in entries:
         if "steadiness" in entry and not entry["steadiness"]["steady"]:
@@ -212,19 +217,19 @@ def _warn_unsteady(entries) -> None:
                   "machine (--recalibrate).")
 
 
-def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb, optimizer_bytes, **options):
+def _tune(spec_file, calibration_path, recalibrate, as_json, force, stage, memory_gb, optimizer_bytes, **options):
     """Recommend DDP settings by simulation, no sweep: the best torch DDP configuration (torch
     keywords only) and the best commlab one, each with a predicted step time and the interval the
     model's validated error gives; every registered all-reduce algorithm is searched. A calibration
     the machine's load disturbed is said to be unsteady, and then the default is recommended
     unless --force. --stage adds the fastest sharded configuration that fits --memory-gb."""
-    from commlab.costmodel import session
+    from commlab.costmodel.search import grid_costs as session
 
     stages = tune_text.stages_of(stage, memory_gb)
     plan = _plan(spec_file, {**options, "bucket_mb": None})
     algorithms = session.tune_algorithms()
     try:
-        entries = session.entries_for(plan.configs, profile_path=profile_path, recalibrate=recalibrate, echo=_ECHO,
+        entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate, echo=_ECHO,
                                       algorithms=algorithms, shard=stages not in (None, (0,)))
     except ValueError as err:
         raise click.UsageError(str(err)) from None
@@ -233,7 +238,7 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
     results = [session.tune_entry(entry, algorithms=names, policies=policies, force=force)
                for entry in entries.values()]
     if stages is not None:
-        from commlab.costmodel.sharded_tuning import sharded_answer
+        from commlab.costmodel.search.tune_sharded import sharded_answer
 
         try:
             for entry, r in zip(entries.values(), results):
@@ -254,22 +259,25 @@ def _tune(spec_file, profile_path, recalibrate, as_json, force, stage, memory_gb
 _CTX = {"help_option_names": ["-h", "--help"]}
 
 calibrate = click.Command("calibrate", callback=_calibrate, context_settings=_CTX, help=_calibrate.__doc__,
-                          params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _PROFILE, _RECAL])
+                          params=[*_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw"}), _calibration(), _RECAL])
 predict = click.Command("predict", callback=_predict, context_settings=_CTX, help=_predict.__doc__, params=[
     *_sweep_params(_RUN_ONLY | _MEASURED), *_refused(_RUN_ONLY | _MEASURED),
     click.Option(["--against"], type=click.Path(file_okay=False, path_type=Path),
                  help="a measured sweep's results directory: print measured, predicted, error, rank order "
                       "(the prediction then goes to OUT/NAME-predicted unless --name is given)"),
-    _PROFILE, _RECAL, *zero_memory.OPTIONS,
+    _calibration(), _RECAL, *zero_memory.OPTIONS,
     click.Option(["--hardware"], help="a hardware preset (commlab/costmodel/hardware.yaml): NCCL's model of its network, "
-                                      "its device's compute from a profile calibrated there (--profile) or the model's FLOPs"),
+                                      "its device's compute from a calibration made there (--calibration) or the model's FLOPs"),
 ])
 tune = click.Command("tune", callback=_tune, context_settings=_CTX, help=_tune.__doc__, params=[
-    # no --algorithm: tune searches every registered one, whatever the profile cache holds
+    # no --algorithm: tune searches every registered one, whatever the calibration cache holds
     # its own --stage (auto or one): the sweep's stage/prefetch/reshard lists are what tune searches
-    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm", "stage", "prefetch", "reshard"}), _PROFILE, _RECAL,
+    *_sweep_params(_RUN_ONLY | _GRID_ONLY | {"draw", "algorithm", "stage", "prefetch", "reshard"}), _calibration(), _RECAL,
     *tune_text.OPTIONS,
     click.Option(["--json", "as_json"], is_flag=True,
                  help='print one JSON object: {"torch": {...}, "commlab": {...}, "default_step_s": ..., "steady": ...}'),
     click.Option(["--force"], is_flag=True, help="recommend even when the calibration was unsteady (wider intervals)"),
 ])
+
+for _command in (calibrate, predict, tune):
+    add_old_spelling(_command, "calibration_path", "--profile")

@@ -17,8 +17,10 @@ from pathlib import Path
 import click
 import yaml
 
+from commlab.cli.renamed import add_old_spelling
+from commlab.runs.config import DEFAULTS, LAUNCHERS, SCALINGS
+from commlab.runs.grid import build_grid, merge
 from commlab.cli.writable import check_writable
-from commlab.sweep.spec import DEFAULTS, LAUNCHERS, SCALINGS, build_plan, merge
 
 _LIST = "comma-separated list"
 
@@ -65,20 +67,21 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
     import commlab
     from commlab.runtime.interrupt import keep_partial
     from commlab.runtime.metadata import command_line, dirty_warning, environment, git_state
-    from commlab.sweep import runner, store
-    from commlab.sweep.spec import grid_change, grid_signature, grid_union
+    from commlab.sweep import runner
+    from commlab.runs import store
+    from commlab.runs.grid import grid_change, grid_signature, grid_union
 
     if options.get("name") is not None and not options["name"].strip():
         raise click.BadParameter("an empty name: give a plain directory name inside --out, or leave --name out",
                                  param_hint="--name")
     spec = _read_spec(spec_file)
     try:
-        plan = build_plan(merge(spec, options))
+        plan = build_grid(merge(spec, options))
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     check_writable(plan.out)
     try:
-        runner.check_plan(plan)
+        runner.check_grid(plan)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     if plan.nnodes > 1 and not (plan.name or spec_file):
@@ -129,8 +132,8 @@ def sweep(spec_file: Path | None, resume: bool, force: bool, draw: bool, **optio
         written = draw_all(run_dir)
         pngs = [p.name for p in written if p.suffix == ".png"]
         echo(f"figures in {run_dir / 'figures'}: {', '.join(pngs)} (+ PDF)" if pngs else "figures: none (no successful configuration)")
-    from commlab.sweep.stats import fastest, superlinear
-    from commlab.sweep.store import read_tables
+    from commlab.runs.stats import fastest, superlinear
+    from commlab.runs.store import read_tables
 
     table = read_tables(run_dir)[2]
     for line in [*fastest(table), *superlinear(table)]:
@@ -160,25 +163,26 @@ def figures(run_dir: Path) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--config", "config_id", help="configuration id (runs.csv `config`) [one that communicates: the timeline figure's]")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>[-profiled].json]")
-@click.option("--profile", is_flag=True, help="rerun the configuration under torch.profiler (a real trace) instead of "
-              "laying its measured times end to end (the light default)")
-@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="with --profile: steps recorded")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/trace-<config>[-torch-profiler].json]")
+@click.option("--torch-profiler", is_flag=True, help="rerun the configuration under torch.profiler (a real trace) instead "
+              "of laying its measured times end to end (the light default)")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="with --torch-profiler: steps recorded")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-              help="with --profile: seconds before the run is ended")
-def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bool, steps: int, timeout: float) -> None:
+              help="with --torch-profiler: seconds before the run is ended")
+def trace(run_dir: Path, config_id: str | None, output: Path | None, torch_profiler: bool, steps: int,
+          timeout: float) -> None:
     """Write one configuration as Chrome trace JSON (Perfetto, chrome://tracing).
 
-    By default the trace is reconstructed from the measured timings (no new run). With --profile
+    By default the trace is reconstructed from the measured timings (no new run). With --torch-profiler
     the configuration runs again under torch.profiler on every rank, and the ranks' traces are
     merged on one clock: torch operators, commlab's phases and the backend's collectives.
     """
-    from commlab.sweep.store import read_tables
+    from commlab.runs.store import read_tables
     from commlab.sweep.trace import pick_config, write_trace
 
     try:
         iterations, buckets, runs = read_tables(run_dir)
-        if not profile:
+        if not torch_profiler:
             click.echo(str(write_trace(iterations, buckets, runs, config_id, output, run_dir)))
             return
         config_id = pick_config(runs, config_id, run_dir, buckets)
@@ -189,18 +193,21 @@ def trace(run_dir: Path, config_id: str | None, output: Path | None, profile: bo
     import commlab
     from commlab._atomic import write_text
     from commlab.runtime.orphans import sigterm_as_interrupt
-    from commlab.sweep import profile as profiler
-    from commlab.sweep.spec import Config
-    from commlab.sweep.store import load_records
+    from commlab.sweep import torch_trace
+    from commlab.runs.config import Config
+    from commlab.runs.store import load_records
 
     record = next(r for r in load_records(run_dir) if r["config"]["config"] == config_id)
     cfg = Config.from_columns(record["config"])
-    click.echo(f"profiling {steps} step(s) of {config_id} on {cfg.world_size} rank(s) ...", err=True)
+    click.echo(f"recording {steps} step(s) of {config_id} under torch.profiler on {cfg.world_size} rank(s) ...", err=True)
     with sigterm_as_interrupt():
-        per_rank = commlab.launch(profiler.profile_rank, cfg, steps, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
-    path = output or run_dir / f"trace-{config_id}-profiled.json"
-    write_text(path, json.dumps(profiler.merge(per_rank, config_id)))
+        per_rank = commlab.launch(torch_trace.trace_rank, cfg, steps, world_size=cfg.world_size, backend=cfg.backend, timeout=timeout)
+    path = output or run_dir / f"trace-{config_id}-torch-profiler.json"
+    write_text(path, json.dumps(torch_trace.merge(per_rank, config_id)))
     click.echo(str(path))
+
+
+add_old_spelling(trace, "torch_profiler", "--profile")
 
 
 def _read_spec(path: Path | None) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from commlab.runs.zero_stage import STAGES, parse_stage
+
 OPTIONS = [
     click.Option(["--stage"], help="also search sharded data parallelism: auto (stages 0-3) or one stage 0-3; "
                                    "the answer is the fastest predicted stage x bucket x prefetch x reshard that fits "
@@ -17,7 +19,7 @@ OPTIONS = [
 
 def stages_of(stage: str | None, memory_gb: float | None) -> tuple[int, ...] | None:
     """The stages --stage asks for (None: no sharded answer); usage errors before anything runs."""
-    from commlab.costmodel.sharded_tuning import parse_stages
+    from commlab.costmodel.search.tune_sharded import parse_stages
 
     if stage is None:
         if memory_gb is not None:
@@ -30,12 +32,10 @@ def stages_of(stage: str | None, memory_gb: float | None) -> tuple[int, ...] | N
 
 
 def sharded_text(r: dict) -> str:
-    """The sharded answer's lines (commlab/costmodel/sharded_tuning.py)."""
-    from commlab.costmodel.sharded_tuning import STAGES  # lazy: the lowering imports pandas (--help)
-
+    """The sharded answer's lines (commlab/costmodel/search/tune_sharded.py)."""
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
     kw = ", ".join(f"{n}={v!r}" for n, v in r["kwargs"].items())
-    wrapper = "DistributedDataParallel" if r["stage"] == 0 else "ShardedDataParallel"
+    wrapper = parse_stage(r["stage"]).wrapper
     limit = "no memory limit" if r["memory_limit_bytes"] is None else f"fits {gib(r['memory_limit_bytes'])}"
     lines = [f"  sharded ({limit}; {r['searched']} candidates): {wrapper}(model, {kw})  "
              f"step {r['predicted_step_s'] * 1e3:.1f} ms, peak {gib(r['predicted_peak_bytes'])} per rank"]
@@ -57,7 +57,7 @@ def sharded_text(r: dict) -> str:
 
 def tune_text(entry: dict, r: dict, force: bool) -> str:
     """What `commlab tune` prints for one workload (the same numbers as --json)."""
-    from commlab.costmodel import uncertainty
+    from commlab.costmodel.terms import uncertainty
 
     k = entry["key"]
     steadiness = uncertainty.Steadiness.from_json(entry["steadiness"]) if "steadiness" in entry else None

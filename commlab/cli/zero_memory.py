@@ -54,9 +54,9 @@ def report(num_params: float | None, model: str | None, model_args: str | None, 
 
 def count_parameters(model: str, model_args: str) -> int:
     """Trainable parameters of a built-in or ``package.module:factory`` model (meta device)."""
-    from commlab.costmodel.calibrate import Workload, parameter_sizes
+    from commlab.costmodel.calibration.driver import Workload, parameter_sizes
     from commlab.models import check_workload
-    from commlab.sweep.spec import canonical_model_args, parse_model_args
+    from commlab.runs.options import canonical_model_args, parse_model_args
 
     try:
         check_workload(model, **parse_model_args(model_args))

@@ -1,38 +1,18 @@
-"""The cost model: calibration, one costs type, lowerings onto commlab.sim, prediction and tuning.
+"""The cost model: calibrated terms, lowerings onto commlab.sim, prediction, tuning and planning.
 
     commlab calibrate / commlab predict SPEC / commlab tune        (commlab/cli/predict.py)
-    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (commlab/costmodel/api.py)
+    commlab.tune("mlp", world_size=2)  or  commlab.tune(my_module)  (search/api.py)
+    commlab pipeline plan ...                                       (commlab/cli/pipeline_plan.py)
 
-Modules (one job each):
+One folder per role; imports run one way, down this list (a room never imports one above it):
 
-- costs.py: the one costs type, :class:`~commlab.costmodel.costs.SystemCosts` (collective tables by
-  collective, algorithm and world size; point-to-point alpha-beta; contention; overheads), the
-  workload profiles DDPProfile and StageProfile, and the fits that make them;
-- buckets.py: a sequence of DDP buckets as all-reduce tasks (:func:`bucket_tasks`), which every
-  lowering with data-parallel buckets composes;
-- lower.py: one DDP optimizer step lowered onto the simulator core, and its sweep columns;
-  sharded.py: the same for sharded data parallelism (ZeRO stages 1-3), with its peak bytes per
-  rank and bytes sent; sharded_tuning.py: the stage x bucket x prefetch x reshard search under a
-  memory limit behind ``commlab tune --stage``;
-- pipeline.py: a pipeline schedule's step lowered onto the core (and, in pipeline x data
-  parallel, each stage's buckets after its last backward); pipeline_calibrate.py: its costs from
-  a run's own timelines; plan.py, plan_profile.py, plan_model.py, plan_stages.py, plan_calibrate.py,
-  plan_offgrid.py, plan_check.py: the planner, its per-layer and per-stage profiles, its
-  plan-time costs (per schedule from the model's runs off the plans' grid), and its predictions
-  checked against measurement;
-- calibrate.py, measure.py, profile.py: measuring the terms once (the rank side in measure.py,
-  the reduce-scatter and all-gather tables in measure_sharded.py) and caching them as a profile
-  keyed by workload and machine;
-- predict.py: a sweep's records, predicted from profiles;
-- hardware.py: named machines' presets (what-if), with nccl.py (an all-reduce priced as NCCL's
-  tuner prices it: ring or tree) and flops.py (compute from FLOPs at a stated fraction of peak);
-- devicetime.py: where a calibration rank measures (its device) and how it times (CUDA events on a GPU);
-- tuning.py: the exhaustive search behind ``commlab tune`` (a torch answer and a commlab answer);
-- uncertainty.py: how far a prediction can be trusted (the validated error, the calibration's
-  steadiness from its repeated micro-benchmarks and the load average); session.py: plan <-> profiles glue;
-- compare.py, validate.py: predicted against measured, and the held-out validation;
-  torchcheck.py: tune's torch answer measured with torch's own DDP against a grid of bucket sizes;
-- api.py: ``commlab.tune``; instance.py: an nn.Module instance made nameable for spawned ranks.
+- ``search/`` and ``planner/``: what a user asks (predict a grid, tune DDP or ZeRO, plan a pipeline);
+- ``calibration/``: measuring the terms once on this machine, and caching them;
+- ``lowering/``: a DDP, ZeRO or pipeline step as tasks on the simulator core (commlab/sim);
+- ``hardware/``: named machines' presets, NCCL's tuner model and FLOP counts (what-if);
+- ``terms/``: the one costs type, the alpha-beta fit and the uncertainty of a prediction (pure).
 
-The commands live in commlab/cli/predict.py.
+The cost model never imports the measurement harness (commlab.sweep, commlab.bench); both speak
+the run vocabulary of commlab.runs. Model against measurement lives above both, in
+commlab.validation.
 """

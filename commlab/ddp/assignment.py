@@ -91,15 +91,20 @@ def bucket_caps(bucket_cap_mb: float | None, first_bucket_mb: float | None) -> t
     an explicit ``bucket_cap_mb`` makes the first bucket as large as the others (torch applies
     the small first bucket only to the default), unless ``first_bucket_mb`` says otherwise.
     """
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_caps(bucket_cap_mb, first_bucket_mb)
     cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
     if first_bucket_mb is not None:
         first = int(first_bucket_mb * MIB)
     else:
         first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     return first, cap
+
+
+def check_caps(bucket_cap_mb: float | None, first_bucket_mb: float | None) -> None:
+    """ValueError unless each cap given (in MiB) is positive."""
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
 
 
 def initial_size_limits(first_cap: int, cap: int, find_unused_parameters: bool, static_graph: bool) -> list[int]:

@@ -12,13 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.utils import _to_kwargs
-from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from commlab import collectives
 from commlab.ddp import dist_autograd
 from commlab.ddp import join as uneven
 from commlab.ddp import options
-from commlab.ddp.assignment import bucket_caps
 from commlab.ddp.logging_data import DDPLogging
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.outputs import find_tensors, through_sink
@@ -89,7 +87,7 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
             raise ValueError(
                 f"unknown all-reduce algorithm {algorithm!r}: choose from {', '.join(collectives.algorithm_names())}"
             )
-        first_cap, cap = bucket_caps(bucket_cap_mb, first_bucket_mb)
+        # The policy holds the caps in bytes (the one conversion); bucket_bytes_cap reads them there.
         policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs an initialised process group (use commlab.launch)")
@@ -118,8 +116,6 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
         self.static_graph = static_graph
         self.algorithm = algorithm
         self.overlap = overlap
-        self.bucket_bytes_cap = cap
-        self.first_bucket_bytes_cap = first_cap
         self.bucket_policy = policy  # commlab/ddp/policy.py; the reducer assigns buckets with it
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -176,6 +172,10 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
         """Bytes of each bucket, in reduction order."""
         return [b.nbytes for b in self.reducer.buckets]
 
+    # torch's attribute (bucket_cap_mb x 1 MiB) and the first bucket's cap: the policy holds both
+    bucket_bytes_cap = property(lambda self: self.bucket_policy.cap, doc="The bucket cap in bytes.")
+    first_bucket_bytes_cap = property(lambda self: self.bucket_policy.first_cap, doc="The first bucket's cap in bytes.")
+
     @property
     def iteration_timings(self) -> list[IterationTiming]:
         """One entry per synchronised iteration (definitions in commlab.ddp.timing)."""
@@ -200,10 +200,11 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
         if sync and dist_autograd.in_context():  # before any collective: every rank raises here
             raise NotImplementedError(dist_autograd.MESSAGE)
         joining = self._join_config.enable  # set by ddp.join(), as in torch
+        port = self._join_port() if joining else None
         if grad:  # torch's _rebuild_buckets first raises if the last backward left a hole
             self.reducer.usage.check_prior_finished(self.process_group, self._sparse.unfinished if self._sparse else ())
         if joining:
-            uneven.notify(self)
+            uneven.notify(port)
         if grad:
             self.reducer.maybe_rebuild()
         if sync:
@@ -212,10 +213,10 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
             if self._sparse is not None:
                 self._sparse.first_index = len(self.reducer.buckets)
         if self.forward_sync_buffers and self.require_forward_param_sync and self._module_buffers:
-            source = uneven.common_rank(self, True) if joining else 0  # rank 0 may have joined
+            source = uneven.common_rank(port, True) if joining else 0  # rank 0 may have joined
             broadcast_coalesced(self._module_buffers, self.process_group, source)
         if joining:
-            uneven.announce_sync(self, sync)
+            uneven.announce_sync(port, sync)
         if self.device_ids and (inputs or kwargs):  # torch's _pre_forward, with torch's helper
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved[0], moved_kwargs[0]
@@ -240,7 +241,18 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
         return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> uneven.DDPJoinHook:
-        return uneven.DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return uneven.DDPJoinHook(self._join_port())
+
+    def _join_port(self) -> uneven.JoinPort:
+        """All that commlab/ddp/join.py sees of this DDP; its flags are read when it calls."""
+        buffers = self._module_buffers  # fixed at construction, as the ignored names are
+        return uneven.JoinPort(
+            self, self.process_group, self.device, self.reducer, self._divide_by_initial_world_size,
+            sync_buffers=lambda: buffers if self.forward_sync_buffers and self.require_forward_param_sync else [],
+            final_state=lambda: [p.data for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+            + (buffers if self.forward_sync_buffers else []),
+            set_forward_param_sync=lambda sync: setattr(self, "require_forward_param_sync", sync))
 
     @property
     def join_device(self) -> torch.device:
@@ -249,16 +261,6 @@ class DistributedDataParallel(TorchPrivateAPI, nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
-
-    # torch's scatter / to_kwargs / gather helpers (kept by torch for backward compatibility).
-    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-
-    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> Any:
-        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id), self.use_side_stream_for_tensor_copies)
-
-    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
-        return gather(outputs, output_device, dim=self.dim)
 
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)

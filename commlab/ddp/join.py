@@ -15,92 +15,113 @@ torch/nn/parallel/distributed.py, and torch/distributed/algorithms/join.py):
 Gradients are divided by the initial world size (torch's default) or, with
 ``divide_by_initial_world_size=False``, by the number of ranks still training (from step 1).
 When every rank has joined, the last joiner's parameters and buffers are broadcast to all.
+
+These steps see the DDP only through the :class:`JoinPort` it hands over (group, device, reducer,
+its flags as callables), so this module does not import the DDP that imports it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from commlab import collectives
 from commlab.ddp import inflight
 from commlab.ddp.bucket import Bucket
+from commlab.ddp.reducer import Reducer
 from commlab.ddp.sync import broadcast_coalesced
 
-if TYPE_CHECKING:
-    from commlab.ddp.distributed import DistributedDataParallel
+
+@dataclass(frozen=True)
+class JoinPort:
+    """What the join steps may see of one DDP, handed over by it (commlab/ddp/distributed.py).
+
+    ``joinable`` is only passed on to torch's ``Join.notify_join_context``; the reducer is used
+    through its public methods and attributes. The callables read the DDP's flags when called:
+    ``sync_buffers()`` is what a forward would broadcast now (empty when it would not),
+    ``final_state()`` what the last joiner broadcasts at the end, and
+    ``set_forward_param_sync(flag)`` records whether the ranks still training synchronised.
+    """
+
+    joinable: Joinable
+    group: dist.ProcessGroup
+    device: torch.device
+    reducer: Reducer
+    divide_by_initial_world_size: bool
+    sync_buffers: Callable[[], list[torch.Tensor]]
+    final_state: Callable[[], list[torch.Tensor]]
+    set_forward_param_sync: Callable[[bool], None]
 
 
-def _ordered(ddp: DistributedDataParallel, issue):
+def _ordered(port: JoinPort, issue):
     """Issue a flag collective on the group's one ordered path (commlab/collectives/worker.py):
     after the group's queued collectives, never inside another thread's p2p batch. torch's own Join loop (_get_num_nonjoined_procs) runs only once this rank's
     shadow collectives have completed, so nothing of the group is in flight then."""
-    return collectives.run_ordered(ddp.process_group, issue)
+    return collectives.run_ordered(port.group, issue)
 
 
-def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+def common_rank(port: JoinPort, candidate: bool) -> int:
     """The largest group rank among those passing ``candidate`` (torch's _find_common_rank)."""
-    rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
-    _ordered(ddp, lambda: dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group))
+    rank = torch.tensor([dist.get_rank(port.group) if candidate else -1], device=port.device)
+    _ordered(port, lambda: dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=port.group))
     if rank.item() < 0:
         raise RuntimeError("join: no rank qualified as the source of the model state")
     return int(rank.item())
 
 
-def notify(ddp: DistributedDataParallel) -> None:
+def notify(port: JoinPort) -> None:
     """Step 1 for a rank still training; sets this iteration's divide factor."""
-    work = _ordered(ddp, lambda: Join.notify_join_context(ddp))
-    reducer = ddp.reducer
-    reducer.world_size = dist.get_world_size(ddp.process_group)
-    if work is not None and not ddp._divide_by_initial_world_size:
+    work = _ordered(port, lambda: Join.notify_join_context(port.joinable))
+    reducer = port.reducer
+    reducer.world_size = dist.get_world_size(port.group)
+    if work is not None and not port.divide_by_initial_world_size:
         work.wait()
         reducer.world_size = int(work.get_future().value()[0].item())
 
 
-def announce_sync(ddp: DistributedDataParallel, sync: bool) -> None:
+def announce_sync(port: JoinPort, sync: bool) -> None:
     """Step 4 for a rank still training (torch waits on nothing here either)."""
-    flag = torch.ones(1, device=ddp.device) if sync else torch.zeros(1, device=ddp.device)
-    _ordered(ddp, lambda: dist.all_reduce(flag, group=ddp.process_group, async_op=True))
+    flag = torch.ones(1, device=port.device) if sync else torch.zeros(1, device=port.device)
+    _ordered(port, lambda: dist.all_reduce(flag, group=port.group, async_op=True))
 
 
 class DDPJoinHook(JoinHook):
     """What a joined rank does for each iteration the others still run, and at the end."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+    def __init__(self, port: JoinPort):
+        self.port = port
 
     def main_hook(self) -> None:
-        ddp, reducer = self.ddp, self.ddp.reducer
+        port, reducer = self.port, self.port.reducer
         reducer.maybe_rebuild()
-        if ddp.forward_sync_buffers and ddp.require_forward_param_sync and ddp._module_buffers:
-            broadcast_coalesced(ddp._module_buffers, ddp.process_group, common_rank(ddp, False))
-        flag = torch.zeros(1, device=ddp.device)
-        _ordered(ddp, lambda: dist.all_reduce(flag, group=ddp.process_group))
-        ddp.require_forward_param_sync = sync = flag.item() != 0
+        buffers = port.sync_buffers()
+        if buffers:
+            broadcast_coalesced(buffers, port.group, common_rank(port, False))
+        flag = torch.zeros(1, device=port.device)
+        _ordered(port, lambda: dist.all_reduce(flag, group=port.group))
+        sync = flag.item() != 0
+        port.set_forward_param_sync(sync)
         if not sync:
             return
-        _shadow_buckets(ddp)
+        _shadow_buckets(reducer)
         if reducer.usage.tracking:
             # torch's joined rank reduces its own last local map, not zeros (_match_unused_params_allreduce)
-            used = reducer.usage.local_used_map(ddp.device)
-            _ordered(ddp, lambda: dist.all_reduce(used, group=ddp.process_group))
-        if reducer.rebuild_pending and len(reducer._ready_order) != len(reducer.params):
-            reducer._ready_order = list(range(len(reducer.params)))  # torch's _push_all_rebuilt_params
+            used = reducer.usage.local_used_map(port.device)
+            _ordered(port, lambda: dist.all_reduce(used, group=port.group))
+        reducer.complete_ready_order()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        ddp = self.ddp
-        source = common_rank(ddp, is_last_joiner)
-        state = [p.data for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
-        broadcast_coalesced(state + (ddp._module_buffers if ddp.forward_sync_buffers else []), ddp.process_group, source)
+        port = self.port
+        source = common_rank(port, is_last_joiner)
+        broadcast_coalesced(port.final_state(), port.group, source)
 
 
-def _shadow_buckets(ddp: DistributedDataParallel) -> None:
+def _shadow_buckets(reducer: Reducer) -> None:
     """Step 5 for a joined rank: the reducer's all-reduces (or comm hook), on zeros."""
-    reducer = ddp.reducer
     last = len(reducer.buckets) - 1
     pending = [
         inflight.start(Bucket(b.position, b.param_indices, b.params), last=last, hook=reducer.comm_hook,

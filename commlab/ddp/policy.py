@@ -31,6 +31,7 @@ from commlab.ddp.assignment import (
     NO_LIMIT,
     TensorSpec,
     bucket_caps,
+    check_caps,
     buckets_from_ready_order,
     initial_buckets,
 )
@@ -40,7 +41,8 @@ DEFAULT_POLICY = "size_cap"
 
 class BucketPolicy:
     """Base of every policy: the caps of DDP's ``bucket_cap_mb`` and ``first_bucket_mb`` (in bytes,
-    torch's rules: :func:`~commlab.ddp.assignment.bucket_caps`), which a policy may ignore."""
+    torch's rules: :func:`~commlab.ddp.assignment.bucket_caps`), which a policy may ignore. The
+    policy is where a DDP's caps are held: its ``bucket_bytes_cap`` reads ``cap`` here."""
 
     name: ClassVar[str] = ""
 
@@ -77,8 +79,10 @@ def policy_names() -> list[str]:
 
 def make_policy(policy: str | BucketPolicy = DEFAULT_POLICY, *, bucket_cap_mb: float | None = None,
                 first_bucket_mb: float | None = None) -> BucketPolicy:
-    """The policy an option names (built with the caps), or ``policy`` itself if it is one."""
+    """The policy an option names (built with the caps), or ``policy`` itself if it is one (its
+    own caps hold then; the ones given are still checked)."""
     if isinstance(policy, BucketPolicy):
+        check_caps(bucket_cap_mb, first_bucket_mb)
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"bucket_policy must be a name or a BucketPolicy, got {type(policy).__name__}")

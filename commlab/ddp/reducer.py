@@ -32,7 +32,8 @@ from commlab.ddp.bucket import Bucket
 from commlab.ddp.graph import grad_accumulators, reachable, weak_hook
 from commlab.ddp import inflight
 from commlab.ddp.policy import BucketPolicy, checked
-from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog, make_clock
+from commlab.ddp.timing import MAX_ITERATIONS, IterationTiming, RawIteration, TimingLog
+from commlab.runtime.timer import make_clock
 from commlab.ddp.unused import UnusedParameters
 
 
@@ -128,6 +129,12 @@ class Reducer:
         self.rebuild_pending = False
         self._ready_order = []
         return True
+
+    def complete_ready_order(self) -> None:
+        """A joined rank's shadow backward saw no gradient: record every parameter as ready, in
+        index order (torch's _push_all_rebuilt_params), so that its pending rebuild still runs."""
+        if self.rebuild_pending and len(self._ready_order) != len(self.params):
+            self._ready_order = list(range(len(self.params)))
 
     def set_static_graph(self, find_unused_parameters: bool) -> None:
         """torch's Reducer::set_static_graph before the first iteration: the buckets stay as

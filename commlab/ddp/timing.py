@@ -32,12 +32,12 @@ Memory is bounded: a reducer keeps the last :data:`MAX_ITERATIONS` iterations.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import torch
+# The clocks are the runtime's (one definition for every timing; commlab/runtime/timer.py).
+from commlab.runtime.timer import CpuClock, CudaClock
 
 MAX_ITERATIONS = 10_000  # iterations kept; older ones are dropped (deque maxlen)
 
@@ -71,42 +71,10 @@ class IterationTiming:
         return row
 
 
-# The per-iteration columns, in order: what the sweep stores (commlab/sweep/store.py) and what
-# the predictor writes in its place (commlab/costmodel/lower.py), from this one definition.
+# The per-iteration columns, in order: what the sweep stores (commlab/runs/store.py) and what
+# the predictor writes in its place (commlab/costmodel/lowering/ddp.py), from this one definition.
+# This module imports no torch, so that reading results does not either.
 COLUMNS = [f.name for f in fields(IterationTiming) if f.name != "buckets"]
-
-
-class CpuClock:
-    """Stamps are ``time.perf_counter()`` floats; cheap enough to take inside autograd hooks."""
-
-    def stamp(self, stream: Any = None) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: float, stamp: float) -> float:
-        return stamp - start
-
-
-class CudaClock:
-    """Stamps are CUDA events recorded on a stream, resolved once the iteration is over.
-
-    An event marks when the GPU reaches that point of the stream, which is what the breakdown needs
-    (the host thread runs ahead of the device); resolving waits for the events, so it is deferred.
-    ``stamp(stream)`` records on ``stream`` (a comm stream for launched/done), else on the current
-    (compute) stream.
-    """
-
-    def stamp(self, stream: Any = None) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def seconds(self, start: torch.cuda.Event, stamp: torch.cuda.Event) -> float:
-        stamp.synchronize()
-        return start.elapsed_time(stamp) / 1000.0
-
-
-def make_clock(device: torch.device) -> CpuClock | CudaClock:
-    return CudaClock() if device.type == "cuda" else CpuClock()
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""torch DDP's private methods that tools and torch's own tests call, and pickling as torch's.
+"""torch DDP's private methods that tools and torch's own tests call, its legacy helpers, and pickling as torch's.
 
 A mixin of commlab.DistributedDataParallel (commlab/ddp/distributed.py), kept apart so that the
 DDP's own file stays about its training path. The logging dictionary is commlab/ddp/logging_data.py.
@@ -10,21 +10,36 @@ without the construction's collectives (no shape check, no broadcast), so one ra
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 
 class TorchPrivateAPI:
     """``_get_ddp_logging_data``, ``_set_ddp_runtime_logging_sample_rate``, ``_set_static_graph``,
-    ``_log_and_throw``, the parameters-to-ignore helpers, and ``__getstate__`` / ``__setstate__``
+    ``_log_and_throw``, the parameters-to-ignore helpers, ``scatter`` / ``to_kwargs`` / ``gather``,
+    and ``__getstate__`` / ``__setstate__``
     (so pickle, torch.save and copy.deepcopy work as torch's do)."""
 
     # torch's static helpers for parameters DDP leaves alone (commlab reads the same attribute,
     # ``_ddp_params_and_buffers_to_ignore``), taken from torch rather than rewritten.
     _set_params_and_buffers_to_ignore_for_model = staticmethod(TorchDDP._set_params_and_buffers_to_ignore_for_model)
     _get_data_parallel_params = staticmethod(TorchDDP._get_data_parallel_params)
+
+    # torch's scatter / to_kwargs / gather helpers (kept by torch for backward compatibility).
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> Any:
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id), self.use_side_stream_for_tensor_copies)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        return gather(outputs, output_device, dim=self.dim)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging dictionary (keys and meanings in commlab/ddp/logging_data.py)."""

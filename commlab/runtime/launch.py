@@ -83,7 +83,7 @@ def _spawn(fn, args, world_size: int, backend: str, timeout: float) -> list[Any]
         # set its parent-death signal; see commlab.runtime.rank_entry.
         payload = pickle.dumps((world_size, backend, store_path, timeout, fn, args))
         procs = [
-            ctx.Process(target=rank_entry.main, args=(rank, payload, q, os.getpid()), name=f"commlab-rank{rank}")
+            ctx.Process(target=rank_entry.start_rank, args=(rank, payload, q, os.getpid()), name=f"commlab-rank{rank}")
             for rank in range(world_size)
         ]
         try:  # started inside the try: an interrupt between two starts still ends the first

@@ -23,9 +23,10 @@ def die_with_parent(parent: int | None = None) -> None:
     set_parent_death_signal(parent)
 
 
-def main(rank: int, payload: bytes, q, parent: int | None = None) -> None:
+def start_rank(rank: int, payload: bytes, q, parent: int | None = None) -> None:
+    """A spawned process's target: die with the parent, then unpickle the work and run it in the group."""
     die_with_parent(parent)
     # Imported here, not at the top: it imports torch, which must load after the death signal.
-    from commlab.runtime.rank_main import rank_main
+    from commlab.runtime.rank_work import run_in_process_group
 
-    rank_main(rank, *pickle.loads(payload), q)
+    run_in_process_group(rank, *pickle.loads(payload), q)

@@ -5,7 +5,7 @@ Package map: ``layout`` (where parameters lie in a flat padded bucket and its sh
 ``flat_bucket`` (one bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks,
 gathers, frees, reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes),
 ``state`` (full module state dicts), ``optim_state`` (the full optimizer state dict),
-``validate`` (argument and optimizer checks), ``distributed`` (the public wrapper).
+``arguments`` (argument and optimizer checks), ``distributed`` (the public wrapper).
 
 How commlab's stage 3 differs from torch's ``fully_shard`` (FSDP2,
 torch/distributed/fsdp/_fully_shard): torch shards every parameter on its own along dim 0, as a

@@ -4,7 +4,7 @@ Without units the buckets are the bucket policy's (commlab/ddp/policy.py, the ob
 DistributedDataParallel takes as ``bucket_policy=``): its ``rebuild`` for gradients ready in
 reverse parameter order, the order a backward produces them in (last layer first). That is the
 question DDP asks after its first iteration, and the one the predictor asks through
-``commlab.costmodel.buckets.assign(nbytes, reversed(range(n)), policy=...)``, so a policy
+``commlab.costmodel.lowering.buckets.assign(nbytes, reversed(range(n)), policy=...)``, so a policy
 registered once shapes DDP's buckets, the sharded ones and the predicted ones alike. Sharded
 buckets are never rebuilt from an observed order: a bucket is also the layout of the shards the
 optimizer holds, fixed at construction.

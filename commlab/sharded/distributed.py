@@ -50,7 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
-from commlab.sharded import comm, state, validate
+from commlab.sharded import arguments, comm, state
 from commlab.sharded.buckets import plan_buckets, trainable
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
 from commlab.sharded.flat_bucket import FlatBucket
@@ -81,7 +81,7 @@ class ShardedDataParallel(nn.Module):
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
     ):
         super().__init__()
-        validate.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward)
+        stage = arguments.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward).stage
         comm.check_algorithm(algorithm)
         policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb)
         plan = plan_buckets(module, policy, units)  # unit and policy errors, still before any collective
@@ -115,7 +115,7 @@ class ShardedDataParallel(nn.Module):
         sharded = {id(p) for p in params}
         self._frozen = [p for p in module.parameters() if id(p) not in sharded]
         # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
-        guard = validate.optimizer_guard(self, sharded, {id(s) for s in self.shards})
+        guard = arguments.optimizer_guard(self, sharded, {id(s) for s in self.shards})
         weakref.finalize(self, guard.remove)  # the global step pre-hook goes with the wrapper
         if stage < 3:  # the updated shards' all-gathers start at the end of the optimizer step
             post = register_optimizer_step_post_hook(

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from commlab.runs.zero_stage import parse_stage
+
 # (parameter, gradient, optimizer-state) bytes per parameter, with Adam's state.
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
 
@@ -48,8 +50,7 @@ def zero_memory(
     (e.g. 4 for SGD with momentum in fp32, 0 for plain SGD)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    zero = parse_stage(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     if num_params < 0:
@@ -61,9 +62,9 @@ def zero_memory(
         k = optimizer_bytes
     n = world_size
     return StageMemory(
-        parameters=num_params * p / (n if stage >= 3 else 1),
-        gradients=num_params * g / (n if stage >= 2 else 1),
-        optimizer=num_params * k / (n if stage >= 1 else 1),
+        parameters=num_params * p / (n if zero.parameters else 1),
+        gradients=num_params * g / (n if zero.gradients else 1),
+        optimizer=num_params * k / (n if zero.optimizer_state else 1),
     )
 
 
@@ -97,14 +98,16 @@ def bucket_memory(
     """Transient and padding bytes for buckets of these padded sizes (see :class:`BucketMemory`)."""
     if prefetch < 0:
         raise ValueError(f"prefetch must not be negative, got {prefetch}")
-    if stage not in (1, 2, 3):
-        raise ValueError(f"bucket_memory is for stages 1-3, got {stage!r}")
+    zero = parse_stage(stage)
+    if zero.ddp:
+        raise ValueError("bucket_memory is for stages 1-3 (stage 0, DDP, has no sharded buckets)")
     sizes = sorted((int(n) for n in padded_numels), reverse=True)
-    gathered = sum(sizes[: prefetch + 1]) * element_size if stage == 3 else 0
-    reduce_scatter = sum(sizes[:2]) * element_size if stage >= 2 else 0
+    gathered = sum(sizes[: prefetch + 1]) * element_size if zero.parameters else 0
+    reduce_scatter = sum(sizes[:2]) * element_size if zero.gradients else 0
     pad = sum(padded_numels) - (sum(unpadded_numels) if unpadded_numels is not None else sum(padded_numels))
     # Padding elements are sharded like the rest: per rank, pad / N of each sharded kind.
     per_rank_pad = pad / world_size
-    sharded = optimizer_bytes + (element_size if stage >= 2 else 0) + (element_size if stage >= 3 else 0)
-    replicated = (element_size if stage < 3 else 0) + (element_size if stage < 2 else 0)
+    params, grads = (element_size if zero.parameters else 0), (element_size if zero.gradients else 0)
+    sharded = optimizer_bytes + grads + params
+    replicated = 2 * element_size - grads - params
     return BucketMemory(gathered, reduce_scatter, int(round(per_rank_pad * sharded + pad * replicated)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commlab.sweep import stats
+from commlab.runs import stats
 
 # The axes a sweep can vary, in the order a label names them.
 AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
@@ -20,9 +20,9 @@ AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb"
 SETTINGS = ["global_batch", "batch_per_rank", "iters", "warmup"]
 # Stacked segments of one step, bottom to top; section 5 of the paper splits an iteration the same
 # way (forward, backward compute, exposed communication, optimizer). "other" is the rest of the
-# step, so the stack adds up to the median step (see commlab.sweep.stats.median_step).
+# step, so the stack adds up to the median step (see commlab.runs.stats.median_step).
 SEGMENTS = [*stats.SEGMENTS, "other"]
-# What every figure and the console report (commlab.sweep.stats.median_step), in words.
+# What every figure and the console report (commlab.runs.stats.median_step), in words.
 STATISTIC = "median step (slowest rank per iteration)"
 
 
@@ -169,7 +169,7 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     panels = _context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     # The step's exposed_comm is the reductions' wait after backward compute at every stage (DDP's
-    # all-reduce; commlab/sweep/sharding.py), so the median step's is the reductions' bar.
+    # all-reduce; commlab/sweep/wrap.py), so the median step's is the reductions' bar.
     df["exposed_reduction"] = df["exposed_comm_median"]
     _one_per_cell(df, ["panel", "series", "bucket_mb"])
     df = df.sort_values([*panels, "stage", "series", "bucket_mb"], kind="stable")

@@ -10,7 +10,7 @@ The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, sec
     timeline         one iteration's buckets: ready, launched, done vs backward compute
     sharded          a grid over ZeRO stages: step time, peak memory and exposed collectives
 
-Every one reports the statistic the console prints (commlab.sweep.stats.median_step): per
+Every one reports the statistic the console prints (commlab.runs.stats.median_step): per
 iteration the slowest rank's step, the median over iterations, q1-q3 as the band.
 """
 
@@ -30,8 +30,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from commlab.sweep import figdata  # noqa: E402
-from commlab.sweep.stats import summarise  # noqa: E402
-from commlab.sweep.store import read_metadata, read_tables  # noqa: E402
+from commlab.runs.stats import summarise  # noqa: E402
+from commlab.runs.store import read_metadata, read_tables  # noqa: E402
 
 _NAMES = {"accumulate_time": "no_sync micro-batches", "forward": "forward", "backward_compute": "backward compute",
           "exposed_comm": "exposed comm", "optimizer": "optimizer", "other": "other (rest of the step)"}

@@ -21,14 +21,16 @@ from typing import Any
 
 import commlab
 from commlab.runtime.orphans import dies_with_parent, private_tempdir
-from commlab.sweep import sharding, store
+from commlab.sweep import wrap
+from commlab.runs import store
 from commlab.sweep.progress import Progress
-from commlab.sweep.spec import Config, Plan
+from commlab.runs.config import Config
+from commlab.runs.grid import Grid
 
 Echo = Callable[[str], None]
 
 
-def check_plan(plan: Plan) -> None:
+def check_grid(plan: Grid) -> None:
     """Environment checks that need torch (models, algorithms, devices); ValueError on failure."""
     from commlab.collectives import algorithm_names
     from commlab.models import SIZES, build_workload, check_workload
@@ -47,7 +49,7 @@ def check_plan(plan: Plan) -> None:
             except Exception as err:
                 raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
             built.add((cfg.model, cfg.model_args))
-        if cfg.stage and cfg.algorithm not in SHARDED_ALGORITHMS:
+        if not cfg.zero_stage.ddp and cfg.algorithm not in SHARDED_ALGORITHMS:
             raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
                              f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")
         if cfg.algorithm not in algorithm_names():
@@ -63,7 +65,7 @@ def check_plan(plan: Plan) -> None:
                 raise ValueError(f"--world-size {cfg.world_size} --threads {cfg.threads}: {err}") from None
 
 
-def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
+def measure_config(cfg: Config, plan: Grid) -> list[dict[str, Any]]:
     """All ranks' results for one configuration; raises on a crash, a hang or a timeout."""
     if plan.launcher == "local":
         from commlab.sweep.worker import measure
@@ -72,7 +74,7 @@ def measure_config(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
     return _torchrun(cfg, plan)
 
 
-def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
+def _torchrun(cfg: Config, plan: Grid) -> list[dict[str, Any]]:
     with private_tempdir("commlab-sweep-") as tmp:
         config_path, result_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_path.write_text(json.dumps(cfg.columns()))
@@ -104,22 +106,6 @@ def _torchrun(cfg: Config, plan: Plan) -> list[dict[str, Any]]:
         return json.loads(result_path.read_text())
 
 
-def record(cfg: Config, started: float, results: list[dict[str, Any]] | None, error: str = "", status: str = "ok",
-           repetition: int = 0) -> dict[str, Any]:
-    """The per-configuration record saved under configs/ (see :mod:`commlab.sweep.store`)."""
-    rec: dict[str, Any] = {"config": cfg.columns(), "repetition": repetition, "status": status, "error": error,
-                           "started": started, "ended": time.time(), "iterations": [], "buckets": []}
-    for rank_result in results or []:
-        rec["iterations"] += rank_result["iterations"]
-        rec["buckets"] += rank_result["buckets"]
-    rec["hosts"] = sorted({r["host"] for r in results or []})
-    rec["devices"] = sorted({r["device"] for r in results or []})
-    # As measured on each rank (the configuration's `threads` is what was asked for).
-    rec["threads"] = [r.get("threads") for r in results or []]
-    rec["measures"] = sharding.summary(results or [])  # peak and comm bytes, exposed gathers (store.MEASURE_COLUMNS)
-    return rec
-
-
 def order(configs: tuple[Config, ...] | list[Config], repeat: int) -> list[tuple[int, Config]]:
     """(repetition, configuration) pairs in run order: the grid forward, then backward, ...
 
@@ -132,8 +118,8 @@ def order(configs: tuple[Config, ...] | list[Config], repeat: int) -> list[tuple
     return [(r, cfg) for r in range(repeat) for cfg in (configs if r % 2 == 0 else configs[::-1])]
 
 
-def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = True,
-        measure: Callable[[Config, Plan], list] = measure_config) -> list[dict[str, Any]]:
+def run(plan: Grid, run_dir: Path, *, resume: bool, echo: Echo, write: bool = True,
+        measure: Callable[[Config, Grid], list] = measure_config) -> list[dict[str, Any]]:
     """Run every (repetition, configuration) of ``plan`` not already finished; return new records.
 
     ``write=False`` (the drivers of nodes other than node 0 in a multi-node sweep) runs the same
@@ -150,10 +136,12 @@ def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = Tr
         echo(f"  running {cfg.id}" + (f" (repetition {rep + 1}/{plan.repeat})" if plan.repeat > 1 else "") + " ...")
         started = time.time()
         try:
-            rec = record(cfg, started, measure(cfg, plan), repetition=rep)
+            results = measure(cfg, plan)
+            rec = store.record(cfg, started, results, measures=wrap.summary(results), repetition=rep)
         except Exception as err:  # a failed configuration is a result too; the sweep goes on
             status = "timeout" if ("did not finish within" in str(err) or isinstance(err, TimeoutError)) else "failed"
-            rec = record(cfg, started, None, error=_short(err), status=status, repetition=rep)
+            rec = store.record(cfg, started, None, measures=wrap.summary([]), error=_short(err), status=status,
+                               repetition=rep)
         if write:
             store.save_record(run_dir, rec)
             _, _, table = store.assemble(run_dir)
@@ -168,7 +156,7 @@ def run(plan: Plan, run_dir: Path, *, resume: bool, echo: Echo, write: bool = Tr
 
 def summary_line(row) -> str:
     """One line per finished configuration, for the console: the median step (per iteration the
-    slowest rank's; the statistic of every figure, commlab.sweep.stats.median_step), its q1-q3,
+    slowest rank's; the statistic of every figure, commlab.runs.stats.median_step), its q1-q3,
     and the exposed communication inside that step."""
     if row["status"] != "ok":
         first = str(row["error"]).strip().splitlines()[0] if str(row["error"]).strip() else ""

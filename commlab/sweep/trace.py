@@ -1,7 +1,7 @@
 """One configuration's measured steps as Chrome trace JSON (open in Perfetto or chrome://tracing).
 
 This is the light, reconstructed trace (no new run, and no shared clock across ranks); the real
-one, recorded with torch.profiler, is :mod:`commlab.sweep.profile` (``commlab trace --profile``).
+one, recorded with torch.profiler, is :mod:`commlab.sweep.torch_trace` (``commlab trace --torch-profiler``).
 
 Each rank is a process; its compute phases are one thread and each bucket's all-reduce another
 (buckets may be in flight at the same time, and a trace thread must nest its spans). Steps are

@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import sys
-import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,11 +24,14 @@ import torch
 import torch.distributed as dist
 
 import commlab
+from commlab._malloc import keep_freed_memory
 from commlab.models import build_workload
 from commlab.runtime.metadata import thread_settings
+from commlab.runtime.threads import use_rank_threads
+from commlab.runtime.timer import WallClock, timed_steps
 from commlab.memtrack import live_bytes, track_peak
-from commlab.sweep import sharding
-from commlab.sweep.spec import Config
+from commlab.sweep import wrap as sharding
+from commlab.runs.config import Config
 
 
 def _unlabelled(name: str):
@@ -50,12 +52,11 @@ class Trainer:
     target: Any
 
     def now(self) -> float:
-        if self.rt.device.type == "cuda":
-            torch.cuda.synchronize(self.rt.device)
-        return time.perf_counter()
+        return WallClock(self.rt.device).stamp()
 
     def step(self, label=_unlabelled) -> dict[str, float]:
-        """One optimizer step; ``label`` (torch.profiler.record_function when profiling) names its phases."""
+        """One optimizer step; ``label`` (torch.profiler.record_function when profiling) names its
+        phases; returns their seconds, the whole step's included."""
         loss_fn, ddp, x, y = self.workload.loss_fn, self.ddp, self.inputs, self.target
         start = self.now()
         for _ in range(self.cfg.accumulate - 1):
@@ -78,10 +79,13 @@ def prepare(cfg: Config) -> Trainer:
     """Build the workload and its wrapper for ``cfg`` on this rank. The optimizer is plain SGD at
     every stage (no state: at stages 1-2 the memory saved is then the gradients' only)."""
     rt = commlab.Runtime.current()
+    # Before the workload allocates anything: glibc's heap thresholds fixed, as the calibration
+    # that predicts this configuration runs them (commlab/_malloc.py).
+    keep_freed_memory()
     # The configuration's thread count, whatever the launcher chose (commlab.launch gives
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
     # world size is what makes a scaling efficiency mean something.
-    torch.set_num_threads(cfg.threads)
+    use_rank_threads(cfg.world_size, fixed=cfg.threads)
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
@@ -105,28 +109,30 @@ def measure(cfg: Config) -> dict[str, Any]:
     rt, ddp = trainer.rt, trainer.ddp
     steps: list[dict[str, float]] = []
     before = 0
-    for i in range(cfg.warmup + cfg.iters):
-        if i == cfg.warmup:
-            if cfg.stage == 0:
-                ddp.reset_timings()
-            before = len(ddp.iteration_timings)
-            steps.clear()
-        steps.append(trainer.step())
 
+    def forget_warmup() -> None:
+        nonlocal before
+        if cfg.zero_stage.ddp:
+            ddp.reset_timings()
+        before = len(ddp.iteration_timings)
+        steps.clear()
+
+    # The step times itself, phase by phase (Trainer.step); the loop's own seconds are not used.
+    timed_steps(lambda: steps.append(trainer.step()), cfg.iters, cfg.warmup, warmed=forget_warmup)
     timings = list(ddp.iteration_timings)[before:]
     if len(timings) != len(steps):
         raise RuntimeError(f"the wrapper recorded {len(timings)} synchronised iterations for {len(steps)} steps")
     iterations, buckets = [], []
-    sizes = [len(b.params) for b in ddp.buckets] if cfg.stage else []
+    sizes = [] if cfg.zero_stage.ddp else [len(b.params) for b in ddp.buckets]
     for i, (timing, own) in enumerate(zip(timings, steps)):
-        row = timing.as_row() if cfg.stage == 0 else sharding.iteration_row(timing)
+        row = timing.as_row() if cfg.zero_stage.ddp else sharding.iteration_row(timing)
         iterations.append({"rank": rt.rank, "iteration": i, **row, **own})
         rows = ([{"bucket": b.index, "nbytes": b.nbytes, "num_params": b.num_params, "ready": b.ready,
                   "launched": b.launched, "done": b.done} for b in timing.buckets]
-                if cfg.stage == 0 else sharding.bucket_rows(timing, sizes))
+                if cfg.zero_stage.ddp else sharding.bucket_rows(timing, sizes))
         buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
     measures = {"peak_bytes": peak_step_bytes(trainer),
-                **sharding.step_measures(ddp, cfg.stage, cfg.world_size, timings)}
+                **sharding.step_measures(ddp, cfg.zero_stage, cfg.world_size, timings)}
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
     return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
             "iterations": iterations, "buckets": buckets, "measures": measures}
@@ -142,7 +148,7 @@ def peak_step_bytes(trainer: Trainer) -> int:
     through ShardedMemory's own tracking (which waits for the all-gathers stages 1-2 issue after
     the optimizer before a window closes); DDP has nothing in flight after its step."""
     device, wrapper = trainer.rt.device, trainer.ddp
-    if trainer.cfg.stage:
+    if not trainer.cfg.zero_stage.ddp:
         from commlab.sharded.memory import track_memory
 
         with track_memory(wrapper):

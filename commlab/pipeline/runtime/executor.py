@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from commlab._lazy import renamed_getattr
 from commlab.pipeline.runtime.compute import Stashed, forward_layers, full_grad, input_grad, recompute, rng_state, weight_grad
 from commlab.pipeline.runtime.chunks import merge, step_inputs
 from commlab.pipeline.runtime.handshake import agree
@@ -45,9 +46,9 @@ from commlab.pipeline.schedule.comm import lower_comm, message_order
 from commlab.pipeline.schedule.kinds import split_stages
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.simulate import Timed
-from commlab.pipeline.schedule.validate import CHECKPOINT_MODES, check_plan, recomputes, resolve
+from commlab.pipeline.schedule.checks import CHECKPOINT_MODES, check_plan, recomputes, resolve
 
-__all__ = ["CHECKPOINT_MODES", "HANDLERS", "LOSS_REDUCTIONS", "PipelineExecutor", "PipelineSchedule", "check_plan", "resolve"]
+__all__ = ["CHECKPOINT_MODES", "HANDLERS", "LOSS_REDUCTIONS", "PipelineExecutor", "check_plan", "resolve"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -295,5 +296,4 @@ HANDLERS: dict[str, Callable[[PipelineExecutor, Action, Value | None], Value | N
     INPUT_GRAD: PipelineExecutor._backward,
     WEIGHT_GRAD: PipelineExecutor._backward,
 }
-
-PipelineSchedule = PipelineExecutor  # the old name, kept for a release: it runs a schedule, it is not one
+__getattr__ = renamed_getattr(__name__, {"PipelineSchedule": "PipelineExecutor"})  # old name: it runs a schedule

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commlab._lazy import renamed_getattr
 from commlab.pipeline.runtime.partition import split
 from commlab.pipeline.runtime.values import Boundary
 from commlab.pipeline.runtime.traced import Traced, trace_stages
@@ -144,5 +145,5 @@ class RankStages:
         return contextlib.nullcontext()
 
 
-# The old name, kept for a release: the object holds all of a rank's stages, not one.
-Stage = RankStages
+# The old name, for a release: the object holds all of a rank's stages, not one.
+__getattr__ = renamed_getattr(__name__, {"Stage": "RankStages"})

@@ -8,7 +8,7 @@ Everything here is a pure function of the pipeline's shape (no process group, no
 - :mod:`~commlab.pipeline.schedule.clock`: the schedule's own tick clock and deadlock walk;
 - :mod:`~commlab.pipeline.schedule.comm`: the comm pass (:func:`lower_comm`: SEND, RECV, WAIT);
 - :mod:`~commlab.pipeline.schedule.liveness`: which activations are alive when;
-- :mod:`~commlab.pipeline.schedule.validate`: what makes a schedule runnable;
+- :mod:`~commlab.pipeline.schedule.checks`: what makes a schedule runnable;
 - :mod:`~commlab.pipeline.schedule.tasks`, :mod:`~commlab.pipeline.schedule.simulate`: the lists on the simulator core;
 - :mod:`~commlab.pipeline.schedule.render`: the step x rank grid and Gantt charts.
 """

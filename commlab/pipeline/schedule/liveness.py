@@ -4,7 +4,7 @@ One rule (``Kind.stash``): a forward leaves its micro-batch's activations alive 
 full backward (B) frees them, and so does W after a split backward (I still needs them, W too:
 the layers' graphs). With checkpointing, a micro-batch holds only its stage input until the
 action that recomputes its forward (B or I: ``Kind.recomputes``), then everything again. The
-predicted peak (:func:`commlab.costmodel.plan.peak_bytes`), the activations in flight
+predicted peak (:func:`commlab.costmodel.planner.plan.peak_bytes`), the activations in flight
 (:func:`peak_in_flight`) and the executor's stash and ledger all follow :func:`liveness`.
 """
 

@@ -81,7 +81,7 @@ def simulate(
     of individual actions: replaying one measured step's own compute times shows what the schedule
     would have cost with zero executor overhead. ``after`` adds waits: an action starts only after
     the listed actions ended. This is the schedule's own cost: messages never queue and sends never
-    block; :func:`commlab.costmodel.pipeline.predict` adds what the executor really does.
+    block; :func:`commlab.costmodel.lowering.pipeline.predict` adds what the executor really does.
     """
     stages = num_stages(actions)
     fwd, bwd = _per_stage(forward, stages, "forward"), _per_stage(backward, stages, "backward")

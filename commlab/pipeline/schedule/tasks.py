@@ -8,7 +8,7 @@ once its receive is posted. A ``WAIT RECV`` makes the consuming action depend on
 message at a time in the sender's order, where the receiver takes them in that order too
 (NCCL-style); otherwise (Gloo tags) messages do not queue. Costs are the caller's: the pure
 analysis (:func:`commlab.pipeline.schedule.simulate.simulate`) and the cost lowering
-(:func:`commlab.costmodel.pipeline.lower`) both build on this.
+(:func:`commlab.costmodel.lowering.pipeline.lower`) both build on this.
 """
 
 from __future__ import annotations

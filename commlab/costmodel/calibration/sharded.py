@@ -1,0 +1,91 @@
+"""The rank side of what sharded predictions add to calibration: collective tables, activations.
+
+Run inside :func:`commlab.costmodel.calibration.measure.calibrate_rank` when the spec names sharded
+algorithms: for each algorithm of commlab/sharded/comm.py and each size (the full bucket, padded
+to a multiple of the world size as commlab/sharded/layout.py pads it), the median of ``iters``
+calls, each after a barrier, through the same functions the sharded wrapper calls, so a table
+prices exactly what a bucket's collective costs. An algorithm that refuses the world size (say,
+one that needs a power of two) raises on every rank alike before communicating, and is left out.
+
+:func:`activation_bytes` measures what a forward keeps for backward, for the predicted peak.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from commlab.costmodel.calibration.devicetime import clock_for
+from commlab.runtime.timer import time_collective
+from commlab.sharded import comm
+
+
+def time_sharded(algorithms: list[str], sizes: list[int], iters: int,
+                 device: torch.device = torch.device("cpu")) -> dict[str, dict[str, list[float]]]:
+    """{"reduce_scatter": {algorithm: [median seconds per size]}, "all_gather": {...}} on this rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    clock = clock_for(device)
+    out: dict[str, dict[str, list[float]]] = {"reduce_scatter": {}, "all_gather": {}}
+    for algorithm in algorithms:
+        try:
+            rs, ag = [], []
+            for nbytes in sizes:
+                numel = -(-max(nbytes // 4, world) // world) * world
+                full = torch.ones(numel, dtype=torch.float32, device=device)
+                shard = torch.empty(numel // world, dtype=torch.float32, device=device)
+                own = full[rank * (numel // world):(rank + 1) * (numel // world)]
+                rs.append(_median(clock, iters, lambda: comm.reduce_scatter(shard, full, None, algorithm).wait()))
+                # stages 1-2 gather in place from the own block of the flat buffer (comm.all_gather)
+                ag.append(_median(clock, iters, lambda: comm.all_gather(full, own, None, algorithm).wait()))
+        except ValueError:
+            continue
+        out["reduce_scatter"][algorithm], out["all_gather"][algorithm] = rs, ag
+    return out
+
+
+def fresh_memory(sizes: list[int], iters: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """Seconds to allocate ``nbytes`` anew and write them once, beyond writing a buffer already
+    held, per size: what the sharded engine pays each step for the buffers it allocates again
+    (stage 3's gathered parameters, every stage's gradient buckets and reduced shards). On CPU a
+    block above glibc's mmap threshold comes back from the kernel as fresh pages, each faulted on
+    first write; held or small blocks cost nothing here. Measured on every rank at once, as
+    the ranks fault at once in a step."""
+    clock = clock_for(device)
+    out = []
+    for nbytes in sizes:
+        numel = max(nbytes // 4, 1)
+        held = torch.empty(numel, dtype=torch.float32, device=device)
+        held.fill_(1.0)
+        reuse = _median(clock, iters, lambda: held.fill_(1.0))
+        fresh = _median(clock, iters, lambda: torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0))
+        out.append(max(fresh - reuse, 0.0))
+    return out
+
+
+def _median(clock, iters: int, call) -> float:
+    """The median of ``iters`` calls, each from a barrier, after one that warms the buffers and
+    the backend's pairs up."""
+    return float(statistics.median(time_collective(call, iters, clock=clock)))
+
+
+def activation_bytes(model: torch.nn.Module, loss_fn, batch) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward (the hooks of
+    torch.autograd.graph.saved_tensors_hooks see every one), each storage counted once and the
+    parameters' own left out: they are in the memory model already. The input a first layer
+    saves is counted."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(sum(saved.values()))

@@ -1,0 +1,7 @@
+"""Steps lowered onto the simulator core (commlab/sim): every prediction runs through one of these.
+
+- buckets.py: a sequence of data-parallel buckets as collective tasks, which every lowering composes;
+- ddp.py: one DDP optimizer step, and its sweep columns;
+- zero.py: one sharded step (ZeRO stages 1-3), with its peak bytes per rank and bytes sent;
+- pipeline.py: a pipeline schedule's step (and, with data parallelism, each stage's buckets).
+"""

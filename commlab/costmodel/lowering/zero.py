@@ -1,0 +1,254 @@
+"""The sharded data-parallel step (ZeRO stages 1-3) lowered onto the simulator core: one optimizer step.
+
+One representative rank, as in the DDP lowering (commlab/costmodel/lowering/ddp.py, whose costs,
+contention model and bucket assignment it shares): a ``compute`` resource and one communication
+channel ``chan0`` (the wrapper issues every collective on one process group, in order). In the
+order the real engine (commlab/sharded/engine.py) does things:
+
+- buckets: the bucket policy's rebuild for gradients ready in reverse parameter order, one cap for
+  every bucket (the sharded wrapper's ``size_buckets``), in forward order;
+- forward: one compute task per bucket, the profiled forward split in proportion to each
+  bucket's backward time (the profile times forward as a whole), each after its bucket's
+  all-gather. Stages 1-2: every bucket's all-gather was launched by the previous optimizer step
+  (engine step 6), so the step starts with all of them queued; stage 3: bucket j's all-gather is
+  launched by the forward pre-hook of bucket j - prefetch (prefetch 0: just before use);
+- backward: the profiled gradient-ready times (they include the copy into the bucket). Stage 3
+  with reshard: bucket b is gathered again by the pre-backward hook of bucket b + prefetch
+  (backward runs the buckets in reverse), and its first gradient waits for it;
+- each bucket's reduction (stage 1: all-reduce, stages 2-3: reduce-scatter) is launched (the
+  reducer's fixed cost per bucket) once its last gradient is ready, behind backward; stages 2-3
+  first wait for the previous reduce-scatter (one in flight, as torch's fully_shard);
+- the optimizer waits for every reduction and steps 1/world of the parameters.
+
+Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "all_gather",
+algorithm, world) tables, and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
+faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
+shards. Not modelled: buckets the root module uses itself (the engine keeps
+them gathered), stage 1's copy of the reduced gradient into the shard, the gathers of no_sync
+micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from commlab.costmodel.lowering.buckets import DEFAULT_POLICY, assign
+from commlab.costmodel.terms.costs import DDPProfile, SystemCosts
+from commlab.costmodel.lowering.ddp import StepCosts, contention_rate, step_costs
+from commlab.runs.zero_stage import ZeroStage, parse_stage
+from commlab.sim import SimResult, Task, simulate
+from commlab.runs.store import STEP_COLUMNS
+
+COMPUTE, CHANNEL, HOST = "compute", "chan0", "rank"
+ALLGATHER, REDUCESCATTER, ALLREDUCE = "allgather", "reducescatter", "allreduce"
+COMM_KINDS = (ALLREDUCE, ALLGATHER, REDUCESCATTER)
+ELEMENT = 4  # bytes per element: the profiled parameters are fp32
+SHARDED_COLUMNS = ("peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter")
+
+
+@dataclass(frozen=True)
+class ShardedSetting:
+    """The knobs of one sharded configuration (ShardedDataParallel's keywords)."""
+
+    stage: int = 3
+    prefetch: int = 1
+    reshard: bool = True
+    bucket_cap_mb: float = 25.0  # ShardedDataParallel's default
+    accumulate: int = 1
+    policy: Any = DEFAULT_POLICY
+    optimizer_bytes: float = 0.0  # optimizer state per parameter: 0 for plain SGD (the sweep's), 8 for Adam
+
+    @property
+    def zero(self) -> ZeroStage:
+        return parse_stage(self.stage)  # ValueError for a stage outside 0-3
+
+    def __post_init__(self) -> None:
+        if self.zero.ddp:
+            raise ValueError("a sharded setting has stage 1, 2 or 3 (stage 0, DDP, is a DDPSetting)")
+        if self.prefetch < 0 or self.accumulate < 1 or not self.bucket_cap_mb > 0:
+            raise ValueError(f"prefetch >= 0, accumulate >= 1 and bucket_cap_mb > 0 needed, got "
+                             f"{self.prefetch}, {self.accumulate}, {self.bucket_cap_mb}")
+
+
+@dataclass(frozen=True)
+class ShardedCosts:
+    """The DDP lowering's costs of the workload (compute, contention, the all-reduce stage 1 uses)
+    plus the sharded collectives of the same algorithm and world size."""
+
+    step: StepCosts
+    reduce_scatter: Callable[[int], float]  # full bucket bytes -> seconds
+    all_gather: Callable[[int], float]
+    world_size: int
+    activation_bytes: int = 0  # what the profile says the forward keeps for backward (0: unknown)
+    fresh: Callable[[int], float] | None = None  # bytes allocated anew and written once -> seconds
+
+    def alloc(self, nbytes: float) -> float:
+        return self.fresh(int(nbytes)) if self.fresh is not None and nbytes > 0 else 0.0
+
+
+def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
+                  activation_bytes: int = 0, fresh: Callable[[int], float] | None = None) -> ShardedCosts:
+    """ValueError if the system lacks an all-reduce, reduce-scatter or all-gather table for them."""
+    return ShardedCosts(step_costs(system, profile, algorithm, world_size, activation_bytes),
+                        system.collective("reduce_scatter", algorithm, world_size),
+                        system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes),
+                        fresh)
+
+
+def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[int]]:
+    """Buckets in forward order: the policy's rebuild for gradients ready in reverse parameter order,
+    as ShardedDataParallel makes them (commlab/sharded/buckets.py; no first-bucket size there)."""
+    n = len(costs.step.param_nbytes)
+    buckets = assign(costs.step.param_nbytes, list(reversed(range(n))), policy=setting.policy,
+                     bucket_cap_mb=setting.bucket_cap_mb)
+    return sorted((sorted(b) for b in buckets), key=lambda b: b[0])
+
+
+def padded_bytes(costs: ShardedCosts, buckets: Sequence[Sequence[int]]) -> list[int]:
+    """Each bucket's flat buffer, padded to a multiple of the world size (commlab/sharded/layout.py)."""
+    w = costs.world_size
+    numels = [sum(costs.step.param_nbytes[p] for p in b) // ELEMENT for b in buckets]
+    return [-(-n // w) * w * ELEMENT for n in numels]
+
+
+def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:
+    """The task graph of one optimizer step (see the module docstring)."""
+    sc, n, stage = costs.step, len(buckets), setting.stage
+    full = padded_bytes(costs, buckets)
+    owner = {p: b for b, ps in enumerate(buckets) for p in ps}
+    pos = {p: j for j, p in enumerate(sc.ready_order)}
+    grad_s = [t - (sc.ready_s[j - 1] if j else 0.0) for j, t in enumerate(sc.ready_s)]
+    back = [sum(grad_s[pos[p]] for p in b) for b in buckets]
+    share = [x / sum(back) for x in back] if sum(back) > 0 else [f / sum(full) for f in full]
+    first = [min(pos[p] for p in b) for b in buckets]  # ready position where bucket b's backward starts
+    # DDP's launch rule: after the bucket's last gradient, in the order buckets complete
+    launches = sorted(range(n), key=lambda b: max(pos[p] for p in buckets[b]))
+    when: dict[int, int] = {}
+    for b in launches:
+        last = max(pos[p] for p in buckets[b])
+        when[b] = max(last, max(when.values(), default=last))
+    tasks: list[Task] = []
+    chan: list[tuple[tuple, Task]] = []  # (issue key, task): the channel runs them in issue order
+
+    def compute(name: str, seconds: float, kind: str, deps: tuple[str, ...] = (), stretched: bool = True, **meta) -> None:
+        tasks.append(Task(name, COMPUTE, max(seconds, 0.0) * (sc.corun if stretched else 1.0), deps, kind, HOST, meta=meta))
+
+    def comm(key: tuple, name: str, kind: str, seconds: float, deps: tuple[str, ...], b: int) -> None:
+        chan.append((key, Task(name, CHANNEL, seconds, deps, kind, HOST, meta={"bucket": b, "nbytes": full[b]})))
+
+    before_forward: tuple[str, ...] = ()
+    if setting.accumulate > 1:
+        compute("nosync", (setting.accumulate - 1) * sc.nosync_s, "nosync")
+        before_forward = ("nosync",)
+    for j in range(n):  # forward all-gathers: launched by the optimizer step (1-2) or a pre-hook (3)
+        hook = max(0, j - setting.prefetch)
+        deps = () if stage < 3 else (f"fwd{hook - 1}",) if hook else before_forward
+        fresh = costs.alloc(full[j]) if stage == 3 else 0.0  # stage 3 gathers into storage allocated again
+        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + fresh, deps, j)
+    for b in range(n):
+        compute(f"fwd{b}", sc.forward_s * share[b], "forward", (f"gather{b}",), bucket=b, waits_gather=True)
+    regather = stage == 3 and setting.reshard
+    if regather:  # issued by the pre-backward hook of the first bucket (in backward) whose window holds b
+        for b in range(n):
+            at = min(first[h] for h in range(b, min(b + setting.prefetch, n - 1) + 1))
+            deps = (f"grad{sc.ready_order[at - 1]}",) if at else (f"fwd{n - 1}",)
+            comm((1, at, 0, -b), f"regather{b}", ALLGATHER, costs.all_gather(full[b]) + costs.alloc(full[b]), deps, b)
+    reduce_kind, reduce_cost = (ALLREDUCE, sc.allreduce) if stage == 1 else (REDUCESCATTER, costs.reduce_scatter)
+    for b in range(n):
+        out = costs.alloc(full[b] / costs.world_size) if stage >= 2 else 0.0  # the reduced shard, new each step
+        comm((1, when[b], 1, launches.index(b)), f"reduce{b}", reduce_kind, reduce_cost(full[b]) + out, (f"launch{b}",), b)
+    starts = {first[b]: b for b in range(n)}
+    for j, p in enumerate(sc.ready_order):
+        deps = (f"regather{owner[p]}",) if regather and starts.get(j) == owner[p] else ()
+        # a bucket's first gradient allocates its full gradient buffer (dropped every step)
+        alloc = costs.alloc(full[owner[p]]) if starts.get(j) == owner[p] else 0.0
+        compute(f"grad{p}", grad_s[j] + alloc, "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
+        for b in launches:
+            if when[b] == j:
+                # Stages 2-3 keep one reduce-scatter in flight (commlab/sharded/engine.py, as torch's
+                # fully_shard): the training thread waits for the previous one before launching.
+                k = launches.index(b)
+                prev = (f"reduce{launches[k - 1]}",) if stage >= 2 and k else ()
+                compute(f"launch{b}", sc.bucket_fixed_s, "launch", prev, stretched=False, bucket=b,
+                        waits_reduce=bool(prev))
+    compute("optimizer", sc.optimizer_s / costs.world_size, "optimizer", tuple(f"reduce{b}" for b in range(n)))
+    return tasks + [t for _, t in sorted(chan, key=lambda kt: kt[0])]
+
+
+def simulate_sharded(costs: ShardedCosts, setting: ShardedSetting) -> tuple[SimResult, list[list[int]]]:
+    buckets = sharded_buckets(costs, setting)
+    rate = contention_rate(costs.step.kc, costs.step.km, costs.step.lane_gain, comm_kinds=COMM_KINDS)
+    return simulate(lower_sharded(costs, setting, buckets), rate), buckets
+
+
+def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs: ShardedCosts,
+                      setting: ShardedSetting) -> tuple[dict, list[dict]]:
+    """The sweep's iteration columns plus :data:`SHARDED_COLUMNS`, and one row per reduction.
+
+    Exposed all-gather: the time compute waited on an all-gather (commlab/sharded/timing.py's
+    definition, the training thread blocked); exposed reduce-scatter: end of backward compute
+    (the last launch) to the optimizer's start, i.e. the wait on the reductions (stage 1's
+    all-reduces included), plus the waits for a previous reduce-scatter before launching the next."""
+    s, n = result.spans, len(buckets)
+    computes = result.by_resource(COMPUTE)
+    exposed_ag, waited_rs, previous = 0.0, 0.0, 0.0
+    for span in computes:
+        if span.meta.get("waits_gather"):
+            exposed_ag += max(0.0, span.start - previous)
+        if span.meta.get("waits_reduce"):
+            waited_rs += max(0.0, span.start - previous)
+        previous = span.end
+    t0 = s["nosync"].end if "nosync" in s else 0.0  # the step starts with the all-gathers of stages 1-2
+    last_compute = max(sp.end for sp in computes if sp.name != "optimizer")
+    reduces = [s[f"reduce{b}"] for b in range(n)]
+    comm = result.by_resource(CHANNEL)
+    rows = [{"bucket": b, "nbytes": r.meta["nbytes"], "num_params": len(buckets[b]),
+             "ready": max(s[f"grad{p}"].end for p in buckets[b]) - t0, "launched": s[f"launch{b}"].start - t0,
+             "done": r.end - t0} for b, r in enumerate(reduces)]
+    forward_end = s[f"fwd{n - 1}"].end
+    exposed_rs = waited_rs + max(0.0, s["optimizer"].start - last_compute)
+    row = {"forward": forward_end - t0, "backward_compute": last_compute - forward_end,
+           "comm": max(c.end for c in comm) - min(c.start for c in comm),
+           "exposed_comm": exposed_ag + exposed_rs, "total": s["optimizer"].start - t0, "write_back": 0.0,
+           "unused_allreduce": 0.0, "accumulate_time": t0, "optimizer": s["optimizer"].length,
+           "step": s["optimizer"].end}
+    extra = {"peak_bytes": peak_bytes(costs, setting, buckets), "comm_bytes": comm_bytes(costs, setting, buckets),
+             "exposed_allgather": exposed_ag, "exposed_reducescatter": exposed_rs}
+    return {**{c: row[c] for c in STEP_COLUMNS}, **extra}, rows
+
+
+def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
+    """Predicted peak bytes per rank: the ZeRO model in fp32 with ``setting.optimizer_bytes`` of
+    optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
+    terms (stage 3 without reshard holds every gathered bucket), plus the largest parameter's
+    gradient as autograd makes it (before the copy into its bucket), plus the profile's activations
+    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a calibration
+    made without them). Left out: the allocator's caching and fragmentation, the forward's
+    transient tensors that are not saved, the temporaries of the optimizer's step and of the
+    collectives (a p2p algorithm's send/receive chunks)."""
+    from commlab.sharded.memory_model import bucket_memory, zero_memory  # lazy: commlab.sharded imports torch
+
+    w, k = costs.world_size, setting.optimizer_bytes
+    full = padded_bytes(costs, buckets)
+    unpadded = [sum(costs.step.param_nbytes[p] for p in b) // ELEMENT for b in buckets]
+    base = zero_memory(sum(unpadded), w, setting.stage, "fp32", optimizer_bytes=k).total
+    m = bucket_memory([f // ELEMENT for f in full], w, setting.stage, setting.prefetch, ELEMENT, int(k), unpadded)
+    gathered = sum(full) if setting.zero.parameters and not setting.reshard else m.gathered
+    # autograd's own .grad of a parameter lives until the hook has copied it into the bucket: the
+    # largest parameter's bytes at once (DDP's peak counts every .grad already)
+    transient = max(costs.step.param_nbytes, default=0)
+    return int(base + gathered + m.reduce_scatter + m.padding + costs.activation_bytes + transient)
+
+
+def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
+    """Bytes one rank sends per step, counted as the sweep counts what a run sent
+    (commlab/sweep/wrap.py: the standard accounting of the bandwidth-optimal collectives)."""
+    from commlab.runs.traffic import comm_bytes as sent
+
+    full = padded_bytes(costs, buckets)
+    gathers = 2 if setting.zero.parameters and setting.reshard else 1
+    reduction = "reduce_scatter" if setting.zero.gradients else "all_reduce"
+    return int(round(sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full],
+                          costs.world_size)))

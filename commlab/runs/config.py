@@ -1,0 +1,133 @@
+"""One run configuration: the settings that determine a measurement, their defaults and columns.
+
+Pure and torch-free: the measurement harness (commlab.sweep) and the cost model both speak it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from commlab.runs.options import parse_model_args
+from commlab.runs.zero_stage import ZeroStage, parse_stage
+
+# Option -> default. The embedded default (no options but --bucket-mb) is the README's first
+# command: CPU, Gloo, world size 2, the built-in MLP, with and without overlap.
+DEFAULTS: dict[str, Any] = {
+    "model": "mlp",
+    "model_args": "",
+    "bucket_mb": "25",
+    "backend": "gloo",
+    "world_size": "2",
+    "algorithm": "native",
+    "overlap": "both",
+    "accumulate": "1",
+    "groups": "1",
+    # Threads per rank are fixed, not cpu_count // world_size (commlab.launch's default): that
+    # gave world size 1 twice the compute of world size 2 on a 2-core machine, so strong-scaling
+    # efficiency came out far above 1 (26). One thread per rank keeps compute per rank equal
+    # across world sizes and fits the default grid on a 2-core laptop; --threads 1,2 sweeps it.
+    "threads": "1",
+    "scaling": "strong",
+    "global_batch": 64,
+    "batch_per_rank": None,
+    # 20 measured steps keep the default grid (6 configurations) near a minute on a 2-core
+    # machine (60 took 2 min 6 s, 30 took 81 s: each configuration also pays ~6 s of spawn,
+    # import and warm-up); the reference spec measures 60 with --repeat 3.
+    "iters": 20,
+    "warmup": 3,
+    "repeat": 1,
+    "out": "results",
+    "name": None,
+    "launcher": "local",
+    "timeout": 300.0,
+    "nnodes": 1,
+    "rdzv_endpoint": None,
+    # A bucket policy's name (commlab/ddp/policy.py) or package.module:Class; a spec-file key.
+    "bucket_policy": "size_cap",
+    # Sharded data parallelism (commlab.ShardedDataParallel): stage 0 is commlab's DDP; prefetch
+    # and reshard (stage 3's reshard_after_forward) mean something at stage 3 only.
+    "stage": "0",
+    "prefetch": "1",
+    "reshard": "on",
+}
+# The configuration fields added after results existed, with the value every older record holds;
+# left out of the id at that value, so older results keep their ids (and --resume them).
+LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True}
+LAUNCHERS = ("local", "torchrun")
+SCALINGS = ("strong", "weak")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid: everything that determines a DDP measurement."""
+
+    model: str
+    model_args: str  # canonical "key=value,..." (sorted keys)
+    backend: str
+    world_size: int
+    bucket_mb: float
+    algorithm: str
+    overlap: bool
+    accumulate: int  # micro-batches per optimizer step; all but the last under no_sync
+    groups: int  # round-robin process groups
+    threads: int  # torch intra-op threads per rank, the same at every world size
+    scaling: str
+    global_batch: int  # samples per micro-batch across all ranks
+    batch_per_rank: int
+    iters: int
+    warmup: int
+    bucket_policy: str = DEFAULTS["bucket_policy"]
+    stage: int = 0  # 0: commlab DDP; 1-3: ShardedDataParallel's ZeRO stage
+    prefetch: int = 1  # stage 3's all-gathers ahead of use (1 at other stages)
+    reshard: bool = True  # stage 3's reshard_after_forward (True at other stages)
+
+    @property
+    def zero_stage(self) -> ZeroStage:
+        """What :attr:`stage` shards (stage 0: nothing, commlab's DDP)."""
+        return parse_stage(self.stage)
+
+    @property
+    def id(self) -> str:
+        """Readable and stable: the same settings give the same id in every run (used by --resume).
+        Fields added later are left out at their old value (:data:`LATER_FIELDS`), so ids are those
+        of runs made before they were options."""
+        settings = {k: v for k, v in asdict(self).items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
+        digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
+        model = re.sub(r"[^A-Za-z0-9]+", "_", self.model)[:24]
+        overlap = "ov" if self.overlap else "noov"
+        policy = "" if "bucket_policy" not in settings else "-" + re.sub(r"[^A-Za-z0-9]+", "_", self.bucket_policy)[:24]
+        sharded = "" if not self.stage else f"-s{self.stage}" + (
+            f"-p{self.prefetch}-{'rs' if self.reshard else 'nors'}" if self.stage == 3 else "")
+        return (
+            f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}-{digest}"
+        )
+
+    def columns(self) -> dict[str, Any]:
+        """The configuration columns of every results table, ``config`` (the id) first."""
+        return {"config": self.id, **asdict(self)}
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return parse_model_args(self.model_args)
+
+    @classmethod
+    def from_columns(cls, row: dict[str, Any]) -> Config:
+        # Results written before a later field was a column hold its old value's runs.
+        values = {f.name: row[f.name] for f in fields(cls) if f.name in row or f.name not in LATER_FIELDS}
+        if "reshard" in values:  # a CSV or YAML may give it as text
+            values["reshard"] = str(values["reshard"]).lower() in ("true", "1", "on")
+        return cls(**values)
+
+
+def zero_stage_of(cfg: Config | dict[str, Any]) -> ZeroStage:
+    """What a configuration shards: a Config, or a record's configuration as a dict (one written
+    before stages were a column is DDP's)."""
+    default = LATER_FIELDS["stage"]
+    return parse_stage(cfg.get("stage", default) if isinstance(cfg, dict) else getattr(cfg, "stage", default))
+
+
+CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]
