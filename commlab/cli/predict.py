@@ -1,7 +1,7 @@
 """The `commlab calibrate`, `commlab predict` and `commlab tune` commands.
 
 \b
-    commlab calibrate --model mlp --world-size 2            measure the model's terms, cache them
+    commlab calibrate sweeps/bucket_size.yaml               measure what predict and tune of it need, cache it
     commlab predict sweeps/bucket_size.yaml                 a sweep's results, without running it
     commlab predict SPEC --against results/bucket_size      ... and how far off it is
     commlab predict --hardware dgx-a100-hdr200 --backend nccl --world-size 8,16,32,64,128,256 --bucket-mb 25
@@ -85,21 +85,19 @@ def _plan(spec_file, options, *, hardware: str | None = None):
     return plan
 
 
-def _entries(plan, calibration_path, recalibrate, *, world_size=None):
-    """One calibration entry per (workload, backend, world size, threads) of the plan."""
+def _calibrate(spec_file, calibration_path, recalibrate, **options):
+    """Measure what `commlab predict` and `commlab tune` of these workloads need, and cache it (SPEC
+    and the sweep's options): one entry per backend, world size, threads per rank and batch per
+    rank of the grid, each with every registered all-reduce algorithm (tune searches them all),
+    and with --stage 1-3 the sharded collectives. Calibrate the spec you will predict or tune."""
     from commlab.costmodel.search import grid_costs as session
 
+    plan = _plan(spec_file, {**options, "bucket_mb": None})
     try:
-        return session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate,
-                                   world_size=world_size, echo=_ECHO)
+        entries = session.entries_for(plan.configs, calibration_path=calibration_path, recalibrate=recalibrate,
+                                      echo=_ECHO, algorithms=session.tune_algorithms())
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-
-
-def _calibrate(spec_file, calibration_path, recalibrate, **options):
-    """Measure what predictions of these workloads need, and cache it (SPEC and the sweep's options)."""
-    plan = _plan(spec_file, {**options, "bucket_mb": None})
-    entries = _entries(plan, calibration_path, recalibrate)
     from commlab.costmodel.calibration.cache import key_id
 
     for entry in entries.values():

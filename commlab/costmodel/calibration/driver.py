@@ -198,6 +198,22 @@ def sharded_algorithms(world_size: int) -> list[str]:
     return list(comm.ALGORITHMS)
 
 
+# Key fields a calibration is valid for besides the workload, in words (cache.make_key).
+_SETTING = {"backend": "backend", "world_size": "world size", "threads": "threads per rank",
+            "batch_per_rank": "batch per rank"}
+
+
+def _not_covered_by(path: Path, key: dict) -> str:
+    """Why the entries cached for the same model and sizes do not serve ``key`` ('' if none are)."""
+    same = [e["key"] for e in cache.read_file(path).values() if isinstance(e, dict) and
+            (e.get("key", {}).get("model"), e.get("key", {}).get("model_args")) == (key["model"], key["model_args"])]
+    if not same:
+        return ""
+    held = "; ".join(f"{cache.key_id(k)}: " + ", ".join(f"{word} {k.get(f)}, not {key[f]}" for f, word in _SETTING.items()
+                                                         if k.get(f) != key[f]) for k in same[:3])
+    return f" (it holds {held}; a calibration serves one backend, world size, threads per rank and batch per rank)"
+
+
 def calibration_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
                     path: Path = DEFAULT_CALIBRATION, recalibrate: bool = False,
                     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, max_age_s: float = cache.DEFAULT_MAX_AGE_S,
@@ -220,9 +236,10 @@ def calibration_for(workload: Workload, *, backend: str, world_size: int, thread
                 missing.append("reduce-scatter/all-gather tables")
             if not missing:
                 return entry
-            echo(f"calibration {cache.key_id(key)} lacks algorithm(s) {', '.join(missing)}: recalibrating")
+            echo(f"calibration {cache.key_id(key)} lacks {', '.join(missing)} (calibrated for {', '.join(entry['collectives'])}; "
+                 "`commlab calibrate` measures every algorithm, with --stage 1-3 the sharded tables too): recalibrating")
         except KeyError:
-            echo(f"no calibration of {cache.key_id(key)} in {path}: calibrating")
+            echo(f"no calibration of {cache.key_id(key)} in {path}{_not_covered_by(path, key)}: calibrating")
         except cache.StaleCalibration as stale:
             echo(f"{stale}: recalibrating")
     else:
