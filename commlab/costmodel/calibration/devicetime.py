@@ -7,7 +7,9 @@ Calibration's code is one path on every device; only what this module returns di
   the batch and every buffer live there;
 - the clock: ``time.perf_counter`` stamps on the CPU; CUDA events on a GPU, recorded on a stream
   and resolved (synchronized) afterwards, so that a time is what the GPU took, not the host's
-  enqueueing (commlab/runtime/timer.py's two clocks, which DDP's own timings use too);
+  enqueueing (commlab/runtime/timer.py's two clocks, which DDP's own timings use too); the CUDA
+  clock can also hold its stream with a spin kernel, which the collective tables queue their
+  calls behind (commlab/costmodel/calibration/measure.py's _collective_timer);
 - the CUDA caching allocator's state after the measurements (peak and reserved bytes, retries):
   a calibration that measured with a cold or thrashing allocator says so in its entry.
 """
