@@ -10,7 +10,7 @@
    the gradients are copied from memory not in cache, and the allocator state is a DDP process's
    (an early prototype: the bare model came out ~40% fast on overlap-on configurations);
 2. the all-reduce of every algorithm over the given sizes: on the CPU each call from a barrier,
-   on a GPU in batches queued back to back (:func:`_collective_timer`);
+   on a GPU in batches queued back to back (devicetime.py's :func:`collective_timer`);
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
 4. the co-run factors: rank 0's forward+backward alone, then with every rank computing at once,
@@ -29,7 +29,6 @@ CPU path), and the rank reports the CUDA caching allocator's state after measuri
 
 from __future__ import annotations
 
-import functools
 import resource
 import statistics
 from typing import Any
@@ -44,6 +43,7 @@ from commlab.costmodel.calibration.devicetime import (
     allocator_state,
     calibration_device,
     clock_for,
+    collective_timer,
     timed,
     to_device,
 )
@@ -51,7 +51,7 @@ from commlab.costmodel.calibration.corun import copy_turns, optimizer_turns, tur
 from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
 from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
-from commlab.runtime.timer import time_collective, time_queued, time_sizes, timed_steps
+from commlab.runtime.timer import time_sizes, timed_steps
 
 
 def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
@@ -219,20 +219,8 @@ def _time_collective(algorithm: str, sizes: list[int], iters: int,
         return lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)
 
     clock = clock_for(device)
-    every = time_sizes(prepare, sizes, iters, clock=clock, each=_collective_timer(device, clock))
+    every = time_sizes(prepare, sizes, iters, clock=clock, each=collective_timer(device, clock))
     return [float(statistics.median(samples)) for samples in every], every
-
-
-def _collective_timer(device: torch.device, clock):
-    """How a collective is timed on ``device``. On a GPU the host only enqueues it: timed alone
-    from a barrier, an event on an idle stream would count the host's launch (small sizes came
-    out slow) and, on an early rank, the wait for the last rank to leave the barrier; so batches
-    are queued back to back behind a spin (commlab/runtime/timer.py's time_queued). On the CPU a
-    call is the host's own work, with no queue to hide a launch behind: each call from a barrier,
-    as always (the skew of Gloo's barrier exit stays inside; the held-out checks rest on it)."""
-    if device.type == "cuda":
-        return functools.partial(time_queued, hold=clock.hold)
-    return time_collective
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

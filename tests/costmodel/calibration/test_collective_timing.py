@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from commlab.costmodel.calibration.measure import _collective_timer
+from commlab.costmodel.calibration.devicetime import collective_timer
 from commlab.runtime import timer
 from commlab.runtime.timer import CudaClock, time_collective, time_queued
 
@@ -117,7 +117,7 @@ def test_queued_rounds_barriers_and_the_hold_sized_on_warm_up(monkeypatch):
 
 
 def test_calibration_queues_on_a_gpu_and_keeps_the_cpu_timing():
-    assert _collective_timer(torch.device("cpu"), timer.CpuClock()) is time_collective
+    assert collective_timer(torch.device("cpu"), timer.CpuClock()) is time_collective
     clock = CudaClock()  # choosing it needs no GPU
-    chosen = _collective_timer(torch.device("cuda", 0), clock)
+    chosen = collective_timer(torch.device("cuda", 0), clock)
     assert chosen.func is time_queued and chosen.keywords == {"hold": clock.hold}
