@@ -31,6 +31,9 @@ from commlab.runs.config import Config
 from commlab.runs.options import canonical_model_args
 
 DATA = Path(__file__).with_name("ddp_paper.yaml")
+# Never created: predict_on would take a V100 calibration from a calibration file in place of the
+# FLOPs, and these rows are priced from FLOPs at one stated efficiency, whatever a user has cached.
+NO_CALIBRATION = DATA.with_name("no-calibration.json")
 FACTORY = "commlab.validation.published.resnet:resnet"
 TABLE_LATENCY, TABLE_BUCKET = "ddp-benchmark latency", "ddp-benchmark bucket 1/25 MB"
 
@@ -56,7 +59,7 @@ def predict(cases: list[tuple[str, int, float]], efficiency: float) -> dict[tupl
     Cases of a model share one plan, so its FLOPs are counted once."""
     preset = {**load_preset(load()["machine"]), "compute_fraction": efficiency}
     configs = {case: config(*case) for case in cases}
-    records, _ = predict_on(SimpleNamespace(configs=list(configs.values())), preset)
+    records, _ = predict_on(SimpleNamespace(configs=list(configs.values())), preset, NO_CALIBRATION)
     by_id = {rec["config"]["config"]: rec["iterations"][0]["step"] for rec in records}
     return {case: by_id[cfg.id] for case, cfg in configs.items()}
 
