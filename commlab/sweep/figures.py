@@ -286,7 +286,7 @@ def _sharded(df: pd.DataFrame):
             ax.set_title(title, fontsize=8)
             ax.set_ylabel(ylabel)
             ax.set_ylim(bottom=0)
-        row[1].set_ylim(0, 1.15 * part["peak_bytes"].max() / 2**20)  # room for the numbers on the tallest bar
+        row[1].set_ylim(0, 1.15 * df["peak_bytes"].max() / 2**20)  # one scale for every panel; room for the numbers
         row[2].set_ylim(0, 1.35 * max((part["exposed_allgather"] + part["exposed_reduction"]).max() * 1e3, 1e-3))
         row[2].legend(fontsize=7, loc="upper left")
         if len(caps) > 1:

@@ -36,7 +36,7 @@ def test_adam_by_default_when_a_stage_shards_and_sgd_for_ddp_alone():
 
 
 def test_runs_made_before_the_option_keep_their_ids_and_read_as_sgd():
-    # results/zero's ids, measured with plain SGD before the optimizer was an option
+    # ids of a stage sweep measured with plain SGD before the optimizer was an option (commit 4336ec7)
     zero = build_grid(merge({}, {"stage": "0,1,2,3", "prefetch": "0,1", "bucket_mb": "1,25", "overlap": "on",
                                  "iters": 5, "warmup": 1, "optimizer": "sgd"}))
     ids = {c.id for c in zero.configs}
