@@ -216,9 +216,14 @@ def _not_covered_by(path: Path, key: dict) -> str:
             (e.get("key", {}).get("model"), e.get("key", {}).get("model_args")) == (key["model"], key["model_args"])]
     if not same:
         return ""
-    held = "; ".join(f"{cache.key_id(k)}: " + ", ".join(f"{word} {k.get(f)}, not {key[f]}" for f, word in _SETTING.items()
-                                                         if k.get(f) != key[f]) for k in same[:3])
-    return f" (it holds {held}; a calibration serves one backend, world size, threads per rank and batch per rank)"
+    def setting(k: dict) -> dict:
+        return {**{f: k.get(f) for f in _SETTING}, "optimizer": cache.key_optimizer(k)}
+
+    want = setting(key)
+    held = "; ".join(f"{cache.key_id(k)}: " + ", ".join(f"{_SETTING.get(f, f)} {v}, not {want[f]}" for f, v in setting(k).items()
+                                                         if v != want[f]) for k in same[:3])
+    return (f" (it holds {held}; a calibration serves one backend, world size, threads per rank, batch per rank "
+            "and optimizer)")
 
 
 def calibration_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,

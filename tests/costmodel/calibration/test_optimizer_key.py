@@ -47,8 +47,10 @@ def test_an_sgd_entry_is_never_served_for_adam(tmp_path, monkeypatch):
         return synthetic_entry(key=driver.workload_key(workload, backend, world_size, threads))
 
     monkeypatch.setattr(driver, "calibrate", calibrate)
+    said = []
     for optimizer in ("sgd", "adam"):
         cfg = build_grid(merge({}, {"model_args": "depth=2,width=64", "optimizer": optimizer})).configs[0]
-        entry = next(iter(grid_costs.entries_for([cfg], calibration_path=path).values()))
+        entry = next(iter(grid_costs.entries_for([cfg], calibration_path=path, echo=said.append).values()))
         assert cache.key_optimizer(entry["key"]) == optimizer
     assert asked == ["adam"]  # SGD's came from the cache
+    assert "optimizer sgd, not adam" in said[0]  # why the cached entry does not serve
