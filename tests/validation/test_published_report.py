@@ -20,6 +20,8 @@ def test_summary_and_lines():
     assert s["median"] == pytest.approx(0.1) and s["worst"] == pytest.approx(0.1) and s["rows"] == 3
     printed = report.lines(rows)
     assert len(printed) == 1 + 3 + 1 and "+10.0%" in printed[1] and "median |error| 10.0%" in printed[-1]
+    fitted = [dict(rows[0], case="a (fitted)", error=0.0), *rows[1:]]  # a row a constant came from is not counted
+    assert report.summary(fitted)["fake"]["rows"] == 2
 
 
 def test_unknown_table_named_before_anything_runs():

@@ -3,7 +3,8 @@
 ``commlab validate published`` (commlab/cli/validate.py) runs :func:`collect` over the tables of
 :data:`commlab.validation.published.SOURCES` and hands the rows to the three writers here. A row
 is a dict with keys table, case, metric, published, predicted, error (predicted / published - 1)
-and source; every table's module produces them (its ``rows()``).
+and source; every table's module produces them (its ``rows()``). A row whose case ends in
+:data:`FITTED` is the one a constant was derived from: printed, never counted in the summary.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from commlab._atomic import write_text
 
 COLUMNS = ("table", "case", "metric", "published", "predicted", "error", "source")
+FITTED = "(fitted)"
 
 
 def collect(sources: Mapping[str, Callable[[], list[dict]]], names: Iterable[str] = ()) -> list[dict]:
@@ -36,10 +38,11 @@ def collect(sources: Mapping[str, Callable[[], list[dict]]], names: Iterable[str
 
 
 def summary(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per table: the median and the worst absolute error, and the rows counted."""
+    """Per table: the median and the worst absolute error, and the rows counted (fitted ones left out)."""
     by: dict[str, list[float]] = {}
     for r in rows:
-        by.setdefault(r["table"], []).append(abs(r["error"]))
+        if not r["case"].endswith(FITTED):
+            by.setdefault(r["table"], []).append(abs(r["error"]))
     return {t: {"median": statistics.median(e), "worst": max(e), "rows": len(e)} for t, e in by.items()}
 
 
@@ -50,7 +53,8 @@ def lines(rows: list[dict]) -> list[str]:
         out.append(f"{r['table']:12s} {r['case']:24s} {r['metric']:22s} {r['published']:10.4g} {r['predicted']:10.4g} "
                    f"{r['error']:+8.1%}")
     for table, s in summary(rows).items():
-        out.append(f"{table}: median |error| {s['median']:.1%}, worst {s['worst']:.1%} over {s['rows']} rows")
+        out.append(f"{table}: median |error| {s['median']:.1%}, worst {s['worst']:.1%} over {s['rows']} rows "
+                   f"(rows marked {FITTED} not counted)")
     return out
 
 
