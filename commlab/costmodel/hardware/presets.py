@@ -27,9 +27,9 @@ from commlab.costmodel.hardware import nccl
 from commlab.costmodel.terms.costs import DDPProfile, Overheads, SystemCosts
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
-NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels", "net_overhead_us",
+NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels",
            "peak_tflops", "hbm_gbps", "compute_fraction")
-FIELDS = (*NUMBERS, "arch", "device", "source")
+FIELDS = (*NUMBERS, "arch", "cpu", "device", "source")
 # ASSUMED, for the FLOPs path: the reducer's own time per bucket (a few kernel launches and
 # bookkeeping) and the optimizer's memory traffic (fp32 parameter, gradient and two moments
 # read, three written: 7 x 4 bytes per parameter, Adam).
@@ -72,7 +72,7 @@ def load_preset(name: str) -> dict[str, Any]:
 def network(preset: dict[str, Any]) -> nccl.Network:
     return nccl.Network(int(preset["gpus_per_node"]), float(preset["nvlink_busbw_gbps"]),
                         float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]), int(preset["channels"]),
-                        str(preset["arch"]), float(preset["net_overhead_us"]))
+                        str(preset["arch"]), str(preset["cpu"]))
 
 
 def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduce:
