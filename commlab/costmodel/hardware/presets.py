@@ -115,7 +115,7 @@ def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, alg
 
 def assumptions(preset: dict[str, Any], compute: str) -> str:
     """What every figure on this preset rests on, in one paragraph."""
-    return (f"collectives priced by NCCL 2.20's tuning model (ring or tree x LL, LL128, Simple, the fastest; "
+    return (f"collectives priced by NCCL's tuning model (2.20: ring or tree x LL, LL128, Simple, the fastest; "
             f"no NVLS/CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
             f"GPUs, {preset['nics_per_node']} x {preset['nic_busbw_gbps']} GB/s NICs across nodes; {compute}; "
             f"compute {float(preset['overlap_slowdown']):.0%} slower while NCCL runs beside it, communication not "
