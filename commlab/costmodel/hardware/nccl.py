@@ -16,7 +16,11 @@ How a placement becomes the tuner's bandwidth (NCCL's graph search, src/graph/se
 - across nodes, each ring channel leaves a node through one NIC at the per-NIC ring speed NCCL's
   search settles on; a group uses the NICs next to its GPUs (``per_node`` x NICs per GPU) and no
   more than its share of the node's (``nics_per_node / sharing``): fractional shares are time-shared.
-  Its channels scale with those NICs (the per-channel caps of the tuner follow them), at least one.
+  Its channels scale with those NICs (the per-channel caps of the tuner follow them), at least one;
+- NVLS (where the switches reduce): one channel per GPU of the node, each GPU the head of one;
+  a head's link carries twice a channel's speed and every other GPU's once, so the search settles
+  on the fastest speed of its table (search.cc sm90SpeedArrayIntra) within NVLink / (GPUs + 1);
+  across nodes (NVLS-tree) each head also takes a NIC, at most its speed (half beyond 2 nodes).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from commlab.costmodel.hardware import nccl_tuner as tuner
 from commlab.runs.traffic import bus_factor
 
 COLLECTIVES = tuple(tuner.COLLECTIVES)
+# src/graph/search.cc (NCCL 2.19-2.20) sm90SpeedArrayIntra: the per-channel speeds an NVLS search tries.
+NVLS_SPEEDS = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Network:
     channels: int = 16  # NCCL's channels on a full node (the tuner's per-channel caps scale with them)
     arch: str = "ampere"  # volta, ampere or hopper: the caps' row
     cpu: str = "intel"  # intel or amd: the network's posting overhead and the multi-node LL cap
+    nvls: bool = False  # NVSwitches that reduce in place (NVLink SHARP: third-generation NVSwitch, Hopper)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nics_per_node < 1 or self.channels < 1 or not (
@@ -84,7 +91,21 @@ def communicator(network: Network, group: Group) -> tuner.Comm:
                    group.per_node * network.nics_per_node / network.gpus_per_node)
         busbw = min(network.nvlink_busbw, network.nic_busbw * nics)
         channels = max(1, round(network.channels * nics / network.nics_per_node))
-    return tuner.Comm(group.size, group.nodes, busbw, channels, network.arch, network.cpu)
+    return tuner.Comm(group.size, group.nodes, busbw, channels, network.arch, network.cpu,
+                      nvls_busbw=nvls_busbw(network, group))
+
+
+def nvls_busbw(network: Network, group: Group) -> float:
+    """The NVLS graph's channels x per-channel speed for this group, 0 without NVLS (module docstring)."""
+    k = group.per_node
+    if not network.nvls or k < 2:
+        return 0.0
+    speed = next((s for s in NVLS_SPEEDS if s * (k + 1) <= network.nvlink_busbw), 0.0)
+    if group.nodes > 1:
+        nics = min(network.nics_per_node / group.sharing, k * network.nics_per_node / network.gpus_per_node)
+        per_head = network.nic_busbw * min(1.0, nics / k)
+        speed = min(speed, per_head if group.nodes <= 2 else per_head / 2)
+    return k * speed
 
 
 def choice(network: Network, op: str, nbytes: float, group: Group) -> tuple[str, str]:

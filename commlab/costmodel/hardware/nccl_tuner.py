@@ -9,8 +9,9 @@ least ``latency + bytes / bandwidth``; :func:`fastest` does the same. What the t
 communicator (its graph's channels and per-channel speed, nodes, GPU generation, CPU vendor) is a
 :class:`Comm`; deriving one from a machine and a group's placement is commlab/costmodel/hardware/nccl.py's job.
 
-Left out, and said where a figure depends on it: CollNet/SHARP (no preset has it), NVLS (the
-NVLink-switch reduction of Hopper nodes: its graph's speed is not a datasheet figure), the tree
+NVLS (the NVLink switch reducing in place, Hopper nodes) on one node and NVLS-tree across nodes
+are priced where the communicator has an NVLS graph (``Comm.nvls_busbw``). Left out, and said
+where a figure depends on it: CollNet/SHARP in the network (no preset has it), the tree
 pattern's 0.85 (NCCL's searched trees on DGX-class nodes are balanced), a NIC's extra latency
 (``latencyInter``, 0 on InfiniBand) and pipelined calls (``numPipeOps`` 1: one call at a time).
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PROTOCOLS = ("LL", "LL128", "Simple")
-ALGORITHMS = ("tree", "ring")
+ALGORITHMS = ("tree", "ring", "nvls", "nvls_tree")
 ARCHS = ("volta", "ampere", "hopper")  # tuning.cc's compCapIndex rows
 CPUS = ("intel", "amd")
 
@@ -31,6 +32,7 @@ BASE_LAT = {"tree": (6.8, 14.0, 0.0), "ring": (6.6, 14.0, 8.4)}
 NVLINK_LAT = {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4)}
 PCI_LAT = {"tree": (1.0, 1.9, 28.0), "ring": (1.0, 2.5, 5.7)}
 NET_LAT = {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0)}
+NVLS_LAT_US, NVLS_TREE_NET_US = 23.0, 14.0  # hwLat[NVLINK][NVLS], hwLat[NET][NVLSTree], Simple
 # Bandwidth caps, GB/s: [arch or CPU row][1 node, 2 nodes, more] (tuning.cc lines 86-106). The LL
 # row is the GPU's on one node and the CPU vendor's across nodes (Intel row 0, AMD row 1).
 LL_MAX = {"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0), "hopper": (87.7, 22.5, 19.0)}
@@ -59,6 +61,7 @@ class Comm:
     arch: str = "ampere"
     cpu: str = "intel"
     nvlink: bool = True  # GPUs of a node joined by NVLink (else PCI): latencies and LL128
+    nvls_busbw: float = 0.0  # GB/s: the NVLS graph's channels x per-channel speed; 0: no NVLS
 
     def __post_init__(self) -> None:
         if not (self.ranks >= 1 and 1 <= self.nodes <= self.ranks and self.busbw > 0 and self.channels >= 1):
@@ -85,8 +88,8 @@ class Collective:
 # The registry, names as commlab/runs/traffic.py's COLLECTIVES; tree is offered to all-reduce only.
 COLLECTIVES = {
     "all_reduce": Collective(lambda n: 2 * (n - 1), lambda k: 2 * k if k > 1 else 0, ALGORITHMS, False),
-    "reduce_scatter": Collective(lambda n: n - 1, lambda k: k - 1, ("ring",), True),
-    "all_gather": Collective(lambda n: n - 1, lambda k: k - 1, ("ring",), True),
+    "reduce_scatter": Collective(lambda n: n - 1, lambda k: k - 1, ("ring", "nvls"), True),
+    "all_gather": Collective(lambda n: n - 1, lambda k: k - 1, ("ring", "nvls"), True),
     "broadcast": Collective(lambda n: n, lambda k: k, ("ring",), True),
     "reduce": Collective(lambda n: n, lambda k: k, ("ring",), False),
 }
@@ -100,12 +103,18 @@ def collective(op: str) -> Collective:
 
 def enabled(comm: Comm, op: str, algorithm: str, protocol: str) -> bool:
     """Which (algorithm, protocol) NCCL considers: LL128 by default only on NVLink nodes of one
-    generation from Volta on (tuning.cc, after the model loop)."""
+    generation from Volta on; NVLS with Simple only, on one node (without CollNet), NVLS-tree across
+    nodes (tuning.cc, the model loop and the enable rules after it)."""
+    if algorithm.startswith("nvls"):
+        return (protocol == "Simple" and comm.nvls_busbw > 0 and algorithm in collective(op).algorithms
+                and (algorithm == "nvls") == (comm.nodes == 1))
     return algorithm in collective(op).algorithms and (protocol != "LL128" or comm.nvlink)
 
 
 def bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str) -> float:
     """The tuner's bus bandwidth, GB/s, before it becomes an algorithm bandwidth."""
+    if algorithm.startswith("nvls"):
+        return comm.nvls_busbw
     bw, col, arch = comm.busbw, comm.column, comm.arch
     ll_max = (LL_MAX[arch] if comm.nodes == 1 else LL_MAX_NET[comm.cpu])[col]
     if algorithm == "ring":
@@ -124,8 +133,10 @@ def bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str) -> float:
 
 def algorithm_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, nbytes: float) -> float:
     """GB/s of the buffer: the ring's busbw x ranks / steps, the tree's half (each byte goes up and
-    down), times the tree's measured correction at this size (ncclTopoGetAlgoTime)."""
+    down), times the tree's measured correction at this size (ncclTopoGetAlgoTime); NVLS's 5/6."""
     bus = bus_bandwidth(comm, op, algorithm, protocol)
+    if algorithm.startswith("nvls"):
+        return bus * 5 / 6
     if algorithm == "ring":
         return bus * comm.ranks / collective(op).steps(comm.ranks)
     size_class = int(math.log2(max(int(nbytes) >> 6, 1)))
@@ -138,6 +149,10 @@ def latency_us(comm: Comm, op: str, algorithm: str, protocol: str, nbytes: float
     the network across; the ring's inter-node steps pay at least the network's posting overhead
     (x 3 for Simple), and a multi-node Simple all-reduce past 64 bytes per rank and channel x 1.4
     (1.9 before Ampere), NCCL's "plateau effect of ring"."""
+    if algorithm == "nvls":
+        return NVLS_LAT_US
+    if algorithm == "nvls_tree":
+        return NVLS_LAT_US + 2 * int(math.log2(comm.nodes)) * NVLS_TREE_NET_US
     p = PROTOCOLS.index(protocol)
     intra = (NVLINK_LAT if comm.nvlink else PCI_LAT)[algorithm][p]
     inter = NET_LAT[algorithm][p]

@@ -76,7 +76,7 @@ def load_preset(name: str) -> dict[str, Any]:
 def network(preset: dict[str, Any]) -> nccl.Network:
     return nccl.Network(int(preset["gpus_per_node"]), float(preset["nvlink_busbw_gbps"]),
                         float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]), int(preset["channels"]),
-                        str(preset["arch"]), str(preset["cpu"]))
+                        str(preset["arch"]), str(preset["cpu"]), bool(preset.get("nvls", False)))
 
 
 def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduce:
@@ -115,8 +115,9 @@ def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, alg
 
 def assumptions(preset: dict[str, Any], compute: str) -> str:
     """What every figure on this preset rests on, in one paragraph."""
-    return (f"collectives priced by NCCL's tuning model (2.20: ring or tree x LL, LL128, Simple, the fastest; "
-            f"no NVLS/CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
+    nvls = "NVLS and NVLS-tree, " if preset.get("nvls") else ""
+    return (f"collectives priced by NCCL's tuning model (2.20: ring or tree x LL, LL128, Simple, {nvls}the fastest; "
+            f"no CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
             f"GPUs, {preset['nics_per_node']} x {preset['nic_busbw_gbps']} GB/s NICs across nodes; {compute}; "
             f"compute {float(preset['overlap_slowdown']):.0%} slower while NCCL runs beside it, communication not "
             f"slowed; sources: {preset['source']}")

@@ -61,7 +61,7 @@ def test_the_tuner_picks_ll_for_small_calls_ll128_for_medium_and_simple_for_larg
     t = nccl.collective_seconds(A100, "all_reduce", 1 << 30, group)
     comm = nccl.communicator(A100, group)
     assert t == pytest.approx(min(tuner.time_us(comm, "all_reduce", a, p, 1 << 30) for a in tuner.ALGORITHMS
-                                  for p in tuner.PROTOCOLS) * 1e-6)
+                                  for p in tuner.PROTOCOLS if tuner.enabled(comm, "all_reduce", a, p)) * 1e-6)
 
 
 def test_a_group_uses_nvlink_inside_a_node_and_its_share_of_the_nics_across():
@@ -108,3 +108,25 @@ def test_the_all_reduce_callable_keeps_its_old_shape():
     assert wide(1 << 30) == nccl.collective_seconds(A100, "all_reduce", 1 << 30, nccl.Group(256, 8))
     assert wide.algorithm(25 << 20) == "tree" and wide.algorithm(8 << 30) == "ring"
     assert nccl.NCCLAllReduce(A100, 1)(1 << 20) == 0.0
+
+
+H100 = nccl.Network(8, 370.8, 48.0, 8, 16, "hopper", "intel", nvls=True)
+
+
+def test_nvls_channels_run_at_the_fastest_speed_a_head_and_seven_others_leave_on_nvlink():
+    # 8 channels, one headed by each GPU: (2 + 7) x speed <= 370.8 GB/s -> 40 GB/s (41.2 is not in the table)
+    assert nccl.communicator(H100, nccl.Group(8, 8)).nvls_busbw == 8 * 40.0
+    # two nodes: each head's NIC (48 GB/s) does not bind; beyond two, half of it (24) does
+    assert nccl.communicator(H100, nccl.Group(16, 8)).nvls_busbw == 8 * 40.0
+    assert nccl.communicator(H100, nccl.Group(32, 8)).nvls_busbw == 8 * 24.0
+    assert nccl.communicator(A100, nccl.Group(8, 8)).nvls_busbw == 0.0
+    one_node = nccl.communicator(H100, nccl.Group(8, 8))
+    # algbw = 5/6 of the graph's; latency 23 us (hwLat NVLINK NVLS)
+    assert tuner.time_us(one_node, "all_reduce", "nvls", "Simple", 1 << 30) == pytest.approx(
+        23.0 + (1 << 30) / (1000 * 320.0 * 5 / 6))
+    assert not tuner.enabled(one_node, "all_reduce", "nvls", "LL128")
+    assert not tuner.enabled(one_node, "all_reduce", "nvls_tree", "Simple")
+    assert nccl.choice(H100, "all_reduce", 1 << 30, nccl.Group(8, 8)) == ("nvls", "Simple")
+    assert nccl.choice(H100, "all_reduce", 1 << 30, nccl.Group(16, 8)) == ("nvls_tree", "Simple")
+    # at 4 nodes the ring's 8 NICs beat NVLS-tree's halved heads for large calls
+    assert nccl.choice(H100, "all_reduce", 8 << 30, nccl.Group(32, 8)) == ("ring", "Simple")
