@@ -61,8 +61,8 @@ class Network:
 
 @dataclass(frozen=True)
 class Group:
-    """One communicator's placement: ``size`` ranks, ``per_node`` of them on each node, and
-    ``sharing`` such groups running at once on each node (sharing its NICs)."""
+    """One communicator's placement: ``size`` ranks, ``per_node`` of them on each node (the last
+    node may hold fewer), and ``sharing`` such groups running at once on each node (sharing its NICs)."""
 
     size: int
     per_node: int
