@@ -6,6 +6,5 @@
 - pipeline.py: a pipeline schedule's step (and, with data parallelism, each stage's buckets);
 - layout3d.py: a Megatron GPT's tensor x pipeline x data-parallel iteration at scale, from
   transformer.py (a layer's operators: FLOPs, bytes, roofline time), tensor.py (tensor- and
-  sequence-parallel collectives), activations.py (Korthikanti et al.'s activation memory) and
-  nccl_groups.py (a collective over a placed group of GPUs).
+  sequence-parallel collectives) and activations.py (Korthikanti et al.'s activation memory).
 """

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from commlab.costmodel.hardware import nccl
 from commlab.costmodel.hardware.presets import OPTIMIZER_BYTES_PER_GRAD_BYTE
 from commlab.costmodel.lowering import activations, tensor, transformer as tf
-from commlab.costmodel.lowering.nccl_groups import Group, collective_seconds
+from commlab.costmodel.hardware.nccl import Group, collective_seconds
 from commlab.costmodel.lowering.pipeline import lower
 from commlab.costmodel.terms.costs import PointToPoint, StageProfile, SystemCosts
 from commlab.pipeline.schedule.actions import flatten

@@ -14,7 +14,7 @@ re-runs the forward's collectives; selective recomputation re-runs only the atte
 which has none.
 
 Every collective runs on the tensor-parallel group, inside one node when ``t`` fits one (NVLink),
-priced by :func:`commlab.costmodel.lowering.nccl_groups.collective_seconds`; the overlapped ones
+priced by :func:`commlab.costmodel.hardware.nccl.collective_seconds`; the overlapped ones
 add nothing to the layer's time. The embedding's and the logits' collectives (one all-reduce or
 reduce-scatter of ``b s h`` each way) are the first and last stages' (:func:`ends`).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commlab.costmodel.hardware import nccl
-from commlab.costmodel.lowering.nccl_groups import Group, collective_seconds
+from commlab.costmodel.hardware.nccl import Group, collective_seconds
 from commlab.costmodel.lowering.transformer import BYTES, GPT
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from commlab.costmodel.hardware.presets import load_preset, network
 from commlab.costmodel.lowering import tensor
-from commlab.costmodel.lowering.nccl_groups import Group, collective_seconds
+from commlab.costmodel.hardware.nccl import Group, collective_seconds
 from commlab.costmodel.lowering.transformer import GPT
 from commlab.runs.traffic import bus_factor
 
