@@ -40,8 +40,9 @@ def _scaled(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.detach() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
 
 
-def _train(model, loss_fn, steps: int = STEPS, make_batch=batch):
-    """Losses and gradients (full values: a DTensor's gathered) of ``steps`` SGD steps."""
+def _train(model, loss_fn, steps: int = STEPS, make_batch=batch, report=None):
+    """Losses (``report(loss)``: by default its value) and gradients (full values: a DTensor's
+    gathered) of ``steps`` SGD steps; a DDP wrapper's parameters under the wrapped module's names."""
     from torch.distributed.tensor import DTensor
 
     opt, trace = _sgd(model.parameters()), []
@@ -52,8 +53,8 @@ def _train(model, loss_fn, steps: int = STEPS, make_batch=batch):
         loss.backward()
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-                 for n, p in model.named_parameters()}
-        trace.append((loss.item(), grads))
+                 for n, p in getattr(model, "module", model).named_parameters()}
+        trace.append((loss.item() if report is None else report(loss), grads))
         opt.step()
     return trace
 
@@ -170,6 +171,55 @@ def _gpt(algorithm: str = "native") -> dict:
     parallelize(model, gpt_plan(vocab_parallel=True), sequence_parallel=True, algorithm=algorithm)
     trace = _train(model, lambda lg, t: vocab_parallel_cross_entropy(lg, t, algorithm=algorithm), steps=2)
     return _compare(trace, reference, model, full_state_dict(model), ref.state_dict())
+
+
+def _groups(tp: int, dp: int):
+    """This rank's tensor- and data-parallel groups of ``arange(dp * tp).view(dp, tp)``: tp innermost,
+    as torch's ``init_device_mesh`` orders them. Every rank creates every group, in one order."""
+    rank, tp_group, dp_group = dist.get_rank(), None, None
+    for replica in range(dp):
+        ranks = list(range(replica * tp, (replica + 1) * tp))
+        group = dist.new_group(ranks)
+        tp_group = group if rank in ranks else tp_group
+    for position in range(tp):
+        ranks = list(range(position, dp * tp, tp))
+        group = dist.new_group(ranks)
+        dp_group = group if rank in ranks else dp_group
+    return tp_group, dp_group, rank // tp
+
+
+def run_tp2_dp2() -> dict:
+    """TP 2 x commlab DDP 2 (DDP over the data-parallel group) against the unpartitioned model
+    trained on both replicas' batches at once."""
+    from commlab import DistributedDataParallel
+
+    tp_group, dp_group, replica = _groups(2, 2)
+    torch.manual_seed(0)
+    ref = SmallLM()
+    init = copy.deepcopy(ref.state_dict())
+    both = lambda step: tuple(torch.cat(pair) for pair in zip(batch(step, 0), batch(step, 1)))  # noqa: E731
+    reference = _train(ref, _full_loss, make_batch=both)
+    ref_final = ref.state_dict()
+
+    def replica_mean(loss):  # the reference's loss is the mean of the replicas' (equal batch sizes)
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=dp_group)
+        return value.item() / 2
+
+    out = {}
+    for variant, algorithm in (("plain", "native"), ("sp_vocab", "ring")):
+        vocab, sp, head = VARIANTS[variant]
+        model = SmallLM()
+        model.load_state_dict(init)
+        parallelize(model, commlab_plan(vocab, head), group=tp_group, sequence_parallel=sp, algorithm=algorithm)
+        ddp = DistributedDataParallel(model, process_group=dp_group)
+        if head == "colwise":
+            loss_fn = lambda lg, t: vocab_parallel_cross_entropy(lg, t, group=tp_group, algorithm=algorithm)  # noqa: E731
+        else:
+            loss_fn = _full_loss
+        trace = _train(ddp, loss_fn, make_batch=lambda step: batch(step, replica), report=replica_mean)
+        out[variant] = _compare(trace, reference, model, full_state_dict(model), ref_final)
+    return out
 
 
 def run_world2() -> dict:

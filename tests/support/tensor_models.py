@@ -75,9 +75,10 @@ class SmallLM(nn.Module):
         return self.head(self.norm(h))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same tokens on every rank of a tensor-parallel group (they split the model, not the data)."""
-    g = torch.Generator().manual_seed(100 + step)
+def batch(step: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same tokens on every rank of a tensor-parallel group (they split the model, not the
+    data); another data-parallel replica gets other tokens."""
+    g = torch.Generator().manual_seed(100 + step + 1000 * replica)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return tokens, torch.roll(tokens, -1, dims=1)
 

@@ -7,7 +7,8 @@ registered all-reduce algorithm and by torch with the same plan in its styles. L
 every gradient per step and the final parameters must be within 1e-5 of each tensor's largest
 value (``max |a - b| / max |ref|``): the sums differ from the unpartitioned model's in order only,
 a difference measured at about 1e-6. A key's bias, whose gradient is zero in exact arithmetic,
-must stay under 1e-6 of the step's largest gradient. The rank-side code is
+must stay under 1e-6 of the step's largest gradient. A second spawn runs TP 2 x commlab DDP 2 on 4
+ranks against the unpartitioned model trained on both replicas' batches. The rank-side code is
 tests/support/tensor_cases.py.
 """
 
@@ -78,3 +79,14 @@ def test_bad_input_is_a_value_error_on_every_rank_before_any_collective(world2):
         assert errors["algorithm"].startswith("ValueError: unknown all-reduce algorithm 'carrier-pigeon'")
         assert errors["odd_sequence"].startswith("ValueError: tensor-parallel size 2 does not divide the length")
         assert errors["group_after"] == [3.0, 3.0, 3.0]  # no rank was left inside a collective
+
+
+@pytest.mark.slow
+def test_tp2_times_commlab_ddp2_equals_the_unpartitioned_model_on_both_batches():
+    # 4 ranks: tensor-parallel pairs {0, 1} and {2, 3}, commlab DDP over {0, 2} and {1, 3}; the
+    # plain plan with native collectives, and vocab-parallel sequence parallelism on the ring.
+    results = commlab.launch(tensor_cases.run_tp2_dp2, world_size=4, backend="gloo", timeout=300)
+    for rank, result in enumerate(results):
+        assert set(result) == {"plain", "sp_vocab"}
+        for variant, worst in result.items():
+            _assert_equal_to_reference(worst, (rank, variant))
