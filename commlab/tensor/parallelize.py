@@ -40,10 +40,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     Every rank of the group calls it with the same model, initialised alike (the layers slice the
     weights they are given). A wrong plan raises ValueError before any collective.
     """
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     tp = TPGroup.of(group, algorithm)
-    kinds = resolve(module, plan, tp.size)
+    kinds = resolve(module, plan, tp.size, sequence_parallel)
     cache = InputCache()
     module.register_forward_pre_hook(cache.clear)
     for name, kind in kinds.items():

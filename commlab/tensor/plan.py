@@ -52,11 +52,13 @@ def _owners(root: nn.Module, name: str) -> list[nn.Module]:
     return [root.get_submodule(".".join(parts[:i])) for i in range(len(parts) - 1, -1, -1)]
 
 
-def resolve(module: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, str]:
+def resolve(module: nn.Module, plan: Mapping[str, str], tp: int, sequence_parallel: bool = False) -> dict[str, str]:
     """Module name -> kind for every module the plan names, in the model's module order.
 
     ValueError for anything that would fail later; nothing here communicates.
     """
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     check_tp(tp)
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"a plan is a non-empty mapping of module-name patterns to kinds, got {plan!r}")
@@ -76,6 +78,11 @@ def resolve(module: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, st
             found[name] = kind
     for name, kind in found.items():
         _check(module, name, kind, tp)
+    if sequence_parallel and "split_sequence" not in found.values():
+        # Without it every activation stays whole and the first column layer would gather whole
+        # sequences: shapes tp times too long, failing far from the cause.
+        raise ValueError("sequence_parallel=True needs a 'split_sequence' entry naming the module whose input "
+                         "is the first to be cut into sequence blocks (the first block, say)")
     return {n: found[n] for n in names if n in found}
 
 

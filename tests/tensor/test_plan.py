@@ -59,9 +59,25 @@ def test_a_wrong_plan_is_a_value_error_naming_the_fix(model, plan, message):
         resolve(model, plan, 2)
 
 
+def test_sequence_parallelism_needs_the_place_where_the_sequence_is_split():
+    plan = {"layers.*.attn.[qkv]": "colwise", "layers.*.attn.o": "rowwise"}
+    assert resolve(SmallLM(), plan, 2, sequence_parallel=False)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs a 'split_sequence' entry"):
+        resolve(SmallLM(), plan, 2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
+        resolve(SmallLM(), plan, 2, sequence_parallel="yes")
+
+
+def test_gather_and_scatter_run_on_the_algorithm_where_it_provides_them_else_on_the_ring():
+    assert TPGroup(None, 2, 0, "native").scatter_gather == "native"
+    assert TPGroup(None, 4, 0, "halving_doubling").scatter_gather == "halving_doubling"
+    assert TPGroup(None, 3, 0, "halving_doubling").scatter_gather == "ring"
+    assert TPGroup(None, 2, 0, "tree").scatter_gather == "ring"
+
+
 def test_the_gpt_plan_fits_the_gpt_and_refuses_heads_the_group_does_not_divide():
     for vocab in (False, True):
-        kinds = resolve(GPT(vocab=32, d_model=16, layers=2, heads=4, seq=8), gpt_plan(vocab), 2)
+        kinds = resolve(GPT(vocab=32, d_model=16, layers=2, heads=4, seq=8), gpt_plan(vocab), 2, sequence_parallel=True)
         assert kinds["layers.1.q"] == kinds["layers.1.fc"] == "colwise" and kinds["layers.0.proj"] == "rowwise"
         assert kinds["head"] == ("colwise" if vocab else "gather_sequence") and ("tok" in kinds) == vocab
     with pytest.raises(ValueError, match=r"attention heads around layers.0.q \(3\)"):
