@@ -6,7 +6,8 @@ Covers: world size 1 on NCCL (comm streams, events, CUDA-event timings, DDP vs t
 size 2 with both ranks on one GPU over Gloo with CUDA tensors (DDP vs torch DDP, timings ordered
 ready <= launched <= done), the 2-GPU NCCL tests when two GPUs are visible, and the cost model's
 calibration on the GPU (model, batch and buffers on the device, CUDA-event timing, the caching
-allocator's state: tests/costmodel/calibration/test_devicetime.py). Exits with pytest's status;
+allocator's state: tests/costmodel/calibration/test_devicetime.py; its collectives queued back to
+back behind a spin: tests/test_gpu.py). Exits with pytest's status;
 without a GPU it says so and exits 2 (nothing ran).
 """
 

@@ -5,7 +5,9 @@ Skipped without CUDA, with the reason; scripts/gpu_check.py runs this file on a 
   stream through an event, its future completes on that stream (the waiter's stream waits, the
   host does not), and DDP's bucket timings are ordered ready <= launched <= done;
 - world 2 on one GPU over Gloo with CUDA tensors: commlab's DDP equals torch's DDP, and CPU
-  inputs are moved to device_ids[0] as torch moves them (output_device and dim kept).
+  inputs are moved to device_ids[0] as torch moves them (output_device and dim kept);
+- world 1 on NCCL: calibration's queued collective timing (commlab/runtime/timer.py's
+  time_queued; its logic on a fake clock: tests/costmodel/calibration/test_collective_timing.py).
 """
 
 from __future__ import annotations
@@ -177,3 +179,55 @@ def test_sharded_stages_on_cuda_match_torch_ddp_on_nccl_and_on_gloo():
             assert all(out[f"diff{s}"] <= 1e-5 for s in (1, 2, 3)), (backend, out)
             assert all(out[f"on_gpu{s}"] for s in (1, 2, 3)), (backend, out)
             assert all(out[f"peak{s}"] and out[f"peak{s}"] > 0 for s in (1, 2, 3)), (backend, out)
+
+
+def _queued_collective_timing() -> dict:
+    import statistics
+    import time
+
+    from commlab.costmodel.calibration.measure import _time_collective
+    from commlab.runtime.timer import CudaClock, time_collective, time_queued
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    clock, out = CudaClock(), {}
+    start = clock.stamp()
+    clock.hold(0.02)
+    out["hold_s"] = clock.seconds(start, clock.stamp())  # the spin rate measured on first use
+    buf = torch.ones(1024, device=device)  # 4 KiB: a launch outlasts the all-reduce
+
+    def call():
+        C.all_reduce(buf, "sum", algorithm="native")
+
+    # The premise of the hold: NCCL's enqueue does not wait for the device, so the whole batch
+    # is queued while the spin runs (the device has not reached the event behind it).
+    call()
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    for _ in range(9):
+        call()
+    enqueue_s = time.perf_counter() - host
+    torch.cuda.synchronize()
+    clock.hold(2 * enqueue_s + 0.005)
+    for _ in range(9):
+        call()
+    behind = clock.stamp()
+    out["queued_behind_hold"] = not behind.query()
+    behind.synchronize()
+    # the launch out: queued batches time less than a call alone from a barrier on an idle stream
+    alone = statistics.median(time_collective(call, 9, clock=clock))
+    queued = statistics.median(time_queued(call, 9, clock=clock, hold=clock.hold))
+    out["launch_out"] = 0 < queued < alone
+    # calibration's own path on the GPU: a table of positive medians over the samples asked
+    medians, samples = _time_collective("native", [4096, 1 << 20], 5, device)
+    out["table"] = all(m > 0 for m in medians) and [len(s) for s in samples] == [5, 5]
+    out["times"] = {"alone_s": alone, "queued_s": queued, "enqueue_s": enqueue_s, "medians": medians}
+    return out
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_calibration_times_nccl_collectives_queued_behind_a_spin_on_world_one():
+    (out,) = commlab.launch(_queued_collective_timing, world_size=1, backend="nccl", timeout=180)
+    # the spin lasts about the 20 ms asked: its rate is measured, and the clock may move after
+    assert 0.005 < out["hold_s"] < 0.2, out
+    assert out["queued_behind_hold"] and out["launch_out"] and out["table"], out

@@ -16,7 +16,8 @@ runs every step once, in an order that changes from round to round (:func:`alter
 goes first; ``before`` runs untimed ahead of each call (a barrier, zeroing gradients). Its
 special cases: :func:`timed_steps` (one step), :func:`time_collective` (one collective, each call
 from a barrier, after one untimed call that allocates and connects) and :func:`time_sizes` (a
-collective's samples at every size).
+collective's samples at every size). :func:`time_queued` times a collective that the host only
+enqueues (on a GPU): batches queued back to back, as nccl-tests times them.
 
 Torch is imported only by the clocks that need it, so this module is free to import anywhere.
 """
@@ -65,6 +66,35 @@ class CudaClock:
     def seconds(self, start: Any, stamp: Any) -> float:
         stamp.synchronize()
         return start.elapsed_time(stamp) / 1000.0
+
+    def hold(self, seconds: float) -> None:
+        """Keep the current stream busy for about ``seconds`` (a spin kernel), so that what the
+        host enqueues meanwhile waits in the queue and then runs back to back."""
+        import torch
+
+        device = torch.cuda.current_device()
+        if device not in _SPIN_RATE:
+            _SPIN_RATE[device] = _spin_rate()
+        torch.cuda._sleep(max(int(seconds * _SPIN_RATE[device]), 1))
+
+
+_SPIN_RATE: dict[int, float] = {}  # CUDA device -> the spin kernel's cycles per second
+
+
+def _spin_rate(cycles: int = 20_000_000) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` on the current device: a spin of ``cycles``
+    (about 10 ms at GPU clocks, so its own launch is negligible) timed by events, after an
+    untimed one that loads the kernel and lets an idle GPU raise its clock (the spin counts
+    cycles, so a rate taken at a lower clock would make later holds short)."""
+    import torch
+
+    torch.cuda._sleep(cycles)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1000.0)
 
 
 def make_clock(device: Any) -> CpuClock | CudaClock:
@@ -184,8 +214,60 @@ def time_collective(call: Callable[[], Any], iters: int, warmup: int = 1, *, clo
     return timed_steps(call, iters, warmup, clock=clock, before=ahead)
 
 
+def time_queued(call: Callable[[], Any], iters: int, warmup: int = 1, *, clock: Clock, batch: int = 8,
+                hold: Callable[[float], Any] | None = None, host: Callable[[], float] = time.perf_counter,
+                before: Callable[[], Any] | None = None) -> list[float]:
+    """Seconds per call of a collective that the host only enqueues (on a GPU), one sample per
+    round for ``iters`` rounds after ``warmup`` untimed ones (at least one with ``hold``).
+
+    A round, from a barrier of the default group (after ``before()``):
+
+    1. ``hold(s)``: the device kept busy for twice the host time the last round's calls took to
+       enqueue, so that every call below waits in the queue: no launch latency between them,
+       however small the message (without ``hold`` the calls only run back to back where each
+       lasts longer than its launch);
+    2. one untimed call: a collective whose result needs every rank's input (all-reduce,
+       reduce-scatter, all-gather) ends on each rank only once the last rank has reached it, so
+       each rank's start below comes after the barrier-exit skew;
+    3. the rank's own start stamp, ``batch`` calls, its end stamp: a sample is the span / ``batch``.
+
+    nccl-tests (src/common.cu, BenchTime) times its calls back to back from its barrier to the
+    stream's completion on a host clock and divides by their number, so the first launch and the
+    skew are spread over the calls; it then averages over ranks by default (its -a option: mean,
+    min, max or rank 0). 1 and 2 take them out instead. Each rank's sample is then free of skew,
+    and so is any combination over ranks (calibration keeps the slowest rank's median, as a
+    collective ends for all when the last rank is through)."""
+    if hold is not None and warmup < 1:
+        raise ValueError("time_queued sizes its hold on a warm-up round: warmup must be >= 1")
+    samples: list[float] = []
+    enqueue_s: float | None = None
+    for r in range(warmup + iters):
+        if before is not None:
+            before()
+        _barrier()
+        if hold is not None and enqueue_s is not None:
+            hold(2.0 * enqueue_s)
+        launches = []
+        t = host()
+        call()
+        launches.append(host() - t)
+        start = clock.stamp()
+        for _ in range(batch):
+            t = host()
+            call()
+            launches.append(host() - t)
+        end = clock.stamp()
+        # the median launch: the round's first call may connect or allocate (seconds), once
+        enqueue_s = sorted(launches)[len(launches) // 2] * len(launches)
+        seconds = clock.seconds(start, end) / batch  # waits for the round: the next starts on an idle queue
+        if r >= warmup:
+            samples.append(seconds)
+    return samples
+
+
 def time_sizes(prepare: Callable[[int], Callable[[], Any]], sizes: Sequence[int], iters: int, warmup: int = 1, *,
-               clock: Clock | None = None) -> list[list[float]]:
-    """:func:`time_collective`'s samples at every size of ``sizes`` (bytes): ``prepare(nbytes)``
-    makes that size's buffers, untimed, and returns the call to time."""
-    return [time_collective(prepare(nbytes), iters, warmup, clock=clock) for nbytes in sizes]
+               clock: Clock | None = None, each: Callable[..., list[float]] = time_collective) -> list[list[float]]:
+    """``each``'s samples (:func:`time_collective`'s, or :func:`time_queued`'s) at every size of
+    ``sizes`` (bytes): ``prepare(nbytes)`` makes that size's buffers, untimed, and returns the
+    call to time."""
+    return [each(prepare(nbytes), iters, warmup, clock=clock) for nbytes in sizes]

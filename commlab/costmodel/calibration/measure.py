@@ -9,7 +9,8 @@
    two bucket caps with overlap off, the reducer's fixed cost per bucket. The DDP loop profiles better than the bare model:
    the gradients are copied from memory not in cache, and the allocator state is a DDP process's
    (an early prototype: the bare model came out ~40% fast on overlap-on configurations);
-2. the all-reduce of every algorithm over the given sizes, each timed after a barrier;
+2. the all-reduce of every algorithm over the given sizes: on the CPU each call from a barrier,
+   on a GPU in batches queued back to back (devicetime.py's :func:`collective_timer`);
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
 4. the co-run factors: rank 0's forward+backward alone, then with every rank computing at once,
@@ -22,8 +23,8 @@
    a time on the group's worker): commlab/costmodel/calibration/queueing.py.
 
 On NCCL every step runs on the rank's GPU and is timed with CUDA events (the device and clock of
-commlab/costmodel/calibration/devicetime.py: the one difference from the CPU path), and the rank reports the
-CUDA caching allocator's state after measuring.
+commlab/costmodel/calibration/devicetime.py), step 2 in queued batches (the two differences from the
+CPU path), and the rank reports the CUDA caching allocator's state after measuring.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from commlab.costmodel.calibration.devicetime import (
     allocator_state,
     calibration_device,
     clock_for,
+    collective_timer,
     timed,
     to_device,
 )
@@ -216,7 +218,8 @@ def _time_collective(algorithm: str, sizes: list[int], iters: int,
         buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
         return lambda: collectives.all_reduce(buf, "sum", algorithm=algorithm)
 
-    every = time_sizes(prepare, sizes, iters, clock=clock_for(device))
+    clock = clock_for(device)
+    every = time_sizes(prepare, sizes, iters, clock=clock, each=collective_timer(device, clock))
     return [float(statistics.median(samples)) for samples in every], every
 
 

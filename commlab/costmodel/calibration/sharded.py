@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from commlab.costmodel.calibration.devicetime import clock_for
+from commlab.costmodel.calibration.devicetime import clock_for, collective_timer
 from commlab.runtime.timer import time_collective
 from commlab.sharded import comm
 
@@ -36,9 +36,9 @@ def time_sharded(algorithms: list[str], sizes: list[int], iters: int,
                 full = torch.ones(numel, dtype=torch.float32, device=device)
                 shard = torch.empty(numel // world, dtype=torch.float32, device=device)
                 own = full[rank * (numel // world):(rank + 1) * (numel // world)]
-                rs.append(_median(clock, iters, lambda: comm.reduce_scatter(shard, full, None, algorithm).wait()))
+                rs.append(_median(clock, iters, lambda: comm.reduce_scatter(shard, full, None, algorithm).wait(), device))
                 # stages 1-2 gather in place from the own block of the flat buffer (comm.all_gather)
-                ag.append(_median(clock, iters, lambda: comm.all_gather(full, own, None, algorithm).wait()))
+                ag.append(_median(clock, iters, lambda: comm.all_gather(full, own, None, algorithm).wait(), device))
         except ValueError:
             continue
         out["reduce_scatter"][algorithm], out["all_gather"][algorithm] = rs, ag
@@ -64,10 +64,12 @@ def fresh_memory(sizes: list[int], iters: int, device: torch.device = torch.devi
     return out
 
 
-def _median(clock, iters: int, call) -> float:
-    """The median of ``iters`` calls, each from a barrier, after one that warms the buffers and
-    the backend's pairs up."""
-    return float(statistics.median(time_collective(call, iters, clock=clock)))
+def _median(clock, iters: int, call, device: torch.device | None = None) -> float:
+    """The median of ``iters`` calls after one that warms the buffers and the backend's pairs up:
+    each from a barrier, or for a collective on a GPU queued back to back (devicetime.py's
+    collective_timer, which says why)."""
+    each = time_collective if device is None else collective_timer(device, clock)
+    return float(statistics.median(each(call, iters, clock=clock)))
 
 
 def activation_bytes(model: torch.nn.Module, loss_fn, batch) -> int:
