@@ -47,7 +47,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} differ before the vocabulary")
     tp = TPGroup.of(group, algorithm)
-    flat, ids = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    # In float32 whatever the logits' dtype (as Megatron does): a half-precision sum of exponentials
+    # over the vocabulary loses the small terms. The cast's gradient casts back.
+    flat, ids = logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
     keep = ids != ignore_index
     per_token = _VocabCrossEntropy.apply(flat, ids.masked_fill(~keep, 0), tp)
     return (per_token * keep).sum() / keep.sum().clamp(min=1)
