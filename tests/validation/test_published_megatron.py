@@ -11,6 +11,9 @@ import pytest
 
 from commlab.validation.published import SOURCES, korthikanti, megatron
 
+# A minute and more of simulation: with the runs that start processes, outside the quick run.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def table1():
