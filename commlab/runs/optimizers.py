@@ -28,11 +28,15 @@ class OptimizerKind:
     torch_class: str  # an attribute of torch.optim
     state_bytes: float  # K of the ZeRO memory model (commlab/sharded/memory_model.py) in fp32
     about: str
+    options: tuple[tuple[str, Any], ...] = ()  # keyword arguments beyond the learning rate
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {o.name: o for o in (
     OptimizerKind("sgd", "SGD", 0.0, "plain SGD, no state (torch/optim/sgd.py without momentum)"),
+    OptimizerKind("momentum", "SGD", 4.0, "SGD with momentum 0.9: one momentum buffer (torch/optim/sgd.py)",
+                  (("momentum", 0.9),)),
     OptimizerKind("adam", "Adam", 8.0, "Adam: exp_avg and exp_avg_sq, 4 bytes each (torch/optim/adam.py)"),
+    OptimizerKind("adamw", "AdamW", 8.0, "AdamW: Adam's two moments (torch/optim/adamw.py)"),
 )}
 DEFAULT = "sgd"  # what every run made before the optimizer was an option trained with
 
@@ -54,4 +58,5 @@ def build_optimizer(name: str, params: Iterable[Any]):
     """The torch optimizer ``name`` over ``params``, with the shared learning rate."""
     import torch  # lazy: the run vocabulary stays torch-free
 
-    return getattr(torch.optim, OPTIMIZERS[parse_optimizer(name)].torch_class)(params, lr=LR)
+    kind = OPTIMIZERS[parse_optimizer(name)]
+    return getattr(torch.optim, kind.torch_class)(params, lr=LR, **dict(kind.options))

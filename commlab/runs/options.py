@@ -94,7 +94,7 @@ def stage_value(text: str, option: str) -> int:
 
 
 def optimizer_value(text: str, option: str) -> str:
-    """A registered optimizer (commlab/runs/optimizers.py): sgd, adam."""
+    """A registered optimizer (commlab/runs/optimizers.py): sgd, momentum, adam, adamw."""
     try:
         return parse_optimizer(text)
     except ValueError as err:

@@ -14,9 +14,9 @@ from commlab.runs.optimizers import OPTIMIZERS, build_optimizer, parse_optimizer
 from commlab.sweep import figdata, figures, runner
 
 
-@pytest.mark.parametrize("args, message", [(["--optimizer", "lamb"], "--optimizer: optimizer must be one of sgd, adam"),
+@pytest.mark.parametrize("args, message", [(["--optimizer", "lamb"], "--optimizer: optimizer must be one of sgd, momentum, adam, adamw"),
                                            (["--optimizer", "sgd,"], "--optimizer: empty item"),
-                                           (["--stage", "1", "--optimizer", "AdamW"], "got 'AdamW'")])
+                                           (["--stage", "1", "--optimizer", "Adagrad"], "got 'Adagrad'")])
 def test_a_bad_optimizer_is_a_usage_error_before_any_process_starts(args, message, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "measure_config", lambda *a: pytest.fail("a process started"))
     result = CliRunner().invoke(main, ["sweep", *args, "--out", str(tmp_path), "--no-figures"])
@@ -52,9 +52,10 @@ def test_runs_made_before_the_option_keep_their_ids_and_read_as_sgd():
 
 
 def test_the_registry_names_the_state_sharding_saves():
-    assert set(OPTIMIZERS) == {"sgd", "adam"} and parse_optimizer("SGD") == "sgd"
-    assert (state_bytes("sgd"), state_bytes("adam")) == (0.0, 8.0)
-    with pytest.raises(ValueError, match="one of sgd, adam"):
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adam", "adamw"} and parse_optimizer("SGD") == "sgd"
+    assert [state_bytes(n) for n in ("sgd", "momentum", "adam", "adamw")] == [0.0, 4.0, 8.0, 8.0]
+    assert build_optimizer("momentum", [torch.nn.Parameter(torch.ones(1))]).defaults["momentum"] == 0.9
+    with pytest.raises(ValueError, match="one of sgd, momentum, adam, adamw"):
         state_bytes("lbfgs")
     w = torch.nn.Parameter(torch.ones(3))
     opt = build_optimizer("adam", [w])
