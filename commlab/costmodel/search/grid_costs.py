@@ -75,14 +75,12 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
                echo: Callable[[str], None] = lambda _l: None) -> tuple[list[dict], dict[str, Any]]:
     """Records for ``plan`` on a hardware preset (commlab/costmodel/hardware/presets.py): nothing is
     calibrated here; each workload's compute is a calibration made on the preset's device when
-    ``calibration_path`` holds one, else its FLOPs. DDP (stage 0) only: a preset states no
-    reduce-scatter or all-gather, so a sharded configuration is a ValueError, not a DDP guess."""
-    sharded = [c.id for c in plan.configs if not zero_stage_of(c).ddp]
-    if sharded:
-        raise ValueError(f"--hardware predicts DDP (stage 0) only; {len(sharded)} configuration(s) have a sharded "
-                         "stage: predict them from a calibration of this machine instead")
+    ``calibration_path`` holds one, else its FLOPs. DDP (stage 0) through the DDP lowering, ZeRO
+    stages 1-3 through the sharded one, on the preset's all-reduce, reduce-scatter and all-gather
+    (one world packed on whole nodes; no fresh-page cost: a GPU's caching allocator reuses memory)."""
     # Lazy: FLOPs counting and the lowering import torch and pandas (CLI start-up).
     from commlab.costmodel.hardware import flops, presets as hardware
+    from commlab.costmodel.lowering.zero import sharded_costs
     from commlab.costmodel.terms.costs import Overheads
     from commlab.costmodel.search.predict import predict_plan, profile_from_entry
 
@@ -106,7 +104,10 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
 
     def costs_for(cfg: Config):
         profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank)]
-        return step_costs(hardware.system_on(preset, overheads, cfg.world_size), profile, "native", cfg.world_size)
+        system = hardware.system_on(preset, overheads, cfg.world_size)
+        if zero_stage_of(cfg).ddp:
+            return step_costs(system, profile, "native", cfg.world_size)
+        return sharded_costs(system, profile, "native", cfg.world_size)
 
     records = predict_plan(plan.configs, costs_for)
     said = "; ".join(dict.fromkeys(c[2] for c in computes.values()))
