@@ -139,3 +139,10 @@ def test_two_rank_tensor_parallel_sweep_of_a_tiny_gpt(tmp_path):
     assert (tp1["dp_reduce"] > 0).all()
     assert runs.loc[2, "tp_all_reduce_median"] > 0
     assert (tmp_path / "tp" / "figures" / "axes.png").exists()
+
+
+def test_predict_refuses_a_tensor_layout_it_would_price_as_ddp(tmp_path):
+    spec = tmp_path / "tp.yaml"
+    spec.write_text("model: gpt\ntp: 2\n")
+    result = CliRunner().invoke(main, ["predict", str(spec), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--tp > 1: predict and tune price data-parallel grids only" in result.output
