@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--impl", choices=["commlab", "torch"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--files", help="comma-separated test_fully_shard_<name>.py names (default: all)")
-    parser.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
+    parser.add_argument("-k", action="append", default=[], help="run only tests whose Class.test_name contains this")
     parser.add_argument("--timeout", type=int, default=240, help="seconds before a test's ranks are killed")
     args = parser.parse_args()
     if not os.path.isdir(os.environ.get("COMMLAB_TORCH_SRC", "")):
@@ -42,7 +42,7 @@ def main() -> None:
     loader = unittest.TestLoader()
     names = [(cls, n) for cls in harness.CLASSES for n in loader.getTestCaseNames(cls)]
     if args.k:
-        names = [(c, n) for c, n in names if any(k in n for k in args.k)]
+        names = [(c, n) for c, n in names if any(k in f"{c.__name__}.{n}" for k in args.k)]
     results = {}
     if os.path.exists(args.out):
         with open(args.out) as f:
