@@ -49,6 +49,7 @@ def fully_shard(
     ignored_params=None,
 ):
     """Record ``module`` (an nn.Module or a list of them) as a unit of the root wrapped later."""
+    _log_construction()  # before any refusal: the call reached commlab's shim
     if shard_placement_fn is not None:
         raise unsupported("shard_placement_fn (sharding on a dimension other than a flat 0)")
     if mp_policy != MixedPrecisionPolicy():
@@ -74,7 +75,6 @@ def fully_shard(
             _CLASSES[type(m)] = type(f"CommlabFSDP{type(m).__name__}", (_ShimModule, type(m)), {})
         m.__class__ = _CLASSES[type(m)]
         _RECORDED[id(m)] = m
-    _log_construction()
     return module
 
 
