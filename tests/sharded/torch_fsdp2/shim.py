@@ -136,12 +136,13 @@ class _ShimModule(FSDPModule):
     def _wrapper(self) -> commlab.ShardedDataParallel:
         return _wrapped_root(self)._commlab_shim["wrapper"]
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        # The root's call is the wrapper's, whose forward calls the root (its hooks, then its own
+        # forward) once; every other call (a unit's, a checkpoint's recomputation, the root's from
+        # inside the wrapper) is the module's own, with commlab's hooks doing the gathering.
         global _inside_root
-        if _inside_root:  # inside the root's forward: this module's own
-            return super().forward(*args, **kwargs)
-        if _wrapped_root(self) is not self:
-            raise unsupported("a forward entered at a nested fully_shard module (commlab runs forward from the root)")
+        if _inside_root or _wrapped_root(self) is not self:
+            return nn.Module.__call__(self, *args, **kwargs)
         _inside_root += 1
         try:
             return self._commlab_shim["wrapper"](*args, **kwargs)
