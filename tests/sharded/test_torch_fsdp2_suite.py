@@ -23,12 +23,40 @@ import pytest
 pytestmark = [pytest.mark.torch_suite, pytest.mark.slow]
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_fsdp2")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE + "/")))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 FILES = ("frozen", "autograd", "clip_grad_norm_", "state_dict", "mixed_precision", "training")
 
-# Tests torch passes and commlab does not yet, each with the text its failure must contain.
-WHOLE_PARAMETERS = "String comparison failed"  # parity checks read model.named_parameters(): flat shards today
-KNOWN: dict[str, str] = {}
+# Tests torch passes and commlab did not (2026-11-27, docs/measurements.md), each with the first
+# error line its failure must contain: the cause, not a hang or a wrong value elsewhere.
+KNOWN: dict[str, str] = {
+    "TestClipGradNormWorldSize2.test_clip_grad_norm_1d": "AttributeError: 'Tensor' object has no attribute 'to_local'",
+    "TestFullyShard1DTrainingCore.test_explicit_prefetching": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_modules_",
+    "TestFullyShard1DTrainingCore.test_non_root_forward_backward": "NotImplementedError: commlab's fully_shard shim: a forward entered at a ",
+    "TestFullyShard1DTrainingCore.test_post_optim_event": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_post_opt",
+    "TestFullyShard1DTrainingCore.test_train_parity_multi_group_cpu_offload_eager": "NotImplementedError: commlab's fully_shard shim: offload_policy=CPUOfflo",
+    "TestFullyShard1DTrainingCore.test_train_parity_multi_group_unshard_async_op": "NotImplementedError: commlab's fully_shard shim: FSDPModule._set_unshard",
+    "TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_largest_dim": "NotImplementedError: commlab's fully_shard shim: shard_placement_fn (sha",
+    "TestFullyShardAutograd.test_nontensor_activations": 'ValueError: units[0] (CommlabFSDPToContainerType) holds no trainable par',
+    "TestFullyShardAutograd.test_unused_forward_module": 'RuntimeError: buckets [1] did not receive every gradient in this backwar',
+    "TestFullyShardAutograd.test_unused_forward_output": "AssertionError: String comparison failed: 'lin1.weight' != 'shards.0'",
+    "TestFullyShardCustomForwardMethod.test_register_fsdp_forward_method": "NotImplementedError: commlab's fully_shard shim: FSDPModule._get_fsdp_st",
+    "TestFullyShardFrozen.test_multi_forward_mixed_requires_grad": 'ValueError: units[1] (CommlabFSDPLinear) holds no trainable parameters',
+    "TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups": "ValueError: this optimizer holds the wrapped module's own parameters; wi",
+    "TestFullyShardFrozen.test_train_mixed_requires_grad_per_group": "AttributeError: 'Parameter' object has no attribute '_local_tensor'",
+    "TestFullyShardMixedPrecisionTraining.test_compute_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
+    "TestFullyShardMixedPrecisionTraining.test_grad_acc_with_reduce_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
+    "TestFullyShardMixedPrecisionTraining.test_reduce_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
+    "TestFullyShardPostAccGradHookMultiProcess.test_post_acc_grad_hook_optim_parity": 'AssertionError: False is not true',
+    "TestFullyShardShardPlacementFnMultiProcess.test_train_parity_shard_placement_fn_shard_largest_dim": "NotImplementedError: commlab's fully_shard shim: shard_placement_fn (sha",
+    "TestFullyShardShareCommContext.test_share_comm_context": "NotImplementedError: commlab's fully_shard shim: FSDPModule._get_fsdp_st",
+    "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error": 'ValueError: units[0] and units[1] overlap: they share parameter 0',
+    "TestFullyShardSharedParams.test_train_parity_with_shared_params": "NotImplementedError: commlab's fully_shard shim: a forward entered at a ",
+    "TestFullyShardSharedParams.test_train_shared_params_uneven_shard": "NotImplementedError: commlab's fully_shard shim: FSDPModule.unshard",
+    "TestFullyShardStateDictMultiProcess.test_2d_state_dict_correctness": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
+    "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": 'AssertionError: Parameter containing:',
+    "TestFullyShardStateDictMultiProcess.test_dp_tp_state_dict_save_load": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
+    "TestFullyShardWorldSize1.test_train_parity_single_worldsize1": 'IndexError: list index out of range',
+}
 
 
 def _run(impl: str, folder) -> dict:

@@ -47,16 +47,18 @@ def table(theirs: dict, ours: dict) -> str:
     t, o = counts(theirs), counts(ours)
     both = sum(r["outcome"] == "passed" and ours.get(k, {}).get("outcome") == "passed" for k, r in theirs.items())
     lines = [
-        f"{len(theirs)} tests; torch's fully_shard: {t['passed']} pass, {t['failed']} fail, {t['skipped']} skip; "
+        f"{len({**ours, **theirs})} tests; torch's fully_shard: {t['passed']} pass, {t['failed']} fail, {t['skipped']} skip; "
         f"commlab's shim: {o['passed']} pass ({both} of torch's passes), {o['failed']} fail, {o['skipped']} skip.",
         "",
         "| file | test | torch | commlab |",
         "|---|---|---|---|",
     ]
-    for key in sorted(theirs, key=lambda k: (theirs[k]["file"], k)):
-        mine = ours.get(key)
-        cell = describe(mine) if theirs[key]["outcome"] != "skipped" else "(skipped)"
-        lines.append(f"| {theirs[key]['file']} | {key} | {describe(theirs[key])} | {cell} |".replace("\n", " "))
+    for key in sorted({**ours, **theirs}, key=lambda k: ({**ours, **theirs}[k]["file"], k)):
+        torch_result, mine = theirs.get(key), ours.get(key)
+        skipped = torch_result is not None and torch_result["outcome"] == "skipped"
+        file = (torch_result or mine)["file"]
+        cell = "(skipped)" if skipped else describe(mine)
+        lines.append(f"| {file} | {key} | {describe(torch_result)} | {cell} |".replace("\n", " "))
     return "\n".join(lines)
 
 
