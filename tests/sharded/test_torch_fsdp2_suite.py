@@ -30,8 +30,16 @@ FILES = ("frozen", "autograd", "clip_grad_norm_", "state_dict", "mixed_precision
 # error line its failure must contain: the cause, not a hang or a wrong value elsewhere.
 KNOWN: dict[str, str] = {
     "TestClipGradNormWorldSize2.test_clip_grad_norm_1d": "AttributeError: 'Tensor' object has no attribute 'to_local'",
+    "TestFullyShard1DTrainingCompose.test_double_forward_with_nested_fsdp_and_checkpoint": 'ValueError: units[0] and units[2] overlap: they share parameter 4',
+    "TestFullyShard1DTrainingCompose.test_double_partial_forward_then_backward": 'RuntimeError: buckets [2] did not receive every gradient in this backwar',
+    "TestFullyShard1DTrainingCompose.test_grouped_module_cast_forward_inputs": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
+    "TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked": 'RuntimeError: buckets [0, 1, 2] did not receive every gradient in this b',
+    "TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone": 'RuntimeError: buckets [0, 1, 2] did not receive every gradient in this b',
+    "TestFullyShard1DTrainingCompose.test_partial_group_reshard_toggle": "NotImplementedError: commlab's fully_shard shim: FSDPModule._get_fsdp_st",
+    "TestFullyShard1DTrainingCompose.test_reset_iter_state_after_exception": "NotImplementedError: commlab's fully_shard shim: FSDPModule.reset_iter_s",
+    "TestFullyShard1DTrainingCompose.test_train_parity_with_activation_checkpointing": "AssertionError: String comparison failed: 'tok_embeddings.weight' != 'sh",
     "TestFullyShard1DTrainingCore.test_explicit_prefetching": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_modules_",
-    "TestFullyShard1DTrainingCore.test_non_root_forward_backward": "NotImplementedError: commlab's fully_shard shim: a forward entered at a ",
+    "TestFullyShard1DTrainingCore.test_non_root_forward_backward": 'RuntimeError: buckets [1, 2] did not receive every gradient in this back',
     "TestFullyShard1DTrainingCore.test_post_optim_event": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_post_opt",
     "TestFullyShard1DTrainingCore.test_train_parity_multi_group_cpu_offload_eager": "NotImplementedError: commlab's fully_shard shim: offload_policy=CPUOfflo",
     "TestFullyShard1DTrainingCore.test_train_parity_multi_group_unshard_async_op": "NotImplementedError: commlab's fully_shard shim: FSDPModule._set_unshard",
@@ -43,6 +51,9 @@ KNOWN: dict[str, str] = {
     "TestFullyShardFrozen.test_multi_forward_mixed_requires_grad": 'ValueError: units[1] (CommlabFSDPLinear) holds no trainable parameters',
     "TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups": "ValueError: this optimizer holds the wrapped module's own parameters; wi",
     "TestFullyShardFrozen.test_train_mixed_requires_grad_per_group": "AttributeError: 'Parameter' object has no attribute '_local_tensor'",
+    "TestFullyShardGradientAccumulation.test_1f1b_microbatching": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_reshard_",
+    "TestFullyShardGradientAccumulation.test_gradient_accumulation": 'AssertionError: Scalars are not equal!',
+    "TestFullyShardHSDPTraining.test_train_parity_hsdp": "NotImplementedError: commlab's fully_shard shim: offload_policy=CPUOfflo",
     "TestFullyShardMixedPrecisionTraining.test_compute_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
     "TestFullyShardMixedPrecisionTraining.test_grad_acc_with_reduce_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
     "TestFullyShardMixedPrecisionTraining.test_reduce_dtype": "NotImplementedError: commlab's fully_shard shim: mp_policy=MixedPrecisio",
@@ -50,12 +61,10 @@ KNOWN: dict[str, str] = {
     "TestFullyShardShardPlacementFnMultiProcess.test_train_parity_shard_placement_fn_shard_largest_dim": "NotImplementedError: commlab's fully_shard shim: shard_placement_fn (sha",
     "TestFullyShardShareCommContext.test_share_comm_context": "NotImplementedError: commlab's fully_shard shim: FSDPModule._get_fsdp_st",
     "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error": 'ValueError: units[0] and units[1] overlap: they share parameter 0',
-    "TestFullyShardSharedParams.test_train_parity_with_shared_params": "NotImplementedError: commlab's fully_shard shim: a forward entered at a ",
     "TestFullyShardSharedParams.test_train_shared_params_uneven_shard": "NotImplementedError: commlab's fully_shard shim: FSDPModule.unshard",
     "TestFullyShardStateDictMultiProcess.test_2d_state_dict_correctness": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
     "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": 'AssertionError: Parameter containing:',
     "TestFullyShardStateDictMultiProcess.test_dp_tp_state_dict_save_load": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
-    "TestFullyShardWorldSize1.test_train_parity_single_worldsize1": 'IndexError: list index out of range',
 }
 
 
