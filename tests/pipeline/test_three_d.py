@@ -20,7 +20,8 @@ import commlab
 from commlab.models import Block, lm_loss
 from commlab.pipeline import PipelineExecutor, v_shape
 from commlab.pipeline.runtime.hybrid import DataParallelStage
-from commlab.tensor import parallelize, vocab_parallel_cross_entropy
+from commlab.runtime.topology import Topology
+from commlab.tensor import parallelize, resolve, vocab_parallel_cross_entropy
 
 VOCAB, D, HEADS, SEQ, BATCH, STEPS, MICRO = 32, 16, 4, 8, 16, 3, 4
 
@@ -207,3 +208,17 @@ def test_tp_by_dp_and_tp_by_pp_equal_the_unpartitioned_model():
     _check(results, ("tp x dp", "1f1b", "zero3"), 2, 1, 2)
     _check(results, ("tp x pp", "1f1b", "ddp"), 2, 2, 1)
     _check(results, ("tp x pp", "zb-h1", "zero2"), 2, 2, 1)
+
+
+def test_bad_input_is_refused_without_processes():
+    with pytest.raises(ValueError, match="zero_stage is 1, 2 or 3"):
+        DataParallelStage(_lm(), [3, 3], Topology(pp=1, dp=1, rank=0), zero_stage=4)
+    with pytest.raises(ValueError, match="needs balance="):
+        DataParallelStage(_lm(), None, Topology(pp=1, dp=1, rank=0), zero_stage=1, split_points=["2"])
+    assert len(resolve(_lm(), _plan(True), 2, sequence_parallel=True)) == 36  # the plan the spawns run
+    with pytest.raises(ValueError, match="does not divide the attention heads"):
+        resolve(_lm(), _plan(False), 8)  # 16 features split 8 ways, but 4 heads
+    with pytest.raises(ValueError, match=r"does not divide 0\.tok\.num_embeddings \(32\)"):
+        resolve(_lm(), {"0.tok": "vocab"}, 3)
+    with pytest.raises(ValueError, match="names no module"):
+        resolve(_lm(), {**_plan(False), "layers.*.q": "colwise"}, 2)

@@ -7,11 +7,10 @@ The schedule is a registered name (:data:`commlab.pipeline.schedule.registry.REG
 action lists themselves (:class:`Action` or strings such as "0F1", "0I1", "0W1"), e.g. read from
 torch.distributed.pipelining's CSV; any list that :func:`validate` accepts runs.
 
-The executor runs this rank's list from the comm pass
-(:func:`~commlab.pipeline.schedule.comm.lower_comm`, for the group's backend): each run of
-SEND and RECV ops is one batch of point-to-point calls (:mod:`commlab.pipeline.runtime.transport`),
-a WAIT waits on an earlier send or receive, and a compute action runs its kind's handler
-(:data:`HANDLERS`). What crosses a boundary may be a tuple of tensors
+The executor runs this rank's list from the comm pass (:func:`~commlab.pipeline.schedule.comm.lower_comm`,
+for the group's backend): each run of SEND and RECV ops is one batch of point-to-point calls
+(:mod:`commlab.pipeline.runtime.transport`), a WAIT waits on an earlier send or receive, and a compute
+action runs its kind's handler (:data:`HANDLERS`). What crosses a boundary may be a tuple of tensors
 (:mod:`commlab.pipeline.runtime.values`). Which micro-batches' activations stay alive, and when
 they are freed, follows :func:`commlab.pipeline.schedule.liveness.liveness`.
 

@@ -74,11 +74,11 @@ class DataParallelStage(RankStages):
         zero_stage: int | None = None,
         **ddp_options: Any,
     ):
-        if topology is None or topology.pp_group is None or topology.dp_group is None:
-            raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
         if zero_stage is not None and (zero_stage not in (1, 2, 3) or split_points is not None):
             raise ValueError(f"zero_stage is 1, 2 or 3 (got {zero_stage!r}) and needs balance= (an nn.Sequential "
                              "cut into layers, each its own ShardedDataParallel), not split_points=")
+        if topology is None or topology.pp_group is None or topology.dp_group is None:
+            raise ValueError("the topology has no process groups: create it with Topology.build(pp, dp)")
         super().__init__(model, balance, placement, split_points=split_points, example_args=example_args,
                          example_kwargs=example_kwargs, group=topology.pp_group, device=device)  # fmt: skip
         self.topology = topology
