@@ -31,6 +31,7 @@ def test_the_v100_preset_loads_and_its_all_reduce_picks_plausible_algorithms():
     assert many(1 << 20) > two_nodes(1 << 20) > one_node(1 << 20) > 0
 
 
+@pytest.mark.slow  # seconds of FLOP counting per model: outside the quick run
 def test_rows_have_the_registry_keys_and_their_error_is_predicted_over_published():
     rows = ddp_paper.rows()
     keys = {"table", "case", "metric", "published", "predicted", "error", "source"}
@@ -60,6 +61,7 @@ def test_latency_at_8_gpus_and_more_is_within_the_bar():
     assert checked, "no held-out row at 8 GPUs or more to hold the bar against"
 
 
+@pytest.mark.slow  # seconds of FLOP counting per model: outside the quick run
 def test_the_bucket_ordering_is_kept_where_the_source_tells_the_sizes_apart():
     misses, checked = set(), 0
     for r in ddp_paper.load()["bucket"]:
