@@ -145,8 +145,8 @@ def layout_sizes(world_size, tps: list[int], pps: list[int], dp) -> list[tuple[i
         raise ValueError("--world-size needs a value")
     for pp in pps:
         if pp > 1:
-            raise ValueError(f"--pp {pp}: pipeline stages in a sweep are not supported yet (it needs the 3D "
-                             "topology); measure pipelines with `commlab pipeline`, and sweep with --pp 1")
+            raise ValueError(f"--pp {pp}: pipeline stages in a sweep are not supported yet (the worker "
+                             "runs no pipeline); measure pipelines with `commlab pipeline`, and sweep with --pp 1")
     worlds = None if world_size is None else parse_list(world_size, positive_int, "world_size")
     if dp is None:
         out = []

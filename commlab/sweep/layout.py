@@ -1,9 +1,9 @@
 """A sweep configuration's parallel layout on its ranks: tensor x data groups, and each axis's seconds per step.
 
-Ranks are laid out as torch's ``init_device_mesh`` orders a (dp, tp) mesh: data parallelism
-outermost, tensor parallelism innermost, so that a tensor-parallel group is consecutive ranks
-(on one node, on the fastest links, when there are several). Rank r has tensor-parallel index
-r % tp and data-parallel index r // tp.
+Ranks are laid out by :class:`commlab.Topology` in torch's ``init_device_mesh`` order: data
+parallelism outermost, tensor parallelism innermost, so that a tensor-parallel group is
+consecutive ranks (on one node, on the fastest links, when there are several). With one pipeline
+stage rank r has tensor-parallel index r % tp and data-parallel index r // tp.
 """
 
 from __future__ import annotations
@@ -17,29 +17,27 @@ _TP_COLUMNS = {"all_reduce": "tp_all_reduce", "all_gather": "tp_all_gather", "re
 
 
 def rank_groups(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The tensor-parallel groups and the data-parallel groups of ``world_size`` ranks (pure)."""
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"tensor-parallel size {tp} does not divide world size {world_size}")
-    dp = world_size // tp
-    return ([[d * tp + t for t in range(tp)] for d in range(dp)],
-            [[d * tp + t for d in range(dp)] for t in range(tp)])
+    """The tensor-parallel groups and the data-parallel groups of ``world_size`` ranks (pure; one
+    pipeline stage), as :meth:`commlab.Topology.build` creates them from the mesh."""
+    from commlab.runtime.topology import check_dims, mesh
+
+    tp, _, dp = check_dims(world_size, tp=tp)
+    replicas = [stages[0] for stages in mesh(tp, 1, dp)]
+    return replicas, [list(column) for column in zip(*replicas)]
 
 
-def build_groups(cfg, rank: int) -> tuple[Any, Any, int]:
-    """(tensor-parallel group, data-parallel group, data-parallel index) of this rank; the world
-    (None) for an axis of size one. Collective: every rank creates every group, in one order."""
+def build_groups(cfg) -> tuple[Any, Any, int]:
+    """(tensor-parallel group, data-parallel group, data-parallel index) of this rank, from the
+    tp x pp x dp :class:`commlab.Topology`; the world (None) and the rank alone when tp is one, so
+    that data-parallel configurations create no groups. Collective: every rank calls it."""
     import torch.distributed as dist
 
-    if cfg.tp == 1:
-        return None, None, rank
-    tp_groups, dp_groups = rank_groups(cfg.world_size, cfg.tp)
-    mine = {}
-    for axis, groups in (("tp", tp_groups), ("dp", dp_groups)):
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[axis] = group
-    return mine["tp"], mine["dp"], rank // cfg.tp
+    from commlab.runtime.topology import Topology
+
+    if cfg.tp == 1 and cfg.pp == 1:
+        return None, None, dist.get_rank()
+    topology = Topology.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    return topology.tp_group, topology.dp_group, topology.replica
 
 
 def axis_seconds(tensor_iterations: list, accumulate: int, steps: int) -> list[dict[str, float]]:

@@ -93,7 +93,7 @@ def prepare(cfg: Config) -> Trainer:
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP (and the layers' slicing) expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
-    tp_group, dp_group, dp_index = layout.build_groups(cfg, rt.rank)
+    tp_group, dp_group, dp_index = layout.build_groups(cfg)
     split = None
     if cfg.tp > 1:
         split = parallelize(model, gpt_plan(), group=tp_group, algorithm=cfg.algorithm)

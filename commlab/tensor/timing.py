@@ -11,7 +11,7 @@ forward (the backward). Stamps are ``time.perf_counter()`` seconds relative to t
 start, taken on the host around each collective call. On CPU (Gloo) every tensor-parallel
 collective blocks the training thread until it completes and the next layer needs its result,
 so all of its time is exposed (on the critical path); on CUDA the stamps would time the issue of
-work, not the GPU's execution. Off, the only cost is one test per collective.
+work, not the GPU's execution. Off, a collective costs one Python call more and no stamp.
 
 Per collective (``collectives``): ``layer`` (the name of the module whose operator issued it; q,
 k and v share one input, so its collective is counted at the first of them to run), ``phase``
