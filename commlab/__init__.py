@@ -6,7 +6,8 @@ Public API (everything else is internal):
 - ``commlab.DistributedDataParallel``: torch's DDP, bucketed and overlapped in readable Python;
 - ``commlab.ShardedDataParallel``: ZeRO stages 1-3 on flat padded buckets (torch's ``fully_shard``'s results);
 - ``commlab.collectives``: ring, tree and halving-doubling all-reduce on point-to-point ops;
-- ``commlab.pipeline``: GPipe, 1F1B and interleaved pipeline schedules.
+- ``commlab.pipeline``: GPipe, 1F1B and interleaved pipeline schedules;
+- ``commlab.tensor``: tensor parallelism (Megatron's column and row layers, sequence parallelism).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ __getattr__ = lazy_getattr("commlab", {
     "Topology": "commlab.runtime.topology",
     "collectives": "commlab.collectives",
     "pipeline": "commlab.pipeline",
+    "tensor": "commlab.tensor",
     "tune": "commlab.costmodel.search.api",
-}, submodules=("collectives", "pipeline"))
+}, submodules=("collectives", "pipeline", "tensor"))
 
 
 __all__ = [
@@ -41,4 +43,5 @@ __all__ = [
     "init_from_env",
     "launch",
     "pipeline",
+    "tensor",
 ]

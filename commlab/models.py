@@ -67,31 +67,37 @@ class TinyTransformer(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention, then an MLP, each around a residual."""
+    """A pre-norm transformer block: causal self-attention, then an MLP, each around a residual.
+
+    q, k and v are separate layers and the heads are viewed with -1, so that a tensor-parallel
+    plan (``commlab.tensor.gpt_plan``) splits them by columns and the same code runs on a rank's
+    block of heads; the sequence length is read from q, which is whole even where the residual
+    stream is a block of the sequence (sequence parallelism)."""
 
     def __init__(self, d_model: int, heads: int):
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
-        self.heads = heads
+        self.heads, self.head_dim = heads, d_model // heads
         self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.out = nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        h = self.ln1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         if attention_mask is not None:  # (batch, seq), 1 for a token to attend to, 0 for padding
             allowed = allowed & attention_mask[:, None, None, :].bool()
         # A query whose keys are all masked gets NaN (softmax over -inf alone): pad at the end, so
         # every query still sees the first token.
-        att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
-        y = (att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+        y = (att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(y)
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 

@@ -65,6 +65,9 @@ def test_the_cost_model_and_the_harness_do_not_import_each_other():
                                                   "commlab.cli")) == []
     assert crossings(graph, "commlab.sweep", ("commlab.costmodel", "commlab.validation")) == []
     assert crossings(graph, "commlab.runs", ("commlab.sweep", "commlab.bench", "commlab.costmodel")) == []
+    # tensor parallelism is a mechanism beside DDP and the pipeline: it knows none of the applications
+    assert crossings(graph, "commlab.tensor", ("commlab.ddp", "commlab.pipeline", "commlab.sweep", "commlab.bench",
+                                               "commlab.costmodel", "commlab.validation", "commlab.cli")) == []
 
 
 def test_commands_live_in_the_cli_only():

@@ -4,9 +4,11 @@
     commlab validate sharded --out results/sharded-validation the ZeRO predictor and its memory model
     commlab validate planner --budget-mb 26 --all-plans ...    the pipeline planner (pipeline plan --validate)
     commlab validate torch-answer --model mlp                  tune's torch answer, with torch's own DDP
+    commlab validate published --out results/published         the what-if model against published tables
 
 Each calibrates first (never on a configuration it then predicts), measures the grid forward and
-in reverse, and prints the median and worst error. The work lives in commlab/validation/; this
+in reverse, and prints the median and worst error; ``published`` measures nothing: it compares
+with papers' tables (commlab/validation/published/). The work lives in commlab/validation/; this
 module holds click declarations only, and imports torch inside the commands.
 """
 
@@ -107,6 +109,26 @@ def torch_answer(model, model_args, grid, world_size, batch_per_rank, iters, cal
         click.echo(f"  {label:24s} {s * 1e3:8.1f} ms (torch DDP, measured)")
     click.echo(f"pick {out['pick']} {out['pick_s'] * 1e3:.1f} ms vs grid best {out['best']} {out['best_s'] * 1e3:.1f} ms: "
                f"{out['over'] * 100:+.1f}% ({'within' if out['within'] else 'NOT within'} {TOLERANCE:.0%})")
+
+
+@validate.command("published")
+@click.option("--table", "tables", multiple=True,
+              help="only this published table (repeatable; the tables: commlab/validation/published's SOURCES) [all]")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/published-validation"),
+              show_default=True, help="where published.csv and the figure published.png/.pdf go")
+def published(tables: tuple[str, ...], out: Path) -> None:
+    """Published results (Megatron-LM's and Korthikanti et al.'s tables, ...) against the what-if model."""
+    from commlab.validation.published import SOURCES
+    from commlab.validation.published.report import collect, draw, lines, write_csv
+
+    try:
+        rows = collect(SOURCES, tables)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--table") from None
+    for line in lines(rows):
+        click.echo(line)
+    written = [write_csv(rows, out / "published.csv"), *draw(rows, out / "published")]
+    click.echo("wrote " + ", ".join(str(p) for p in written), err=True)
 
 
 for _command in (ddp, sharded, torch_answer):

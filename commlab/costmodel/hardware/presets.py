@@ -16,6 +16,8 @@ Every figure is labelled predicted, with the assumptions it rests on (:func:`ass
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,12 @@ import yaml
 from commlab._lazy import renamed_getattr
 from commlab.costmodel.hardware import flops as flop_model
 from commlab.costmodel.hardware import nccl
-from commlab.costmodel.terms.costs import DDPProfile, Overheads, SystemCosts
+from commlab.costmodel.terms.costs import Contention, DDPProfile, Overheads, SystemCosts
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
-NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels", "net_overhead_us",
+NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels",
            "peak_tflops", "hbm_gbps", "compute_fraction")
-FIELDS = (*NUMBERS, "arch", "device", "source")
+FIELDS = (*NUMBERS, "overlap_slowdown", "arch", "cpu", "device", "source")
 # ASSUMED, for the FLOPs path: the reducer's own time per bucket (a few kernel launches and
 # bookkeeping) and the optimizer's memory traffic (fp32 parameter, gradient and two moments
 # read, three written: 7 x 4 bytes per parameter, Adam).
@@ -66,18 +68,27 @@ def load_preset(name: str) -> dict[str, Any]:
         raise ValueError(f"--hardware {name}: {err}") from None
     if not float(preset["compute_fraction"]) <= 1:
         raise ValueError(f"--hardware {name}: compute_fraction is a fraction of the peak (0-1]")
-    return {"name": name, "published": [], **preset}
+    if not float(preset["overlap_slowdown"]) >= 0:
+        raise ValueError(f"--hardware {name}: overlap_slowdown is how much longer compute takes beside NCCL (>= 0)")
+    return {"name": name, **preset}
 
 
 def network(preset: dict[str, Any]) -> nccl.Network:
     return nccl.Network(int(preset["gpus_per_node"]), float(preset["nvlink_busbw_gbps"]),
                         float(preset["nic_busbw_gbps"]), int(preset["nics_per_node"]), int(preset["channels"]),
-                        str(preset["arch"]), float(preset["net_overhead_us"]))
+                        str(preset["arch"]), str(preset["cpu"]), bool(preset.get("nvls", False)))
 
 
 def allreduce_cost(preset: dict[str, Any], world_size: int) -> nccl.NCCLAllReduce:
     """bytes -> seconds of one all-reduce on this preset, as NCCL's tuner prices it."""
     return nccl.NCCLAllReduce(network(preset), world_size)
+
+
+def collective_cost(preset: dict[str, Any], op: str, group: nccl.Group) -> Callable[[float], float]:
+    """bytes (the collective's full buffer) -> seconds of ``op`` over ``group`` on this preset."""
+    net = network(preset)
+    nccl.communicator(net, group)  # a group that does not fit the preset's nodes fails here, not mid-search
+    return partial(nccl.collective_seconds, net, op, group=group)
 
 
 def compute_from_flops(preset: dict[str, Any], counted: flop_model.Flops) -> tuple[DDPProfile, Overheads]:
@@ -90,19 +101,26 @@ def compute_from_flops(preset: dict[str, Any], counted: flop_model.Flops) -> tup
 
 
 def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, algorithm: str = "native") -> SystemCosts:
-    """The machine's terms: the preset's all-reduce at ``world_size`` and the device's overheads;
-    no compute/communication contention (NCCL runs on its own stream and SMs; ASSUMED free), no
-    co-run stretch (one GPU per rank). The lowering combines them with a workload's compute."""
-    return SystemCosts(collectives={("allreduce", algorithm, world_size): allreduce_cost(preset, world_size)},
-                       overheads=overheads)
+    """The machine's terms for one data-parallel world packed on whole nodes: its all-reduce,
+    reduce-scatter and all-gather (keyed as the DDP and ZeRO lowerings read them), the device's
+    overheads, and the preset's compute slowdown while NCCL's kernels share the SMs (``kc``;
+    communication ASSUMED not slowed by compute: ``km`` 0). No co-run stretch (one GPU per rank)."""
+    group = nccl.full_nodes(network(preset), world_size)
+    collectives = {(key, algorithm, world_size): collective_cost(preset, op, group)
+                   for key, op in (("allreduce", "all_reduce"), ("reduce_scatter", "reduce_scatter"),
+                                   ("all_gather", "all_gather"))}
+    return SystemCosts(collectives=collectives, overheads=overheads,
+                       contention={algorithm: Contention(kc=float(preset["overlap_slowdown"]))})
 
 
 def assumptions(preset: dict[str, Any], compute: str) -> str:
     """What every figure on this preset rests on, in one paragraph."""
-    return (f"all-reduce priced by NCCL's tuning model (ring or tree, whichever it finds faster; Simple protocol; "
-            f"no NVLS/CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
+    nvls = "NVLS and NVLS-tree, " if preset.get("nvls") else ""
+    return (f"collectives priced by NCCL's tuning model (2.20: ring or tree x LL, LL128, Simple, {nvls}the fastest; "
+            f"no CollNet): {preset['nvlink_busbw_gbps']} GB/s bus bandwidth within {preset['gpus_per_node']} "
             f"GPUs, {preset['nics_per_node']} x {preset['nic_busbw_gbps']} GB/s NICs across nodes; {compute}; "
-            f"compute and communication assumed not to slow each other; sources: {preset['source']}")
+            f"compute {float(preset['overlap_slowdown']):.0%} slower while NCCL runs beside it, communication not "
+            f"slowed; sources: {preset['source']}")
 
 
 __getattr__ = renamed_getattr(__name__, {"flops_profile": "compute_from_flops"})  # the old name, for a release

@@ -120,6 +120,21 @@ def test_broken_or_foreign_profiles_are_errors_not_silently_used(tmp_path):
     assert r.exit_code == 2 and "torch 0.1" in r.output
 
 
+def test_hardware_preset_predicts_zero_stages_on_its_reduce_scatter_and_all_gather(tmp_path):
+    """Stages 1-3 on a preset: the sharded lowering over the preset's NCCL collectives."""
+    r = invoke("predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--hardware", "dgx-a100-hdr200",
+               "--backend", "nccl", "--world-size", "8,16", "--stage", "0,2,3", "--batch-per-rank", "32",
+               "--bucket-mb", "25", "--overlap", "on", "--no-figures", "--out", str(tmp_path), "--name", "zero",
+               "--calibration", str(tmp_path / "none.json"))
+    assert r.exit_code == 0, r.output
+    runs = read_tables(tmp_path / "zero")[2].set_index(["stage", "world_size"])
+    # stage 3 gathers the parameters twice and reduce-scatters once: 3/2 of stage 2's bytes
+    assert runs.loc[(3, 16), "comm_bytes"] == pytest.approx(1.5 * runs.loc[(2, 16), "comm_bytes"], rel=0.01)
+    assert runs.loc[(3, 16), "peak_bytes"] < runs.loc[(0, 16), "peak_bytes"]
+    # leaving NVLink for the NICs at 16 GPUs costs stage 3's collectives
+    assert runs.loc[(3, 16), "step_median"] > runs.loc[(3, 8), "step_median"]
+
+
 def test_hardware_preset_predicts_scaling_labelled_as_such(tmp_path):
     """Without a calibration from the preset's device: compute from FLOPs, nothing calibrated here.
     The label is the metadata's note, which every figure prints: no figure is drawn (seconds each)."""
