@@ -6,8 +6,9 @@ at one step; 10 steps of SGD with momentum at stages 1-3 (tests/support/sharded_
 Tolerances: world size 2 is exact (torch.equal on every rank's rows, the returned norms equal):
 a sum of two numbers does not depend on order and both sides scale by a power of two. At world
 size 3 the reductions sum in different orders (commlab's ring and buckets, fully_shard's units),
-so the parameters are compared within 1e-6 of each tensor's largest value and the norms within
-1e-6 relative; the scaler's scale, which is how the skipped step shows, is compared exactly.
+and fp16 autocast turns last-bit differences of the parameters into fp16 roundings of the
+activations: the parameters are compared within 1e-4 of each tensor's largest value and the norms
+within 1e-4 relative (measured: 2e-7 to 1.4e-5 between runs, and 8e-6); the scaler's scale, which is how the skipped step shows, is compared exactly.
 A rank-local norm, a found_inf not agreed across ranks or a gradient scaled by the world size
 fails each of these by orders of magnitude.
 """
@@ -37,11 +38,11 @@ def test_gpt_loop_with_groups_clipping_and_scaler_equals_fully_shard(world):
             assert r["scales"] == ref["scales"], (rank, stage)
             assert r["tied_in_state_dict"], (rank, stage)
             for a, b in zip(r["norms"], ref["norms"]):
-                assert (math.isinf(a) and math.isinf(b)) or abs(a - b) <= 1e-6 * b, (rank, stage, a, b)
+                assert (math.isinf(a) and math.isinf(b)) or abs(a - b) <= 1e-4 * b, (rank, stage, a, b)
             if size == 2:
                 assert r["exact"] and r["norms"] == ref["norms"], (rank, stage)
             else:
-                assert r["scaled_diff"] <= 1e-6, (rank, stage, r["scaled_diff"])
+                assert r["scaled_diff"] <= 1e-4, (rank, stage, r["scaled_diff"])
         # The model's own names, shapes and tied parameter, as DTensor Shard(0) rows = torch.chunk's.
         assert all(result["stages"][3]["representation"].values()), result["stages"][3]["representation"]
         rule = result["optimizer_rule"]
