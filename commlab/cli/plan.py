@@ -15,6 +15,7 @@ from commlab.cli.pipeline_options import ints as _ints, names as _names
 @click.option("--model-args", help="its sizes as key=value,...")
 @click.option("--tp-plan", help="the tensor-parallel plan: package.module:function returning it [gpt: commlab.tensor.gpt_plan]")
 @click.option("--world", default=2, show_default=True, type=click.IntRange(min=1), help="ranks: tp x pp x dp")
+@click.option("--layout", "pinned", multiple=True, help="only these layouts, each TPxPPxDP (e.g. 2x1x1) [every one of --world]")
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(min=1), help="global mini-batch size")
 @click.option("--microbatches", "-m", default="1,2,4", show_default=True, help="comma-separated")
 @click.option("--schedules", default="gpipe,1f1b", show_default=True, help="pipeline schedules (pp > 1)")
@@ -24,7 +25,7 @@ from commlab.cli.pipeline_options import ints as _ints, names as _names
 @click.option("--iters", default=8, show_default=True, type=click.IntRange(min=1), help="--validate: timed rounds")
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(min=0), help="--validate: untimed rounds")
 @click.option("--timeout", default=900.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="seconds")
-def plan(model_name, model_args, tp_plan, world, batch, microbatches, schedules, checkpoints, budget_mb, check, iters, warmup,
+def plan(model_name, model_args, tp_plan, world, pinned, batch, microbatches, schedules, checkpoints, budget_mb, check, iters, warmup,
          timeout) -> None:  # fmt: skip
     """Every (tp, pp, dp) with tp x pp x dp = --world, priced on the simulator core before any runs.
 
@@ -34,38 +35,30 @@ def plan(model_name, model_args, tp_plan, world, batch, microbatches, schedules,
     """
     from commlab.cli.pipeline_plan import _sizes
     from commlab.costmodel.planner import layout_search as search
-    from commlab.costmodel.planner.layouts import layouts
-    from commlab.models import import_user_module
+    from commlab.costmodel.planner.layouts import check_layout, layouts
 
     sizes = _sizes(model_name, model_args)
     ms = _ints(microbatches, "--microbatches")
     modes = _names(checkpoints, tuple(search.RECOMPUTE), "--checkpoint")
     names = _names(schedules, ("gpipe", "1f1b"), "--schedules")
-    if tp_plan is None and model_name != "gpt":
-        raise click.BadParameter("name the model's tensor-parallel plan (package.module:function)", param_hint="--tp-plan")
-    if tp_plan is None:
-        from commlab.tensor import gpt_plan as make_plan
-    else:
-        make_plan = getattr(import_user_module(tp_plan), tp_plan.partition(":")[2])
-    tp_layout = make_plan()
-    import torch
-
-    from commlab.models import build_workload
-    from commlab.tensor import resolve
-
-    probe = build_workload(model_name, **sizes).model
-    heads = getattr(probe, "heads", None)
-    candidates = layouts(world, heads)
     try:
-        for lay in candidates:
-            resolve(probe, tp_layout, lay.tp)  # a plan that names no module, or a tp that splits nothing evenly
+        tp_layout, heads = search.model_plan(model_name, sizes, tp_plan)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tp-plan") from None
-    del probe, torch
+    try:
+        candidates = [check_layout(*_triple(text), world, heads) for text in pinned] or layouts(world, heads)
+        search.check_plan(model_name, sizes, tp_layout, candidates)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--layout") from None
     click.echo(f"layouts of {world} ranks: " + ", ".join(map(str, candidates)))
-    profiles = search.split_profiles(model_name, sizes, tp_layout, world, batch, ms, modes, heads)
+    from commlab.costmodel.planner.tp_calibrate import co_profiles
+
+    args = dict(name=model_name, sizes=sizes, plan=tp_layout, world=world, batch=batch, microbatches=ms, checkpoints=modes, heads=heads)
+    # Every share profiled on every rank at once, as the ranks will compute (tp_calibrate.py).
+    profiles = co_profiles(world, **args) if world > 1 else search.split_profiles(**args)
+    profiles = {k: p for k, p in profiles.items() if any((lay.tp, lay.dp) == k[:2] and lay.pp == 1 for lay in candidates)}
     pipeline_profiles = {}
-    if any(lay.pp > 1 and lay.tp == 1 for lay in candidates):
+    if any(lay.pp > 1 and lay.tp == 1 and lay.dp == 1 for lay in candidates):
         from commlab.costmodel.planner.model import profile_model
 
         pp_ms = [m for m in ms if m >= 2 and batch % m == 0]
@@ -73,7 +66,7 @@ def plan(model_name, model_args, tp_plan, world, batch, microbatches, schedules,
     system = search.costs(profiles, pipeline_profiles, world, click.echo)
     plans = search.accumulate_plans(profiles, world, system)
     if pipeline_profiles:
-        plans += search.pipeline_plans(pipeline_profiles, world, system, modes, names)
+        plans += search.pipeline_plans(pipeline_profiles, candidates, system, modes, names)
     budget = budget_mb * 2**20
     chosen = search.best(plans, budget)
     click.echo("\n".join(search.table(plans, budget)))
@@ -91,3 +84,11 @@ def plan(model_name, model_args, tp_plan, world, batch, microbatches, schedules,
         click.echo(f"\nvalidating: {len(plans)} plans (every one), {world} Gloo ranks, {iters} timed rounds after {warmup}, "
                    "alternating forward / reverse")  # fmt: skip
         click.echo("\n".join(report(measure(plans, world, common), chosen, budget)))
+
+
+def _triple(text: str) -> tuple[int, int, int]:
+    try:
+        tp, pp, dp = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a layout is TPxPPxDP, e.g. 2x1x1; got {text!r}") from None
+    return tp, pp, dp

@@ -39,6 +39,36 @@ class LayoutPlan:
         return f"{self.layout} {self.schedule} m={self.microbatches} checkpoint {self.checkpoint}"
 
 
+def model_plan(name: str, sizes: Mapping, plan: str | None) -> tuple[dict[str, str], int | None]:
+    """The tensor-parallel plan (``package.module:function``'s, or for the built-in GPT
+    :func:`commlab.tensor.gpt_plan`) and the model's head count (its ``heads`` attribute, if any)."""
+    from commlab.models import build_workload, import_user_module
+    from commlab.tensor import gpt_plan
+
+    if plan is None:
+        if name != "gpt":
+            raise ValueError("name the model's tensor-parallel plan (package.module:function)")
+        found = gpt_plan()
+    else:
+        found = dict(getattr(import_user_module(plan), plan.partition(":")[2])())
+    model = build_workload(name, **sizes).model
+    heads = getattr(model, "heads", None)
+    if heads is None and name == "gpt":
+        heads = model.layers[0].heads
+    return found, heads
+
+
+def check_plan(name: str, sizes: Mapping, plan: Mapping[str, str], among: Sequence[Layout]) -> None:
+    """ValueError if ``plan`` does not split the model at some layout's tp (a pattern naming no
+    module, a size tp does not divide): :func:`commlab.tensor.resolve`, before any process."""
+    from commlab.models import build_workload
+    from commlab.tensor import resolve
+
+    probe = build_workload(name, **sizes).model
+    for tp in sorted({lay.tp for lay in among}):
+        resolve(probe, plan, tp)
+
+
 def micro_batch(batch: int, dp: int, microbatches: int) -> int | None:
     """Each micro-batch's size on a replica, or None where the batch does not split evenly."""
     if batch % (dp * microbatches):
@@ -84,16 +114,16 @@ def accumulate_plans(profiles: Mapping[tuple, SplitProfile], world: int, system:
     return out
 
 
-def pipeline_plans(profiles: Mapping, world: int, system: SystemCosts, checkpoints: Sequence[str], schedules: Sequence[str],
-                   optimizer: str = "none") -> list[LayoutPlan]:  # fmt: skip
-    """The pipeline layouts (tp 1, pp > 1): the pipeline planner's candidates on ``profiles``
-    (:func:`commlab.costmodel.planner.model.profile_model`'s, per micro-batch count)."""
+def pipeline_plans(profiles: Mapping, among: Sequence[Layout], system: SystemCosts, checkpoints: Sequence[str],
+                   schedules: Sequence[str], optimizer: str = "none") -> list[LayoutPlan]:  # fmt: skip
+    """The pipeline layouts of ``among`` (tp 1, pp > 1): the pipeline planner's candidates on
+    ``profiles`` (:func:`commlab.costmodel.planner.model.profile_model`'s, per micro-batch count)."""
     from commlab.costmodel.planner.plan import candidates
 
     out = []
-    for lay in layouts(world):
-        if lay.pp < 2 or lay.tp > 1:
-            continue  # a pipeline of tensor-parallel stages: not measured here yet
+    for lay in among:
+        if lay.pp < 2 or lay.tp > 1 or lay.dp > 1:
+            continue  # pipelines of tensor-parallel stages, and pipeline x data parallel here: not yet
         parallel = DataParallel(lay.dp) if lay.dp > 1 else None
         for p in candidates(profiles, lay.pp, [1], checkpoints, schedules, system, os.cpu_count(), parallel, optimizer=optimizer):
             out.append(LayoutPlan(lay, p.schedule, p.microbatches, p.checkpoint, p.step_time, max(p.peak_bytes), p.balance))
@@ -131,12 +161,21 @@ def costs(profiles: Mapping[tuple, SplitProfile], pipeline_profiles: Mapping, wo
         echo(f"point-to-point on {world} Gloo ranks: {system.p2p.alpha_s * 1e6:.0f} us + "
              f"{system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte, executor {system.overheads.action_s * 1e6:.0f} us/action; "
              f"{steadiness.describe()}")  # fmt: skip
+    from commlab.costmodel.planner.layouts import BETWEEN
+    from commlab.costmodel.planner.tp_calibrate import between_compute_table, median_gap
+
     tables = {}
-    for group in sorted({g for tp, dp, _, _ in profiles for g in (tp, dp) if g > 1}):
-        sizes = {b for (tp, dp, _, _), p in profiles.items() if tp == group
-                 for passes in (p.forward_collectives, p.backward_collectives) for layer in passes for _, b in layer}
-        total = max(p.param_bytes for p in profiles.values())
-        cost, steadiness = allreduce_table(group, sorted(sizes | set(table_sizes(total))))
+    total = max(p.param_bytes for p in profiles.values())
+    for group in sorted({dp for _, dp, _, _ in profiles if dp > 1}):
+        cost, steadiness = allreduce_table(group, table_sizes(total))
         tables[("allreduce", "native", group)] = cost
-        echo(f"all-reduce on {group} Gloo ranks: {len(cost.sizes)} sizes; {steadiness.describe()}")
+        echo(f"DDP's all-reduce on {group} Gloo ranks: {len(cost.sizes)} sizes; {steadiness.describe()}")
+    for group in sorted({tp for tp, _, _, _ in profiles if tp > 1}):
+        share = {k: p for k, p in profiles.items() if k[0] == group}
+        sizes = {b for p in share.values() for passes in (p.forward_collectives, p.backward_collectives)
+                 for layer in passes for _, b in layer}  # fmt: skip
+        gap = median_gap(share)
+        tables[("allreduce", BETWEEN, group)] = cost = between_compute_table(group, sorted(sizes | {4}), gap)
+        echo(f"tensor-parallel all-reduce on {group} Gloo ranks between {gap * 1e3:.2f} ms of compute: "
+             + ", ".join(f"{s} B {cost(s) * 1e3:.2f} ms" for s in sorted(sizes)))
     return replace(system, collectives={**system.collectives, **tables})

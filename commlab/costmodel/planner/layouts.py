@@ -11,7 +11,7 @@ then its forward collectives, and in reverse its backward compute then its backw
 collectives, all on the rank (a Gloo collective blocks the thread that calls it); with ``dp`` > 1
 the DDP buckets of the last micro-batch's backward follow, each once the layer holding its last
 gradient is done, on the rank's ``dp`` channel, priced by the calibrated all-reduce table. The
-collectives are priced by ``SystemCosts.collective(op, "native", tp)`` (calibrated; never here).
+collectives are priced by the calibrated table (:data:`BETWEEN`'s where measured; never here).
 
 Memory per rank (:func:`peak_bytes`): this rank's parameters times the copies they need
 (:func:`commlab.costmodel.planner.plan.param_copies`), what one micro-batch's forward saves for
@@ -110,8 +110,14 @@ class SplitProfile:
         return out
 
 
+# The key of the tensor-parallel collectives' table in ``SystemCosts.collectives`` where one was
+# measured between compute (commlab/costmodel/planner/tp_calibrate.py); else the plain one.
+BETWEEN = "between_compute"
+
+
 def _collective_task(name: str, op: str, nbytes: int, deps: tuple[str, ...], rank: int, system: SystemCosts, tp: int) -> Task:
-    cost = system.collective(op.replace("_", ""), "native", tp)
+    kind = op.replace("_", "")
+    cost = system.collective(kind, BETWEEN if (kind, BETWEEN, tp) in system.collectives else "native", tp)
     return Task(name, f"rank{rank}", cost(nbytes), deps, kind=f"tp_{op}", meta={"bytes": nbytes})
 
 
