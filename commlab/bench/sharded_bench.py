@@ -1,34 +1,40 @@
 """`commlab bench sharded`: commlab's sharded data parallelism against torch's, in alternating launches.
 
-Two comparisons, each a pair of implementations on the same MLP, the same batches and an SGD step:
+Each comparison (``--compare``) is a row: commlab's side and the side it is measured against, on
+the same MLP, the same batches and an SGD step. Rows, printed in this order (like-for-like first):
 
-- ``fully_shard``: commlab's ShardedDataParallel stage 3 against torch's ``fully_shard`` (FSDP2),
-  both with one unit per Linear layer and the same ``reshard_after_forward``;
-- ``ddp``: commlab's stage 2 against commlab's DistributedDataParallel, the same bucket cap
-  (stage 2 moves the bytes DDP's all-reduce moves, as a reduce-scatter plus an all-gather).
+- ``ring`` (the headline): commlab's stage 3 and torch's ``fully_shard`` (FSDP2) both on commlab's
+  ring reduce-scatter and all-gather (fully_shard's through ``set_custom_reduce_scatter`` /
+  ``set_custom_all_gather``, commlab/bench/fsdp_comms.py), so the ratio measures the sharding
+  engines, not the collectives;
+- ``native``: both on Gloo's own collectives (commlab ``algorithm="native"``: Gloo's list
+  reduce-scatter; fully_shard as is: Gloo's flat ``reduce_scatter_single``, which is an all-reduce
+  of the whole buffer, commlab/sharded/comm.py ``resolve_algorithm``);
+- ``fully_shard``: commlab as a user gets it (``--algorithm``, default ``auto``: the ring on Gloo;
+  ``--prefetch``) against fully_shard as is (Gloo's);
+- ``ddp`` (on request): commlab's stage 2 against commlab's DistributedDataParallel, the same
+  bucket cap (stage 2 moves the bytes DDP's all-reduce moves, as a reduce-scatter plus an all-gather).
 
-``--algorithm`` picks the collectives of commlab's three (torch's fully_shard always runs the
-backend's). On Gloo the backend's reduce-scatter plus all-gather cost more than twice the CPU
-time of its all-reduce of the same bytes (about 22 + 27 ms against 18-21 ms for 32 MiB at world
-size 2, 2026-11-25; Gloo's flat reduce-scatter is an all-reduce of the whole buffer), commlab's
-ring pair about what an all-reduce costs (14 + 11 ms), so the native stage 2 / DDP ratio measures
-Gloo's collectives. The default ``auto`` gives each implementation its own default
-(commlab/sharded/comm.py ``resolve_algorithm``: the stages run the ring on Gloo, DDP the backend's
-all-reduce), what a user gets without choosing; ``--algorithm ring`` compares stage 2 and DDP on
-collectives of one kind.
+Overlap. fully_shard on CPU overlaps nothing: it issues its reduce-scatter blocking, and its
+implicit prefetch relies on device streams, which CPU tensors lack, so each all-gather blocks the
+training thread too. commlab overlaps on its own: ring collectives run on the group's worker
+thread, Gloo's asynchronously on Gloo's; a unit's all-gather runs ahead of use by ``prefetch``
+units, and a unit's reduce-scatter overlaps the next unit's backward (one in flight; the engine has
+no switch to make it blocking). The like-for-like rows run commlab with prefetch 0, so that the
+all-gathers block as fully_shard's do; the reduce-scatter overlap remains, and the row says so.
 
-Every implementation runs in a launch of its own (fresh processes), and launches alternate
-(A B, then B A, ...): two models in one process share one heap, and whichever allocates second
-page-faults into memory the first one freed, which would decide the ratio (see
+Every implementation runs in a launch of its own (fresh processes, a fresh process group), and
+launches alternate (A B, then B A, ...): two models in one process share one heap, and whichever
+allocates second page-faults into memory the first one freed, which would decide the ratio (see
 :func:`commlab.bench.ddp_bench.keep_freed_memory`). A launch times ``iters`` steps (zero_grad,
 forward, backward, step) after ``warmup``, back to back (no barrier between them);
 a step's time is the slowest rank's, and a launch gives its median. The command prints, per
-implementation, the median over launches of those medians, and per comparison their ratio with
+side, the median over launches of those medians, and per row their ratio with
 the spread of the per-launch ratios (launch i of one against launch i of the other: p10 /
 median / p90 and min-max), in wall time and in process CPU time (steadier on a busy machine):
 
-    commlab bench sharded                                  # 8 x 1024 MLP, 6 launches each
-    commlab bench sharded --compare fully_shard --launches 10 --no-reshard
+    commlab bench sharded                                  # the three rows, 8 x 1024 MLP, 6 launches each
+    commlab bench sharded --compare ring --launches 10 --no-reshard
     commlab bench sharded --compare ddp --algorithm ring   # commlab's ring collectives in both
     commlab bench sharded --depth 4 --width 2048 --batch 8
 
@@ -55,15 +61,53 @@ LABELS = {
     "stage2": "commlab stage 2",
     "ddp": "commlab DDP",
 }
-# --compare name -> (commlab's sharded implementation, the one it is measured against)
-COMPARISONS = {"fully_shard": ("stage3", "fully_shard"), "ddp": ("stage2", "ddp")}
+# --compare name -> (commlab's side, the side it is measured against); a side is an implementation
+# and what it overrides of the options (the collectives, commlab's prefetch). Like-for-like first.
+COMPARISONS = {
+    "ring": (("stage3", {"algorithm": "ring", "prefetch": 0}), ("fully_shard", {"algorithm": "ring"})),
+    "native": (("stage3", {"algorithm": "native", "prefetch": 0}), ("fully_shard", {"algorithm": "native"})),
+    "fully_shard": (("stage3", {}), ("fully_shard", {"algorithm": "native"})),
+    "ddp": (("stage2", {}), ("ddp", {})),
+}
+HEADLINE = "ring"
+DEFAULT = ("ring", "native", "fully_shard")
+
+
+def side_cfg(cfg: dict, side: tuple[str, dict]) -> dict:
+    impl, overrides = side
+    return {**cfg, **overrides, "impl": impl}
+
+
+def runs(cfg: dict, backend: str = "gloo") -> str:
+    """What one side runs: its collectives and what they overlap (this module's docstring)."""
+    from commlab.sharded.comm import resolve_algorithm  # torch: not for the CLI's checks
+
+    impl, algorithm = cfg["impl"], cfg["algorithm"]
+    if impl == "fully_shard":
+        comms = ("commlab's ring reduce-scatter and all-gather (set_custom_*)" if algorithm == "ring"
+                 else "Gloo's reduce_scatter_single (an all-reduce) and all_gather_single")
+        return f"{comms}, each blocking the training thread (no overlap on CPU)"
+    if impl == "ddp":
+        algorithm = "native" if algorithm == "auto" else algorithm
+        comms = "Gloo's all-reduce" if algorithm == "native" else f"commlab's {algorithm} all-reduce"
+        return f"{comms} per bucket, overlapping the rest of backward"
+    algorithm = resolve_algorithm(algorithm, backend)
+    comms = ("Gloo's list reduce-scatter and all_gather_single, on Gloo's thread" if algorithm == "native"
+             else f"commlab's {algorithm} reduce-scatter and all-gather, on its comm worker thread")
+    if impl == "stage2":
+        return f"{comms}; reduce-scatters overlap backward, all-gathers the next forward"
+    gathers = (f"all-gathers run {cfg['prefetch']} unit(s) ahead" if cfg["prefetch"]
+               else "all-gathers block (prefetch 0)")
+    return f"{comms}; {gathers}, a reduce-scatter overlaps the next unit's backward"
 
 
 def wrap(impl: str, model, cfg: dict):
-    """``model`` wrapped by ``impl``; units (stage 3 and fully_shard) are its Linear layers."""
+    """``model`` wrapped by ``impl``; units (stage 3 and fully_shard) are its Linear layers; fully_shard
+    runs Gloo's collectives for ``algorithm="native"``, else commlab's (commlab/bench/fsdp_comms.py)."""
     import torch  # torch and what imports it: in the ranks only, so the CLI answers without them
 
     from commlab.sharded import ShardedDataParallel
+    from commlab.sharded.comm import resolve_algorithm
 
     units = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if impl == "stage3":
@@ -82,7 +126,12 @@ def wrap(impl: str, model, cfg: dict):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=cfg["reshard"])
-        return fully_shard(model, mesh=mesh, reshard_after_forward=cfg["reshard"])
+        root = fully_shard(model, mesh=mesh, reshard_after_forward=cfg["reshard"])
+        if cfg["algorithm"] != "native":  # commlab's p2p collectives in place of Gloo's
+            from commlab.bench.fsdp_comms import use_p2p_collectives
+
+            use_p2p_collectives(root, resolve_algorithm(cfg["algorithm"], "gloo"))
+        return root
     raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(LABELS)}")
 
 
@@ -138,9 +187,10 @@ def compare(launches: dict[str, list[dict]], ours: str, theirs: str, key: str = 
 
 
 def run(cfg: dict, *, comparisons: list[str], launches: int, world_size: int, backend: str, timeout: float) -> None:
-    """Run every comparison's pair ``launches`` times each, alternating, and print the table (options
+    """Run every row's pair ``launches`` times each, alternating, and print the table (options
     checked by the CLI). Interrupted, it prints the table of the launch pairs that finished."""
-    done: dict[str, list[dict]] = {impl: [] for c in comparisons for impl in COMPARISONS[c]}
+    comparisons = [c for c in COMPARISONS if c in comparisons]  # like-for-like rows first
+    done: dict[tuple[str, str], list[dict]] = {(c, impl): [] for c in comparisons for impl, _ in COMPARISONS[c]}
     facts: dict = {}
 
     def save_partial() -> str | None:
@@ -154,41 +204,37 @@ def run(cfg: dict, *, comparisons: list[str], launches: int, world_size: int, ba
         for i in range(launches):
             for c in comparisons:
                 pair = COMPARISONS[c]
-                for impl in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
-                    per_rank = commlab.launch(_bench_rank, {**cfg, "impl": impl}, world_size=world_size,
+                for side in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
+                    per_rank = commlab.launch(_bench_rank, side_cfg(cfg, side), world_size=world_size,
                                               backend=backend, timeout=timeout)
                     facts = {"params": per_rank[0]["params"], "kept": per_rank[0]["kept"]}
-                    done[impl].append(launch_summary(per_rank))
+                    done[(c, side[0])].append(launch_summary(per_rank))
     _report(done, facts, cfg, comparisons, world_size, backend)
 
 
-def _collectives(algorithm: str, backend: str) -> str:
-    if algorithm != "auto":
-        return algorithm
-    from commlab.sharded.comm import resolve_algorithm
-
-    return f"auto (sharded: {resolve_algorithm('auto', backend)}, DDP: native)"
-
-
-def _report(done: dict[str, list[dict]], facts: dict, cfg: dict, comparisons: list[str], world_size: int,
-            backend: str) -> None:
+def _report(done: dict[tuple[str, str], list[dict]], facts: dict, cfg: dict, comparisons: list[str],
+            world_size: int, backend: str) -> None:
     reshard = "reshard after forward" if cfg["reshard"] else "no reshard after forward"
     click.echo(
         f"model mlp ({cfg['depth']} x {cfg['width']}), {facts['params'] / 1e6:.1f} M params, batch {cfg['batch']}/rank, "
-        f"world {world_size}, {backend}, commlab's collectives {_collectives(cfg['algorithm'], backend)}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
+        f"world {world_size}, {backend}, SGD; {cfg['iters']} timed steps after {cfg['warmup']} warm-up per launch, "
         "slowest rank per step, median per launch"
     )
     heap = "fixed glibc trim/mmap thresholds" if facts["kept"] else "the allocator's default heap trimming"
     click.echo(f"memory: {heap}")
     for c in comparisons:
-        ours, theirs = COMPARISONS[c]
-        s, cpu = compare(done, ours, theirs), compare(done, ours, theirs, "cpu")
-        setting = (f"units: each Linear, {reshard}, commlab prefetch {cfg['prefetch']}" if c == "fully_shard"
-                   else f"{cfg['bucket_mb']:g} MiB buckets")
-        click.echo(f"{LABELS[ours]} vs {LABELS[theirs]} ({setting}), {s['launches']} launches each, alternating")
+        (ours, _), (theirs, _) = COMPARISONS[c]
+        rows = {impl: done[(c, impl)] for impl in (ours, theirs)}
+        s, cpu = compare(rows, ours, theirs), compare(rows, ours, theirs, "cpu")
+        setting = (f"units: each Linear, {reshard}" if ours == "stage3" else f"{cfg['bucket_mb']:g} MiB buckets")
+        headline = ", the headline" if c == HEADLINE else ""
+        click.echo(f"[{c}{headline}] {LABELS[ours]} vs {LABELS[theirs]} ({setting}), {s['launches']} launches each, "
+                   "alternating")
+        for side in COMPARISONS[c]:
+            click.echo(f"  {LABELS[side[0]]} runs: {runs(side_cfg(cfg, side), backend)}")
         click.echo("                       wall ms/step   cpu ms/step   faults/step   (medians over launches)")
         for impl, key in ((ours, "ours"), (theirs, "theirs")):
-            f = statistics.median(x["faults"] for x in done[impl][: s["launches"]])
+            f = statistics.median(x["faults"] for x in rows[impl][: s["launches"]])
             click.echo(f"  {LABELS[impl]:<19}  {s[key] * 1e3:12.2f}  {cpu[key] * 1e3:12.2f}  {f:12.0f}")
         p10, med, p90 = s["spread"]
         lo, hi = s["range"]

@@ -7,7 +7,7 @@ commands, so ``--help`` and bad input answer in a fraction of a second.
 
 \b
     commlab bench ddp --bucket-mb 5 --algorithm ring
-    commlab bench sharded --compare fully_shard,ddp --launches 6 --algorithm ring
+    commlab bench sharded --compare ring,native,fully_shard --launches 6
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
 """
 
@@ -177,8 +177,10 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 
 
 @click.command("sharded")
-@click.option("--compare", "comparisons", default="fully_shard,ddp", show_default=True,
-              help="Comma list: fully_shard (commlab stage 3 vs torch's fully_shard), ddp (stage 2 vs commlab DDP).")
+@click.option("--compare", "comparisons", default="ring,native,fully_shard", show_default=True,
+              help="Comma list of rows: ring (commlab stage 3 vs torch's fully_shard, both on commlab's ring; "
+              "the headline), native (both on Gloo's collectives), fully_shard (commlab as --algorithm and "
+              "--prefetch say vs fully_shard as is), ddp (stage 2 vs commlab DDP).")
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(min=1), help="MLP layers")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1), help="MLP width")
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(min=1),
@@ -188,11 +190,13 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="untimed steps per launch")
 @click.option("--reshard/--no-reshard", default=True, show_default=True,
               help="reshard_after_forward of both stage-3 implementations")
-@click.option("--prefetch", default=1, show_default=True, type=click.IntRange(min=0), help="commlab stage 3's prefetch")
+@click.option("--prefetch", default=1, show_default=True, type=click.IntRange(min=0),
+              help="commlab stage 3's prefetch in the fully_shard row (the ring and native rows run 0: "
+              "fully_shard's all-gathers block on CPU)")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="bucket_cap_mb (MiB) of stage 2 and of commlab DDP")
 @click.option("--algorithm", default="auto", show_default=True,
-              help="collectives of commlab's stages and DDP: auto (each one's default: the stages' ring on Gloo, "
+              help="collectives of commlab in the fully_shard and ddp rows: auto (each one's default: the stages' ring on Gloo, "
               "DDP's native), native (the backend's), ring or halving_doubling (commlab's p2p; halving_doubling "
               "on a power-of-two world size)")
 @click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=1), help="local ranks")
@@ -203,7 +207,8 @@ def bench_ddp(model, depth, width, batch, world_size, backend, bucket_mb, iters,
 @_OVERSUBSCRIBE
 def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, reshard, prefetch, bucket_mb, algorithm,
                   world_size, glibc_trim, timeout, oversubscribe):
-    """commlab sharded DP vs torch fully_shard and commlab DDP, alternating separate launches (Gloo, CPU)."""
+    """commlab sharded DP vs torch fully_shard (on the same ring, on Gloo's, as is) and commlab DDP, alternating
+    separate launches (Gloo, CPU)."""
     # Inside the command: the module itself imports no torch (its ranks do), but is not needed for --help.
     from commlab.bench import sharded_bench
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.runs.optimizers import OPTIMIZERS as registered_optimizers
 
 SCHEDULE_NAMES = tuple(REGISTRY)  # the registry is the one list of schedules
-OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")  # commlab.costmodel.planner.plan.OPTIMIZER_STATE (that module imports torch)
+OPTIMIZERS = ("none", *registered_optimizers)  # the planner's OPTIMIZER_STATE keys (that module imports torch)
 
 
 def ints(text: str, option: str) -> list[int]:

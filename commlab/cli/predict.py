@@ -239,10 +239,14 @@ def _tune(spec_file, calibration_path, recalibrate, as_json, force, stage, memor
                for entry in entries.values()]
     if stages is not None:
         from commlab.costmodel.search.tune_sharded import sharded_answer
+        from commlab.costmodel.calibration.cache import key_optimizer
+        from commlab.runs.optimizers import state_bytes
 
         try:
             for entry, r in zip(entries.values(), results):
-                r["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=optimizer_bytes,
+                # unless given, the state of the optimizer calibrated (--optimizer: plain SGD by default)
+                state = state_bytes(key_optimizer(entry["key"])) if optimizer_bytes is None else optimizer_bytes
+                r["sharded"] = sharded_answer(entry, stages=stages, algorithms=names, optimizer_bytes=state,
                                               memory_bytes=None if memory_gb is None else memory_gb * 2**30,
                                               force=force)
         except ValueError as err:

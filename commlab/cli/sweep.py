@@ -40,6 +40,8 @@ _LIST = "comma-separated list"
 @click.option("--stage", help=f"{_LIST}: 0 = commlab DDP, 1-3 = ShardedDataParallel's ZeRO stage [0]")
 @click.option("--prefetch", help=f"{_LIST}: stage 3's all-gathers ahead of use [1]")
 @click.option("--reshard", type=click.Choice(["on", "off", "both"]), help="stage 3: free gathered parameters after forward [on]")
+@click.option("--optimizer", help=f"{_LIST}: sgd (plain, no state), adam [adam when --stage has 1-3, whose "
+              "saving is the optimizer state; sgd for DDP alone, as DDP results before this option]")
 @click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")
 @click.option("--global-batch", type=click.IntRange(min=1), help=f"samples per micro-batch over all ranks [{DEFAULTS['global_batch']}]")
 @click.option("--batch-per-rank", type=click.IntRange(min=1), help="samples per micro-batch per rank (weak scaling)")

@@ -12,8 +12,9 @@ OPTIONS = [
                                    "--memory-gb"),
     click.Option(["--memory-gb"], type=click.FloatRange(min=0, min_open=True),
                  help="with --stage: GiB per rank the predicted peak must fit in"),
-    click.Option(["--optimizer-bytes"], type=click.FloatRange(min=0), default=0.0, show_default=True,
-                 help="with --stage: optimizer state bytes per parameter in the peak (0: plain SGD, 8: Adam)"),
+    click.Option(["--optimizer-bytes"], type=click.FloatRange(min=0),
+                 help="with --stage: optimizer state bytes per parameter in the peak (0: plain SGD, 8: Adam) "
+                      "[--optimizer's: 0 for sgd, the default, 8 for adam]"),
 ]
 
 

@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from commlab.runs.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from commlab.runs.options import parse_model_args
 from commlab.runs.zero_stage import ZeroStage, parse_stage
 
@@ -53,10 +54,14 @@ DEFAULTS: dict[str, Any] = {
     "stage": "0",
     "prefetch": "1",
     "reshard": "on",
+    # None: Adam when the grid has a stage 1-3 (stage 1 shards the optimizer state, and plain SGD
+    # has none), plain SGD for a DDP-only grid (as every DDP result before it): optimizer_default.
+    "optimizer": None,
 }
 # The configuration fields added after results existed, with the value every older record holds;
 # left out of the id at that value, so older results keep their ids (and --resume them).
-LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True}
+LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True,
+                                "optim": DEFAULT_OPTIMIZER}
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
 
@@ -84,6 +89,9 @@ class Config:
     stage: int = 0  # 0: commlab DDP; 1-3: ShardedDataParallel's ZeRO stage
     prefetch: int = 1  # stage 3's all-gathers ahead of use (1 at other stages)
     reshard: bool = True  # stage 3's reshard_after_forward (True at other stages)
+    # the optimizer (a name of commlab/runs/optimizers.py; set by --optimizer): not "optimizer",
+    # which every iteration table has as the optimizer step's seconds
+    optim: str = DEFAULT_OPTIMIZER
 
     @property
     def zero_stage(self) -> ZeroStage:
@@ -102,9 +110,10 @@ class Config:
         policy = "" if "bucket_policy" not in settings else "-" + re.sub(r"[^A-Za-z0-9]+", "_", self.bucket_policy)[:24]
         sharded = "" if not self.stage else f"-s{self.stage}" + (
             f"-p{self.prefetch}-{'rs' if self.reshard else 'nors'}" if self.stage == 3 else "")
+        optimizer = "" if "optim" not in settings else f"-{self.optim}"
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}{optimizer}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:
@@ -128,6 +137,19 @@ def zero_stage_of(cfg: Config | dict[str, Any]) -> ZeroStage:
     before stages were a column is DDP's)."""
     default = LATER_FIELDS["stage"]
     return parse_stage(cfg.get("stage", default) if isinstance(cfg, dict) else getattr(cfg, "stage", default))
+
+
+def optimizer_of(cfg: Config | dict[str, Any]) -> str:
+    """The optimizer a configuration trains with (one recorded before it was a column: plain SGD)."""
+    default = LATER_FIELDS["optim"]
+    return str(cfg.get("optim", default) if isinstance(cfg, dict) else getattr(cfg, "optim", default))
+
+
+def optimizer_default(stages: list[int]) -> str:
+    """The optimizer of a grid that names none: Adam when it has a stage 1-3, so that sharding the
+    optimizer state saves something; plain SGD for DDP alone, so that DDP results stay comparable
+    with every DDP result before the option."""
+    return "adam" if any(int(s) >= 1 for s in stages) else DEFAULT_OPTIMIZER
 
 
 CONFIG_COLUMNS = ["config", *(f.name for f in fields(Config))]

@@ -12,10 +12,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from commlab.runs.config import DEFAULTS, LATER_FIELDS, LAUNCHERS, SCALINGS, Config
+from commlab.runs.config import DEFAULTS, LATER_FIELDS, LAUNCHERS, SCALINGS, Config, optimizer_default
 from commlab.runs.options import (
     canonical_model_args,
     non_negative_int,
+    optimizer_value,
     overlap_values,
     parse_list,
     positive_float,
@@ -89,6 +90,8 @@ def build_grid(options: dict[str, Any]) -> Grid:
         for name in policies:
             make_policy(name)  # ValueError naming the registered policies
     stages = parse_list(o["stage"], stage_value, "stage")
+    optimizers = parse_list(optimizer_default(stages) if o.get("optimizer") is None else o["optimizer"],
+                            optimizer_value, "optimizer")
     prefetches = parse_list(o["prefetch"], non_negative_int, "prefetch")
     reshards = overlap_values(o["reshard"], "reshard")
     if not all(parse_stage(s).ddp for s in stages) and policies != [DEFAULTS["bucket_policy"]]:
@@ -101,9 +104,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
     configs: dict[Config, None] = {}  # ordered, without the duplicates the collapsed axes make
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small. The sharded axes go outside them.
-    for (model, backend, world, thread, algo, group, acc, policy, stage, prefetch, reshard, bucket,
+    for (model, backend, world, thread, algo, group, acc, policy, optimizer, stage, prefetch, reshard, bucket,
          overlap) in itertools.product(models, backends, world_sizes, threads, algorithms, groups, accumulates,
-                                       policies, stages, prefetches, reshards, buckets, overlaps):
+                                       policies, optimizers, stages, prefetches, reshards, buckets, overlaps):
         if not parse_stage(stage).parameters:  # prefetch and reshard gather parameters: stage 3's only
             prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
         if not parse_stage(stage).ddp:  # ShardedDataParallel always overlaps, on one process group
@@ -122,7 +125,8 @@ def build_grid(options: dict[str, Any]) -> Grid:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
             global_batch = per_rank * world
         configs[Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
-                       scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard)] = None
+                       scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard,
+                       optimizer)] = None
     return Grid(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)
 

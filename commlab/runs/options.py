@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from commlab.runs.optimizers import parse_optimizer
 from commlab.runs.zero_stage import parse_stage
 
 
@@ -88,6 +89,14 @@ def stage_value(text: str, option: str) -> int:
     """A ZeRO stage (commlab/runs/zero_stage.py): 0 (commlab DDP) to 3."""
     try:
         return parse_stage(text).stage
+    except ValueError as err:
+        raise ValueError(f"--{_dash(option)}: {err}") from None
+
+
+def optimizer_value(text: str, option: str) -> str:
+    """A registered optimizer (commlab/runs/optimizers.py): sgd, momentum, adam, adamw."""
+    try:
+        return parse_optimizer(text)
     except ValueError as err:
         raise ValueError(f"--{_dash(option)}: {err}") from None
 

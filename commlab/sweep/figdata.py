@@ -13,7 +13,7 @@ from commlab.runs import stats
 
 # The axes a sweep can vary, in the order a label names them.
 AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
-        "scaling", "stage", "prefetch", "reshard"]
+        "scaling", "optim", "stage", "prefetch", "reshard"]
 # Settings that are not meant to vary within a figure; when a results directory holds two
 # configurations that differ only in these (say, a grid resumed with other --iters), they become
 # a series of their own rather than two points in one cell.
@@ -59,6 +59,8 @@ def label(row: pd.Series, columns: list[str]) -> str:
             parts.append("DDP" if int(v) == 0 else f"stage {v}")
         elif c == "reshard":
             parts.append("reshard" if _truthy(v) else "no reshard")
+        elif c == "optim":
+            parts.append({"sgd": "SGD", "adam": "Adam"}.get(str(v), str(v)))
         elif c in ("accumulate", "groups", "prefetch", *SETTINGS):
             parts.append(f"{c} {v}")
         else:
@@ -156,9 +158,12 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
 
 def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     """Per configuration of a grid over stages: the median step and its q1-q3, peak bytes, the
-    exposed reduction in the median step and the exposed all-gather seconds, with ``series`` (the stage; DDP's overlap and stage 3's prefetch and reshard
-    where they vary) and ``panel`` (what else varies besides bucket size). Empty unless two or
-    more stages ran."""
+    exposed reduction in the median step and the exposed all-gather seconds, with ``series`` (the
+    stage; DDP's overlap and stage 3's prefetch and reshard where they vary), ``panel`` (what else
+    varies besides bucket size: the optimizer, say) and ``position``, the series' place on the
+    figure's x axis (stages in order). Bucket sizes are bars side by side within a series, so one
+    bucket size draws a bar per stage, not a panel of single points. Empty unless two or more
+    stages ran; a panel with one series left out (one bar compares nothing)."""
     df = ok(runs)
     if df.empty or "stage" not in df or df["stage"].nunique() < 2 or "peak_bytes" not in df:
         return df.iloc[0:0]
@@ -168,13 +173,18 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
     panels = _context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
+    df = df[df.groupby("panel")["series"].transform("nunique") > 1].copy()
     # The step's exposed_comm is the reductions' wait after backward compute at every stage (DDP's
     # all-reduce; commlab/sweep/wrap.py), so the median step's is the reductions' bar.
     df["exposed_reduction"] = df["exposed_comm_median"]
     _one_per_cell(df, ["panel", "series", "bucket_mb"])
-    df = df.sort_values([*panels, "stage", "series", "bucket_mb"], kind="stable")
-    return df[["config", "panel", "series", "stage", "bucket_mb", "step_median", "step_q1", "step_q3", "peak_bytes",
-               "exposed_allgather", "exposed_reduction"]]
+    rising = {"stage": True, "overlap": False, "prefetch": True, "reshard": False}  # overlap, reshard: on first
+    order = [c for c in rising if c in df]
+    df = df.sort_values([*panels, *order, "bucket_mb"], ascending=[True] * len(panels) + [rising[c] for c in order] + [True],
+                        kind="stable")
+    df["position"] = df.groupby("panel")["series"].transform(lambda s: pd.factorize(s)[0])
+    return df[["config", "panel", "series", "position", "stage", "bucket_mb", "step_median", "step_q1", "step_q3",
+               "peak_bytes", "exposed_allgather", "exposed_reduction"]]
 
 
 def pick_timeline_config(runs: pd.DataFrame, buckets: pd.DataFrame) -> str | None:

@@ -250,39 +250,47 @@ def _timeline(iterations: pd.DataFrame, buckets: pd.DataFrame, config: str | Non
 
 
 def _sharded(df: pd.DataFrame):
-    """Per panel: step time and peak bytes against bucket size, one line per stage, and the
-    exposed all-gather / reduction seconds as stacked bars per stage and bucket size."""
+    """Per panel, a group of bars per stage (figdata.sharded's ``position``), one per bucket size side
+    by side (no series hides another; one bucket size is still a bar chart): the median step with
+    q1-q3 whiskers where the steps spread, peak MiB written on the bars, exposed seconds stacked."""
     if df.empty:
         return None
-    panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = plt.subplots(len(panels), 3, figsize=(13, 3.6 * len(panels)), squeeze=False)
-    palette = dict(zip(dict.fromkeys(df["series"]), sns.color_palette("deep")))
+    panels, caps = list(dict.fromkeys(df["panel"])), sorted(df["bucket_mb"].unique())
+    width = 0.8 / len(caps)
+    deep = sns.color_palette("deep")
+    series_colors = dict(zip(dict.fromkeys(df["series"]), deep))  # one bucket size: a colour per stage
+    fig, axes = plt.subplots(len(panels), 3, figsize=(13, 3.8 * len(panels)), squeeze=False)
     for row, panel in zip(axes, panels):
         part = df[df["panel"] == panel]
-        for series, s in part.groupby("series", sort=False):
-            row[0].fill_between(s["bucket_mb"], s["step_q1"] * 1e3, s["step_q3"] * 1e3, color=palette[series], alpha=0.2, linewidth=0)
-            row[0].plot(s["bucket_mb"], s["step_median"] * 1e3, marker="o", color=palette[series], label=series)
-            row[1].plot(s["bucket_mb"], s["peak_bytes"] / 2**20, marker="o", color=palette[series], label=series)
-        bars = part.reset_index(drop=True)
-        names = [f"{r.series}\n{r.bucket_mb:g} MiB" for r in bars.itertuples()]
-        row[2].bar(names, bars["exposed_allgather"] * 1e3, color=sns.color_palette("deep")[0],
-                   label="exposed all-gather (median over iterations, then ranks)")
-        row[2].bar(names, bars["exposed_reduction"] * 1e3, bottom=bars["exposed_allgather"] * 1e3,
-                   color=sns.color_palette("deep")[3], label="exposed reduction in the median step (DDP: all-reduce)")
-        row[2].tick_params(axis="x", labelsize=6, rotation=90)
+        x = part["position"] + (part["bucket_mb"].map(caps.index) - (len(caps) - 1) / 2) * width
+        colors = [series_colors[s] if len(caps) == 1 else deep[caps.index(b) % len(deep)]
+                  for s, b in zip(part["series"], part["bucket_mb"])]
         banded = bool((part["step_q3"] > part["step_q1"]).any())
-        for ax, ylabel in ((row[0], "median step (ms)" + (", band q1-q3" if banded else "")), (row[1], "peak bytes per rank (MiB)"),
-                           (row[2], "exposed per step (ms)")):
-            ax.set_title(panel, fontsize=8)
+        row[0].bar(x, part["step_median"] * 1e3, width, color=colors)
+        if banded:
+            row[0].errorbar(x, part["step_median"] * 1e3, yerr=[(part["step_median"] - part["step_q1"]) * 1e3, (part["step_q3"] - part["step_median"]) * 1e3], fmt="none", ecolor="black", capsize=3)  # noqa: E501
+        peaks = row[1].bar(x, part["peak_bytes"] / 2**20, width, color=colors)
+        row[1].bar_label(peaks, fmt="%.1f", fontsize=7 if len(caps) == 1 else 6, padding=2)
+        row[2].bar(x, part["exposed_allgather"] * 1e3, width, color=deep[0],
+                   label="exposed all-gather (median over iterations, then ranks)")
+        tops = row[2].bar(x, part["exposed_reduction"] * 1e3, width, bottom=part["exposed_allgather"] * 1e3,
+                          color=deep[3], label="exposed reduction in the median step (DDP: all-reduce)")
+        if len(caps) > 1:  # which bar is which bucket size, as the colours say in the other two
+            row[2].bar_label(tops, labels=[f"{b:g}" for b in part["bucket_mb"]], fontsize=6, padding=2)
+        names = part.drop_duplicates("position").sort_values("position")
+        title = panel if len(caps) > 1 else f"{panel}, {caps[0]:g} MiB buckets"
+        for ax, ylabel in ((row[0], "median step (ms)" + (", whiskers q1-q3" if banded else "")),
+                           (row[1], "peak bytes per rank (MiB)"),
+                           (row[2], "exposed per step (ms)" + (", on top: bucket MiB" if len(caps) > 1 else ""))):
+            ax.set_xticks(names["position"], labels=names["series"], fontsize=7, rotation=20 if len(names) > 4 else 0)
+            ax.set_title(title, fontsize=8)
             ax.set_ylabel(ylabel)
             ax.set_ylim(bottom=0)
-            ax.legend(fontsize=7)
-        for ax in row[:2]:
-            ax.set_xscale("log")
-            ticks = sorted(part["bucket_mb"].unique())
-            ax.set_xticks(ticks, labels=[f"{v:g}" for v in ticks])
-            ax.minorticks_off()
-            ax.set_xlabel("bucket cap (MiB)")
+        row[1].set_ylim(0, 1.15 * df["peak_bytes"].max() / 2**20)  # one scale for every panel; room for the numbers
+        row[2].set_ylim(0, 1.35 * max((part["exposed_allgather"] + part["exposed_reduction"]).max() * 1e3, 1e-3))
+        row[2].legend(fontsize=7, loc="upper left")
+        if len(caps) > 1:
+            row[0].legend(handles=[Patch(color=deep[i % len(deep)], label=f"{c:g} MiB") for i, c in enumerate(caps)], title="bucket cap", fontsize=7, title_fontsize=7)  # noqa: E501
     fig.suptitle(f"Sharded data parallelism by stage: {figdata.STATISTIC}, measured peak memory, exposed collectives")
     fig.tight_layout()
     return fig

@@ -31,7 +31,8 @@ from commlab.runtime.threads import use_rank_threads
 from commlab.runtime.timer import WallClock, timed_steps
 from commlab.memtrack import live_bytes, track_peak
 from commlab.sweep import wrap as sharding
-from commlab.runs.config import Config
+from commlab.runs.config import Config, optimizer_of
+from commlab.runs.optimizers import build_optimizer
 
 
 def _unlabelled(name: str):
@@ -76,8 +77,9 @@ class Trainer:
 
 
 def prepare(cfg: Config) -> Trainer:
-    """Build the workload and its wrapper for ``cfg`` on this rank. The optimizer is plain SGD at
-    every stage (no state: at stages 1-2 the memory saved is then the gradients' only)."""
+    """Build the workload, its wrapper and the configuration's optimizer (commlab/runs/optimizers.py)
+    for ``cfg`` on this rank. With plain SGD (no state) stages 1-2 save only gradients; Adam's
+    two moments are what stage 1 shards."""
     rt = commlab.Runtime.current()
     # Before the workload allocates anything: glibc's heap thresholds fixed, as the calibration
     # that predicts this configuration runs them (commlab/_malloc.py).
@@ -90,7 +92,7 @@ def prepare(cfg: Config) -> Trainer:
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
     ddp = sharding.wrap(cfg, model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    optimizer = build_optimizer(optimizer_of(cfg), ddp.parameters())
     gen = torch.Generator().manual_seed(1000 + rt.rank)
     inputs, target = (t.to(rt.device) for t in workload.make_batch(cfg.batch_per_rank, gen))
     return Trainer(cfg, rt, workload, ddp, optimizer, inputs, target)

@@ -50,7 +50,7 @@ def test_old_records_read_with_stage_defaults_and_new_columns(tmp_path):
     row = {"rank": 0, "iteration": 0, **{c: 0.1 for c in store.STEP_COLUMNS}}
     store.save_record(tmp_path, {"config": old, "status": "ok", "error": "", "started": 0, "ended": 1,
                                  "iterations": [row], "buckets": []})
-    new = build_grid(merge({}, {"iters": 1, "stage": "3"})).configs[0]
+    new = build_grid(merge({}, {"iters": 1, "stage": "3", "optimizer": "sgd"})).configs[0]  # as the old record
     measures = {"peak_bytes": 5.0, "comm_bytes": 7.0, "exposed_allgather": 0.25, "exposed_reducescatter": 0.5}
     store.save_record(tmp_path, {"config": new.columns(), "status": "ok", "error": "", "started": 2, "ended": 3,
                                  "iterations": [row], "buckets": [], "measures": measures})

@@ -5,7 +5,8 @@ A calibration file is JSON (human-readable) holding any number of entries, one p
     {"format": 1, "entries": {"<key id>": {"key": {...}, "created": ..., "compute": {...}, ...}}}
 
 The key says what the numbers are valid for: the machine, the backend, the world size, the
-threads per rank, the workload (model, sizes, per-rank batch) and the torch version. Loading
+threads per rank, the workload (model, sizes, per-rank batch, the optimizer whose step was
+profiled) and the torch version. Loading
 checks an entry before anything runs: a missing field is an error; an entry made on another
 machine or torch version is an error (its numbers describe other hardware or other kernels);
 an entry older than ``max_age_s``, or whose workload's parameter shapes changed, is *stale* and
@@ -25,6 +26,7 @@ from typing import Any
 
 from commlab._atomic import write_text
 from commlab._lazy import renamed_getattr
+from commlab.runs.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 
 FORMAT = 1
 DEFAULT_MAX_AGE_S = 3600.0
@@ -60,18 +62,30 @@ def machine_id() -> str:
     return f"{platform.node()}|{cpu}|{os.cpu_count()}"
 
 
-def make_key(*, backend: str, world_size: int, threads: int, model: str, model_args: str, batch_per_rank: int) -> dict[str, Any]:
+def make_key(*, backend: str, world_size: int, threads: int, model: str, model_args: str, batch_per_rank: int,
+             optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any]:
+    """The key of a calibration. The optimizer whose step it profiled is part of it (Adam's step
+    streams three times SGD's bytes): left out for plain SGD, so that entries made before it
+    was keyed keep their ids, and an SGD entry is never found for Adam."""
     import torch
 
-    return {"machine": machine_id(), "backend": backend, "world_size": int(world_size), "threads": int(threads),
-            "model": model, "model_args": model_args, "batch_per_rank": int(batch_per_rank), "torch": torch.__version__}
+    key = {"machine": machine_id(), "backend": backend, "world_size": int(world_size), "threads": int(threads),
+           "model": model, "model_args": model_args, "batch_per_rank": int(batch_per_rank), "torch": torch.__version__}
+    return key if optimizer == DEFAULT_OPTIMIZER else {**key, "optimizer": optimizer}
+
+
+def key_optimizer(key: dict[str, Any]) -> str:
+    """The optimizer a calibration profiled (an entry keyed without one: plain SGD)."""
+    return key.get("optimizer", DEFAULT_OPTIMIZER)
 
 
 def key_id(key: dict[str, Any]) -> str:
-    """Readable and stable: model, backend, world size, threads, batch, then a short digest."""
+    """Readable and stable: model, backend, world size, threads, batch, the optimizer unless plain
+    SGD, then a short digest."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     model = "".join(c if c.isalnum() else "_" for c in key["model"])[:24]
-    return f"{model}-{key['backend']}-w{key['world_size']}-t{key['threads']}-bs{key['batch_per_rank']}-{digest}"
+    optimizer = "" if key_optimizer(key) == DEFAULT_OPTIMIZER else f"-{key_optimizer(key)}"
+    return f"{model}-{key['backend']}-w{key['world_size']}-t{key['threads']}-bs{key['batch_per_rank']}{optimizer}-{digest}"
 
 
 def check_entry(entry: Any, where: str = "calibration") -> None:
@@ -110,7 +124,8 @@ def lookup(path: Path, key: dict[str, Any], *, signature: str | None = None,
         # An entry for the same workload made elsewhere is an error, not a miss: say so.
         for other in entries.values():
             k = other.get("key", {}) if isinstance(other, dict) else {}
-            same = all(k.get(f) == key[f] for f in key if f not in ("machine", "torch"))
+            same = all(k.get(f) == key[f] for f in key if f not in ("machine", "torch")) \
+                and key_optimizer(k) == key_optimizer(key)
             if same and k.get("machine") != key["machine"]:
                 raise CalibrationError(f"{path}: calibration was made on another machine ({k.get('machine')!r}, "
                                    f"this is {key['machine']!r}); pass --recalibrate or another --calibration")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.costmodel.calibration.devicetime import Clock, timed
+from commlab.runs.optimizers import DEFAULT as DEFAULT_OPTIMIZER, build_optimizer
 
 
 def turns(step: Callable[[], Any], clock: Clock, reps: int,
@@ -47,16 +48,20 @@ def turns(step: Callable[[], Any], clock: Clock, reps: int,
 
 
 def optimizer_turns(model: torch.nn.Module, forward_backward: Callable[[], Any], clock: Clock,
-                    reps: int) -> dict[str, Any]:
+                    reps: int, optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any]:
     """The optimizer step as the profile and the measured runs time it (commlab/sweep/worker.py):
-    plain SGD's step and ``zero_grad(set_to_none=True)``, which frees the gradients (a gradient over
-    glibc's mmap threshold is unmapped there), after an untimed forward + backward that made them."""
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    the configuration's optimizer's step and ``zero_grad(set_to_none=True)``, which frees the
+    gradients (a gradient over glibc's mmap threshold is unmapped there), after an untimed
+    forward + backward that made them. One untimed step first: Adam allocates its state there,
+    as a run does in its warm-up."""
+    step_with = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
 
     def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_with.step()
+        step_with.zero_grad(set_to_none=True)
 
+    forward_backward()
+    step()  # untimed: Adam allocates its state on the first step, which no measured step pays
     return turns(step, clock, reps, prepare=forward_backward)
 
 

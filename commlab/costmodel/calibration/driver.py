@@ -36,6 +36,7 @@ class Workload:
     model: str
     model_args: str  # canonical "key=value,..."
     batch_per_rank: int
+    optimizer: str = "sgd"  # whose step is profiled (commlab/runs/optimizers.py); part of the key
 
     def kwargs(self) -> dict[str, Any]:
         from commlab.runs.options import parse_model_args
@@ -84,7 +85,7 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     nbytes, shapes = parameter_sizes(workload)
     sizes = table_sizes(sum(nbytes))
     spec = {"model": workload.model, "model_kwargs": workload.kwargs(), "batch_per_rank": workload.batch_per_rank,
-            "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
+            "optimizer": workload.optimizer, "threads": threads, "algorithms": list(algorithms), "sizes": sizes, "iters": iters, "reps": reps,
             "warmup": 2, "sharded_algorithms": sharded_algorithms(world_size) if sharded else []}
     echo(f"calibrating {workload.model} ({sum(nbytes) / 2**20:.1f} MiB of gradients) on {backend}, "
          f"world size {world_size}, {threads} thread(s) per rank: {world_size} process(es), "
@@ -92,12 +93,18 @@ def calibrate(workload: Workload, *, backend: str, world_size: int, threads: int
     run = run_calibration(calibrate_rank, spec, world_size=world_size, backend=backend, timeout=timeout,
                           spread=spread_of, threads=threads)
     entry = assemble(run.results, spec, nbytes, shapes,
-                     cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
-                                   model_args=workload.model_args, batch_per_rank=workload.batch_per_rank))
+                     workload_key(workload, backend, world_size, threads))
     entry["calibration_s"] = run.seconds
     entry["steadiness"] = run.steadiness.as_json()
     echo(f"calibrated in {entry['calibration_s']:.1f} s; {run.steadiness.describe()}")
     return entry
+
+
+def workload_key(workload: Workload, backend: str, world_size: int, threads: int) -> dict[str, Any]:
+    """The cache key of ``workload``'s calibration (commlab/costmodel/calibration/cache.py)."""
+    return cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
+                          model_args=workload.model_args, batch_per_rank=workload.batch_per_rank,
+                          optimizer=workload.optimizer)
 
 
 def spread_of(results: list[dict]) -> float:
@@ -209,9 +216,14 @@ def _not_covered_by(path: Path, key: dict) -> str:
             (e.get("key", {}).get("model"), e.get("key", {}).get("model_args")) == (key["model"], key["model_args"])]
     if not same:
         return ""
-    held = "; ".join(f"{cache.key_id(k)}: " + ", ".join(f"{word} {k.get(f)}, not {key[f]}" for f, word in _SETTING.items()
-                                                         if k.get(f) != key[f]) for k in same[:3])
-    return f" (it holds {held}; a calibration serves one backend, world size, threads per rank and batch per rank)"
+    def setting(k: dict) -> dict:
+        return {**{f: k.get(f) for f in _SETTING}, "optimizer": cache.key_optimizer(k)}
+
+    want = setting(key)
+    held = "; ".join(f"{cache.key_id(k)}: " + ", ".join(f"{_SETTING.get(f, f)} {v}, not {want[f]}" for f, v in setting(k).items()
+                                                         if v != want[f]) for k in same[:3])
+    return (f" (it holds {held}; a calibration serves one backend, world size, threads per rank, batch per rank "
+            "and optimizer)")
 
 
 def calibration_for(workload: Workload, *, backend: str, world_size: int, threads: int | None = None,
@@ -224,8 +236,7 @@ def calibration_for(workload: Workload, *, backend: str, world_size: int, thread
     foreign (other machine, other torch) -> CalibrationError, unless ``recalibrate``.
     """
     threads = threads or default_threads(world_size)
-    key = cache.make_key(backend=backend, world_size=world_size, threads=threads, model=workload.model,
-                        model_args=workload.model_args, batch_per_rank=workload.batch_per_rank)
+    key = workload_key(workload, backend, world_size, threads)
     old = None
     if not recalibrate:
         nbytes, shapes = parameter_sizes(workload)

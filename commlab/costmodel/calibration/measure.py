@@ -5,7 +5,7 @@
 1. the DDP loop itself at world size 1 (a one-rank process group per rank, only rank 0 timed,
    the others waiting): forward, each parameter's gradient-ready time in backward order (taken
    after DDP's own hook has copied it into its bucket, so the copy-in is included), the no_sync
-   micro-batch, the optimizer, the write-back per byte (DDP's own write-back span), and, from
+   micro-batch, the optimizer (the configuration's: commlab/runs/optimizers.py), the write-back per byte (DDP's own write-back span), and, from
    two bucket caps with overlap off, the reducer's fixed cost per bucket. The DDP loop profiles better than the bare model:
    the gradients are copied from memory not in cache, and the allocator state is a DDP process's
    (an early prototype: the bare model came out ~40% fast on overlap-on configurations);
@@ -51,6 +51,7 @@ from commlab.costmodel.calibration.corun import copy_turns, optimizer_turns, tur
 from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
 from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
+from commlab.runs.optimizers import DEFAULT as DEFAULT_OPTIMIZER, build_optimizer
 from commlab.runtime.timer import time_sizes, timed_steps
 
 
@@ -93,7 +94,7 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     clock = clock_for(device)
     out["corun"] = turns(_forward_backward(model, workload, batch), clock, spec["reps"])
     out["corun_optimizer"] = optimizer_turns(
-        model, lambda: workload.loss_fn(model(batch[0]), batch[1]).backward(), clock, spec["reps"])
+        model, lambda: workload.loss_fn(model(batch[0]), batch[1]).backward(), clock, spec["reps"], _optimizer(spec))
     # the write-back's copies against each algorithm's all-reduce, at the table size nearest 16 MiB
     if device.type == "cpu":  # (on a GPU the write-back is a device copy: not measured here)
         out["corun_copy"] = copy_turns(total, clock, spec["reps"])
@@ -154,7 +155,7 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
     # Registered after DDP's hooks, so they run after the gradient was copied into its bucket.
     handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, clock.stamp()))
                for i, p in enumerate(params)]
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    optimizer = build_optimizer(_optimizer(spec), ddp.parameters())  # the one the runs step
     inputs, target = batch
     rows: list[dict[str, Any]] = []
 
@@ -197,6 +198,10 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         # forward + backward of every repetition: their spread says how steady the machine was
         "step_samples": [r["forward"] + max(r["ready"].values()) for r in rows],
     }
+
+
+def _optimizer(spec: dict[str, Any]) -> str:
+    return spec.get("optimizer", DEFAULT_OPTIMIZER)  # a spec made before the optimizer was keyed: SGD
 
 
 def _minor_faults() -> int:

@@ -34,6 +34,7 @@ from commlab.costmodel.lowering.pipeline import DataParallel, checkpointed_micro
 from commlab.pipeline.schedule.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Actions, num_microbatches
 from commlab.pipeline.schedule.liveness import liveness
 from commlab.pipeline.schedule.registry import REGISTRY
+from commlab.runs.optimizers import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,9 @@ def peak_bytes(actions: Actions, placement: Sequence[int], saved: Sequence[float
     return tuple(out)
 
 
-# Optimizer state per parameter byte: torch.optim.SGD keeps a momentum buffer only with momentum
-# (torch/optim/sgd.py), Adam and AdamW exp_avg and exp_avg_sq (torch/optim/adam.py).
-OPTIMIZER_STATE = {"none": 0.0, "sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# State per parameter in multiples of its bytes, from the one registry (commlab/runs/optimizers.py,
+# which cites torch's optimizers); "none": no optimizer step at all (``--validate`` runs).
+OPTIMIZER_STATE = {"none": 0.0, **{name: kind.state_bytes / 4 for name, kind in OPTIMIZERS.items()}}
 
 
 def param_copies(dp: int = 1, optimizer: str = "none") -> float:

@@ -14,13 +14,13 @@ from typing import Any
 from commlab.costmodel.calibration.driver import DEFAULT_CALIBRATION, Workload, calibration_for, default_threads
 from commlab.costmodel.calibration.cache import key_id
 from commlab.costmodel.lowering.ddp import step_costs
-from commlab.runs.config import Config, zero_stage_of
+from commlab.runs.config import Config, optimizer_of, zero_stage_of
 
-Key = tuple[str, str, int, str, int, int]
+Key = tuple[str, str, int, str, int, int, str]
 
 
 def group_key(cfg: Config, world_size: int | None = None) -> Key:
-    """What one calibration covers: workload, backend, world size, threads per rank.
+    """What one calibration covers: workload, backend, world size, threads per rank, optimizer.
 
     ``world_size`` overrides the configuration's (hardware presets take only the compute of a
     one-rank calibration, which is this machine's CPU: gloo).
@@ -28,7 +28,7 @@ def group_key(cfg: Config, world_size: int | None = None) -> Key:
     world = cfg.world_size if world_size is None else world_size
     backend = cfg.backend if world_size is None else "gloo"
     threads = getattr(cfg, "threads", None) or default_threads(world)
-    return (cfg.model, cfg.model_args, cfg.batch_per_rank, backend, world, int(threads))
+    return (cfg.model, cfg.model_args, cfg.batch_per_rank, backend, world, int(threads), optimizer_of(cfg))
 
 
 def entries_for(configs: Iterable[Config], *, calibration_path: Path | None = None, recalibrate: bool = False,
@@ -50,8 +50,8 @@ def entries_for(configs: Iterable[Config], *, calibration_path: Path | None = No
                 group.append(algorithm)
     entries = {}
     for key, names in wanted.items():
-        model, model_args, batch, backend, world, threads = key
-        entries[key] = calibration_for(Workload(model, model_args, batch), backend=backend, world_size=world,
+        model, model_args, batch, backend, world, threads, optimizer = key
+        entries[key] = calibration_for(Workload(model, model_args, batch, optimizer), backend=backend, world_size=world,
                                        threads=threads, path=calibration_path or DEFAULT_CALIBRATION,
                                        recalibrate=recalibrate, algorithms=tuple(names), echo=echo,
                                        sharded=key in sharded)
@@ -86,10 +86,11 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
 
     computes: dict[tuple, tuple] = {}
     for cfg in plan.configs:
-        key = (cfg.model, cfg.model_args, cfg.batch_per_rank)
+        key = (cfg.model, cfg.model_args, cfg.batch_per_rank, optimizer_of(cfg))
         if key in computes:
             continue
-        entry = device_entry(calibration_path or DEFAULT_CALIBRATION, *key, device=str(preset["device"]))
+        entry = device_entry(calibration_path or DEFAULT_CALIBRATION, *key[:3], device=str(preset["device"]),
+                             optimizer=key[3])
         if entry is not None:
             c = entry["compute"]
             computes[key] = (profile_from_entry(entry), Overheads(c["bucket_fixed_s"], c["writeback_s_per_byte"]),
@@ -103,7 +104,7 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
         echo(f"{cfg.model} {cfg.model_args}: {computes[key][2]}")
 
     def costs_for(cfg: Config):
-        profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank)]
+        profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank, optimizer_of(cfg))]
         system = hardware.system_on(preset, overheads, cfg.world_size)
         if zero_stage_of(cfg).ddp:
             return step_costs(system, profile, "native", cfg.world_size)
@@ -115,16 +116,18 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
     return records, {"source": "predicted", "figure_note": note, "calibrations": {}, "hardware": preset}
 
 
-def device_entry(path: Path, model: str, model_args: str, batch_per_rank: int, *, device: str) -> dict | None:
-    """The newest world-size-1 NCCL calibration entry of this workload made on a device whose
-    name holds ``device`` (made on any machine: that is the point), or None."""
-    from commlab.costmodel.calibration.cache import check_entry, read_file
+def device_entry(path: Path, model: str, model_args: str, batch_per_rank: int, *, device: str,
+                 optimizer: str = "sgd") -> dict | None:
+    """The newest world-size-1 NCCL calibration entry of this workload and optimizer made on a
+    device whose name holds ``device`` (made on any machine: that is the point), or None."""
+    from commlab.costmodel.calibration.cache import check_entry, key_optimizer, read_file
 
     found = []
     for entry in read_file(path).values():
         k, c = entry.get("key", {}), entry.get("compute", {})
         if (k.get("model"), k.get("model_args"), k.get("batch_per_rank"), k.get("world_size"), k.get("backend")) \
-                == (model, model_args, batch_per_rank, 1, "nccl") and device in str(c.get("device_name", "")):
+                == (model, model_args, batch_per_rank, 1, "nccl") and device in str(c.get("device_name", "")) \
+                and key_optimizer(k) == optimizer:
             check_entry(entry, f"{path} [{key_id(k)}]")
             found.append(entry)
     return max(found, key=lambda e: e["created"]) if found else None

@@ -31,7 +31,8 @@ from commlab.costmodel.lowering.zero import (
     simulate_sharded,
 )
 from commlab.runs.traffic import comm_bytes
-from commlab.runs.config import LATER_FIELDS, Config, zero_stage_of
+from commlab.runs.config import LATER_FIELDS, Config, optimizer_of, zero_stage_of
+from commlab.runs.optimizers import state_bytes
 from commlab.runs.store import MEASURE_COLUMNS
 
 SOURCE = "predicted"
@@ -102,7 +103,8 @@ def knob(cfg: Any, name: str) -> Any:
 def sharded_setting_of(cfg: Config) -> ShardedSetting:
     return ShardedSetting(stage=zero_stage_of(cfg).stage, prefetch=int(knob(cfg, "prefetch")),
                           reshard=bool(knob(cfg, "reshard")), bucket_cap_mb=cfg.bucket_mb,
-                          accumulate=cfg.accumulate, policy=cfg.bucket_policy)
+                          accumulate=cfg.accumulate, policy=cfg.bucket_policy,
+                          optimizer_bytes=state_bytes(optimizer_of(cfg)))
 
 
 def costs_for_config(entry: dict, cfg: Config) -> StepCosts | ShardedCosts:
@@ -130,7 +132,7 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     else:
         result, buckets = simulate_step(costs, setting or setting_of(cfg))
         row, bucket_rows = breakdown(result, buckets, costs)
-        row.update(ddp_columns(costs, cfg.world_size))
+        row.update(ddp_columns(costs, cfg.world_size, state_bytes(optimizer_of(cfg))))
     results = [{"rank": r, "host": "predicted", "device": "predicted",
                 "iterations": [{"rank": r, "iteration": 0, **row}],
                 "buckets": [{"rank": r, "iteration": 0, **b} for b in bucket_rows]}
@@ -138,14 +140,16 @@ def predict_config(cfg: Config, costs: StepCosts, setting: DDPSetting | None = N
     return record(cfg, started, results, measures={c: row[c] for c in MEASURE_COLUMNS}, source=SOURCE)
 
 
-def ddp_columns(costs: StepCosts, world_size: int) -> dict[str, float]:
-    """The sharded columns of a stage-0 (DDP) step: the ZeRO model's stage 0 in fp32 with plain
-    SGD (the sweep's optimizer), plus DDP's bucket buffers (a second copy of the gradients: the
+def ddp_columns(costs: StepCosts, world_size: int, optimizer_bytes: float = 0.0) -> dict[str, float]:
+    """The sharded columns of a stage-0 (DDP) step: the ZeRO model's stage 0 in fp32 with
+    ``optimizer_bytes`` of optimizer state per parameter (commlab/runs/optimizers.py: 0 for plain
+    SGD, 8 for Adam), plus DDP's bucket buffers (a second copy of the gradients: the
     default gradient_as_bucket_view=False writes clones back, commlab/ddp/bucket.py as torch's
     reducer), plus the profile's activations; and the all-reduce's 2 (N-1)/N of the gradients sent."""
     total = sum(costs.param_nbytes)
     sent = int(round(comm_bytes([("all_reduce", total)], world_size)))
-    return {"peak_bytes": 3 * total + costs.activation_bytes, "comm_bytes": sent,
+    state = int(optimizer_bytes * total / 4)  # fp32: total / 4 parameters
+    return {"peak_bytes": 3 * total + state + costs.activation_bytes, "comm_bytes": sent,
             "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
 
 

@@ -74,7 +74,7 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
             for a in (x for x in names if x in entry["collectives"]):
                 costs = costs_from_entry(entry, a, world)
                 # DDP's peak (commlab/costmodel/search/predict.py) plus the optimizer state given
-                peak = ddp_columns(costs, world)["peak_bytes"] + int(optimizer_bytes * sum(costs.param_nbytes) / 4)
+                peak = ddp_columns(costs, world, optimizer_bytes)["peak_bytes"]
                 for mb in grid_mb:
                     result, buckets = simulate_step(costs, DDPSetting(bucket_cap_mb=mb, first_bucket_mb=mb))
                     out.append(ShardedCandidate(0, a, mb, 0, True, breakdown(result, buckets, costs)[0]["step"], peak))

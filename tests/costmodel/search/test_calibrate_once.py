@@ -70,7 +70,7 @@ def test_a_missing_entry_says_which_cached_ones_exist_and_why_they_do_not_serve(
     assert re.search(r"no calibration of mlp-gloo-w2-t\d+-bs4-\w+ .*holds .*mlp-gloo-w2-t\d+-bs32-\w+: "
                      r"batch per rank 32, not 4", r.output), r.output
     assert re.search(r"no calibration of mlp-gloo-w1-\S+ .*world size 2, not 1, .*batch per rank 32, not 8", r.output)
-    assert "a calibration serves one backend, world size, threads per rank and batch per rank" in r.output
+    assert "a calibration serves one backend, world size, threads per rank, batch per rank and optimizer" in r.output
     # A cache made by predict (native only) is completed for tune, saying what it lacked and why.
     r = invoke("tune", "sweeps/smoke.yaml", "--world-size", "2", "--json", "--calibration", str(path))
     assert r.exit_code == 0 and "lacks ring, tree, halving_doubling (calibrated for native;" in r.output, r.output

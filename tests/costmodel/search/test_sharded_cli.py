@@ -12,8 +12,10 @@ import pytest
 
 import commlab
 from commlab.costmodel.calibration import cache as prof
+from commlab.costmodel.calibration.driver import default_threads
 from commlab.costmodel.terms.costs import fit_table
 from commlab.runs.grid import build_grid, merge
+from commlab.runs.store import read_tables
 from tests.support.calibrations import STEADY, invoke, synthetic_entry
 
 TUNE = ["tune", "--model", "mlp", "--model-args", "depth=2,width=64"]
@@ -194,3 +196,32 @@ def test_an_unsteady_calibration_gives_the_lowest_stage_that_fits_at_the_default
     assert s["stage"] >= 1 and s["kwargs"].get("prefetch", 1) == 1
     text = invoke(*[a for a in args if a != "--json"]).output
     assert "not a search" in text and "--force" in text
+
+
+def test_predict_of_a_stage_sweep_with_adam_uses_an_adam_calibration_and_counts_its_state(tmp_path, no_spawn):
+    sgd = tmp_path / "sgd.json"
+    prof.store(sgd, sharded_entry())
+    spec = ["predict", "--model", "mlp", "--model-args", "depth=2,width=64", "--stage", "0,1,2,3", "--bucket-mb", "0.01",
+            "--overlap", "on", "--out", str(tmp_path), "--no-figures"]
+    # Adam is the stage sweep's default: the cached SGD calibration profiled another step, so it is
+    # not used (a calibration would start here)
+    with pytest.raises(AssertionError, match="no process may be spawned"):
+        invoke(*spec, "--calibration", str(sgd), "--name", "from-sgd")
+    adam = tmp_path / "adam.json"
+    key = prof.make_key(backend="gloo", world_size=2, threads=default_threads(2), model="mlp",
+                        model_args="depth=2,width=64", batch_per_rank=32, optimizer="adam")
+    assert key["optimizer"] == "adam" and "-adam-" in prof.key_id(key) and "optimizer" not in sharded_entry()["key"]
+    prof.store(adam, sharded_entry(key=key))
+    peaks = {}
+    for optimizer, path in (("adam", adam), ("sgd", sgd)):
+        r = invoke(*spec, "--calibration", str(path), "--name", optimizer, "--optimizer", optimizer)
+        assert r.exit_code == 0, r.output
+        runs = read_tables(tmp_path / optimizer)[2]
+        assert set(runs["optim"]) == {optimizer}
+        peaks[optimizer] = dict(zip(runs["stage"], runs["peak_bytes"]))
+    psi = sum(sharded_entry()["params"]["nbytes"]) / 4  # fp32 parameters
+    # Adam's 8 bytes per parameter: whole at stage 0, halved over the two ranks at stages 1-3
+    assert peaks["adam"][0] - peaks["sgd"][0] == pytest.approx(8 * psi, abs=1)
+    for stage in (1, 2, 3):
+        assert peaks["adam"][stage] - peaks["sgd"][stage] == pytest.approx(8 * psi / 2, abs=1)
+    assert max(peaks["adam"][1], peaks["adam"][2]) < peaks["adam"][0]  # what sharding the state saves
