@@ -57,16 +57,14 @@ def plan(model_name, model_args, tp_plan, world, pinned, batch, microbatches, sc
     # Every share profiled on every rank at once, as the ranks will compute (tp_calibrate.py).
     profiles = co_profiles(world, **args) if world > 1 else search.split_profiles(**args)
     profiles = {k: p for k, p in profiles.items() if any((lay.tp, lay.dp) == k[:2] and lay.pp == 1 for lay in candidates)}
-    pipeline_profiles = {}
-    if any(lay.pp > 1 and lay.tp == 1 and lay.dp == 1 for lay in candidates):
-        from commlab.costmodel.planner.model import profile_model
-
-        pp_ms = [m for m in ms if m >= 2 and batch % m == 0]
-        pipeline_profiles, points = profile_model(model_name, batch, pp_ms, world, **sizes)
-    system = search.costs(profiles, pipeline_profiles, world, click.echo)
-    plans = search.accumulate_plans(profiles, world, system)
-    if pipeline_profiles:
-        plans += search.pipeline_plans(pipeline_profiles, candidates, system, modes, names)
+    plans, points, system = [], None, None
+    if any(lay.pp > 1 for lay in candidates):
+        if any(lay.pp > 1 and (lay.tp > 1 or lay.dp > 1) for lay in candidates):
+            click.echo("pipelines of tensor-parallel stages and pipeline x data parallel layouts are not planned yet: left out")
+        if any(lay.pp == world for lay in candidates):
+            plans, points, system = search.pipeline_plans(model_name, sizes, batch, ms, world, names, modes, click.echo)
+    system = search.costs(profiles, click.echo, *([system] if system else []))
+    plans += search.accumulate_plans(profiles, world, system)
     budget = budget_mb * 2**20
     chosen = search.best(plans, budget)
     click.echo("\n".join(search.table(plans, budget)))
@@ -79,7 +77,7 @@ def plan(model_name, model_args, tp_plan, world, pinned, batch, microbatches, sc
         from commlab.validation.layouts import measure, report
 
         common = dict(model=model_name, sizes=sizes, plan=tp_layout, batch=batch, iters=iters, warmup=warmup, timeout=timeout)
-        if pipeline_profiles:
+        if points is not None:
             common["points"] = points
         click.echo(f"\nvalidating: {len(plans)} plans (every one), {world} Gloo ranks, {iters} timed rounds after {warmup}, "
                    "alternating forward / reverse")  # fmt: skip

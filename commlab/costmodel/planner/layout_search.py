@@ -114,20 +114,34 @@ def accumulate_plans(profiles: Mapping[tuple, SplitProfile], world: int, system:
     return out
 
 
-def pipeline_plans(profiles: Mapping, among: Sequence[Layout], system: SystemCosts, checkpoints: Sequence[str],
-                   schedules: Sequence[str], optimizer: str = "none") -> list[LayoutPlan]:  # fmt: skip
-    """The pipeline layouts of ``among`` (tp 1, pp > 1): the pipeline planner's candidates on
-    ``profiles`` (:func:`commlab.costmodel.planner.model.profile_model`'s, per micro-batch count)."""
+def pipeline_plans(name: str, sizes: Mapping, batch: int, microbatches: Sequence[int], ranks: int, schedules: Sequence[str],
+                   checkpoints: Sequence[str], echo: Callable[[str], None], optimizer: str = "none") -> tuple[list[LayoutPlan], list[str], SystemCosts]:  # fmt: skip
+    """The pipeline layout tp 1 x pp ``ranks`` x dp 1, as ``commlab pipeline plan --model`` plans
+    it: the model profiled by pieces, its stages timed every rank at once and each schedule run
+    off the grid in one calibration launch (:func:`commlab.costmodel.planner.calibrate.plan_costs`),
+    then :func:`commlab.costmodel.planner.plan.candidates`. Returns the plans, the split points
+    and the calibrated costs."""
+    from commlab.costmodel.planner.calibrate import plan_costs
+    from commlab.costmodel.planner.model import profile_model
+    from commlab.costmodel.planner.offgrid import calibration_count, calibration_runs
     from commlab.costmodel.planner.plan import candidates
+    from commlab.costmodel.planner.stages import needs_split, stage_ranges
 
-    out = []
-    for lay in among:
-        if lay.pp < 2 or lay.tp > 1 or lay.dp > 1:
-            continue  # pipelines of tensor-parallel stages, and pipeline x data parallel here: not yet
-        parallel = DataParallel(lay.dp) if lay.dp > 1 else None
-        for p in candidates(profiles, lay.pp, [1], checkpoints, schedules, system, os.cpu_count(), parallel, optimizer=optimizer):
-            out.append(LayoutPlan(lay, p.schedule, p.microbatches, p.checkpoint, p.step_time, max(p.peak_bytes), p.balance))
-    return out
+    ms = [m for m in microbatches if m >= ranks and batch % m == 0]
+    families = [(n, 1) for n in schedules]
+    count = calibration_count(families, ranks, ms, batch)
+    profiles, points = profile_model(name, batch, ms + ([count] if count else []), ranks, **sizes)
+    model = {"model": name, "sizes": dict(sizes), "points": points}
+    stages = {"model": model, "batch": batch, "split": needs_split(schedules),
+              "ranges": {m: sorted(stage_ranges(p.seconds, ranks, [1], schedules)) for m, p in profiles.items()}}
+    offgrid = calibration_runs(profiles[count], count, ranks, families, "time", model, batch) if count else None
+    system, overheads, profiles = plan_costs(profiles, ranks, 1, echo=echo, stages=stages, offgrid=offgrid)
+    profiles.pop(count, None)
+    lay = Layout(1, ranks, 1)
+    plans = [LayoutPlan(lay, p.schedule, p.microbatches, p.checkpoint, p.step_time, max(p.peak_bytes), p.balance)
+             for p in candidates(profiles, ranks, [1], checkpoints, schedules, system, os.cpu_count(), None,
+                                 optimizer=optimizer, overheads=overheads)]  # fmt: skip
+    return plans, points, system
 
 
 def best(plans: Sequence[LayoutPlan], budget: float) -> LayoutPlan | None:
@@ -145,22 +159,14 @@ def table(plans: Sequence[LayoutPlan], budget: float) -> list[str]:
     return lines
 
 
-def costs(profiles: Mapping[tuple, SplitProfile], pipeline_profiles: Mapping, world: int, echo: Callable[[str], None]) -> SystemCosts:
-    """One calibration for the model: point-to-point and executor costs on ``world`` ranks where a
-    pipeline layout is planned, and per group size the all-reduce table at the sizes the layouts
-    issue (tensor-parallel activations, DDP buckets)."""
+def costs(profiles: Mapping[tuple, SplitProfile], echo: Callable[[str], None], system: SystemCosts = SystemCosts()) -> SystemCosts:
+    """``system`` with, per group size, the all-reduce tables the accumulating layouts need: DDP's
+    (from a barrier, at bucket sizes) and the tensor-parallel one (between compute, at the sizes
+    the operators issue)."""
     from dataclasses import replace
 
     from commlab.costmodel.calibration.driver import table_sizes
-    from commlab.costmodel.planner.calibrate import allreduce_table, calibrate, measured
-
-    system = measured()
-    if pipeline_profiles:
-        sizes = sorted({int(b) for p in pipeline_profiles.values() for b in p.output})
-        system, _, steadiness = calibrate(world, sizes)
-        echo(f"point-to-point on {world} Gloo ranks: {system.p2p.alpha_s * 1e6:.0f} us + "
-             f"{system.p2p.beta_s_per_byte * 1e9:.3f} ns/byte, executor {system.overheads.action_s * 1e6:.0f} us/action; "
-             f"{steadiness.describe()}")  # fmt: skip
+    from commlab.costmodel.planner.calibrate import allreduce_table
     from commlab.costmodel.planner.layouts import BETWEEN
     from commlab.costmodel.planner.tp_calibrate import between_compute_table, median_gap
 
