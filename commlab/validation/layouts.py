@@ -5,7 +5,8 @@
 by the pipeline runtime as :mod:`commlab.validation.planner` builds them), then steps them in
 rounds, each round in the opposite order of the one before, each visit after one untimed step of
 its own, as the pipeline planner's check does; a step's time is the slowest rank's. Peak memory:
-what the allocator saw in a step plus the rank's parameters and gradients.
+what the allocator saw in a step plus the rank's parameters and gradients, and what DDP
+allocated when built (its bucket buffers, held for the job's life).
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def _accumulate_step(spec: dict[str, Any], common: dict[str, Any], rt):
     if spec["checkpoint"] == "always":
         checkpoint_blocks(model)
     x, y = workload.make_batch(common["batch"], torch.Generator().manual_seed(1))
+    held = 0
     if spec["dp"] > 1:
-        model = commlab.DistributedDataParallel(model)
+        from commlab.memtrack import track_peak
+
+        with track_peak("cpu") as built:  # what DDP keeps beside the model: its flat bucket buffers
+            model = commlab.DistributedDataParallel(model)
+        held = built.net_bytes
         x, y = x.chunk(spec["dp"])[rt.rank], y.chunk(spec["dp"])[rt.rank]
     xs, ys = x.chunk(spec["microbatches"]), y.chunk(spec["microbatches"])
 
@@ -45,7 +51,7 @@ def _accumulate_step(spec: dict[str, Any], common: dict[str, Any], rt):
                 model.require_backward_grad_sync = i == len(xs) - 1
             workload.loss_fn(model(xi), yi).backward()
 
-    return model, step
+    return model, step, held
 
 
 def measure_rank(specs: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +73,7 @@ def measure_rank(specs: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
     pipe = stage_builder(common) if any(s["pp"] > 1 for s in specs) else None
     for s in specs:
         if s["pp"] == 1:
-            model, step = _accumulate_step(s, common, rt)
+            model, step, held = _accumulate_step(s, common, rt)
             holder = model
         else:
             x, y, loss_fn, build = pipe
@@ -75,20 +81,20 @@ def measure_rank(specs: list[dict[str, Any]], common: dict[str, Any]) -> dict[st
             model, stage = build(s, placement)
             executor = PipelineExecutor(stage, s["schedule"], track_memory=False, microbatches=s["microbatches"],
                                         loss_fn=loss_fn, checkpoint=s["checkpoint"], timeout=common["timeout"])  # fmt: skip
-            holder, step = stage, step_of(stage, executor, x, y)
-        built.append((model, holder))
+            holder, step, held = stage, step_of(stage, executor, x, y), 0
+        built.append((model, holder, held))
         steps.append(step)
     seconds = timed_rounds(dict(enumerate(steps)), common["iters"], common["warmup"],
                            before=lambda k: settle(built[k][0], steps[k]))["seconds"]  # fmt: skip
     peaks = []
-    for (_, holder), step in zip(built, steps):
+    for (_, holder, held), step in zip(built, steps):
         weights = sum(p.numel() * p.element_size() for p in holder.parameters())
         dist.barrier()
         with track_peak("cpu"):
             step()
         with track_peak("cpu") as seen:
             step()
-        peaks.append(seen.peak_bytes + 2 * weights)
+        peaks.append(seen.peak_bytes + 2 * weights + held)
     rounds = range(common["warmup"], common["warmup"] + common["iters"])
     return {"rank": rt.rank, "times": [seconds[k] for k in range(len(specs))], "peaks": peaks,
             "forward": [i % 2 == 0 for i in rounds]}  # fmt: skip
