@@ -28,6 +28,7 @@ _COMMANDS = {
 _BENCH_COMMANDS = {
     "ddp": ("commlab.cli.bench:bench_ddp", "commlab DDP vs torch DDP, alternating, ratio."),
     "sharded": ("commlab.cli.bench:bench_sharded", "commlab sharded DP vs fully_shard and DDP, separate launches."),
+    "tensor": ("commlab.cli.bench:bench_tensor", "commlab TP vs torch parallelize_module, separate launches."),
     "collectives": (
         "commlab.cli.bench:bench_collectives",
         "nccl-tests-style benchmark of collectives and their algorithms.",

@@ -1,13 +1,15 @@
-"""The `commlab bench` commands' options: `bench ddp`, `bench sharded` and `bench collectives`.
+"""The `commlab bench` commands' options: `bench ddp`, `bench sharded`, `bench tensor`, `bench collectives`.
 
 Click declarations and input checks only; the runs live in :mod:`commlab.bench.ddp_bench`,
-:mod:`commlab.bench.sharded_bench` and :mod:`commlab.bench.collectives_bench`. Everything that
-imports torch (those modules, commlab.models, commlab.collectives) is imported inside the
-commands, so ``--help`` and bad input answer in a fraction of a second.
+:mod:`commlab.bench.sharded_bench`, :mod:`commlab.bench.tensor_bench` and
+:mod:`commlab.bench.collectives_bench`. Everything that imports torch (those modules,
+commlab.models, commlab.collectives) is imported inside the commands, so ``--help`` and bad
+input answer in a fraction of a second.
 
 \b
     commlab bench ddp --bucket-mb 5 --algorithm ring
     commlab bench sharded --compare ring,native,fully_shard --launches 6
+    commlab bench tensor --algorithm native,ring --launches 6
     commlab bench collectives -b 4M -e 64M -f 2 --world-size 2,4 --algorithm ring,native
 """
 
@@ -232,3 +234,35 @@ def bench_sharded(comparisons, depth, width, batch, launches, iters, warmup, res
     sharded_bench.run(dict(depth=depth, width=width, batch=batch, iters=iters, warmup=warmup, reshard=reshard,
                            prefetch=prefetch, bucket_mb=bucket_mb, algorithm=algorithm, keep_freed=not glibc_trim),
                       comparisons=names, launches=launches, world_size=world_size, backend="gloo", timeout=timeout)
+
+
+@click.command("tensor")
+@click.option("--algorithm", "algorithms", default="native,ring", show_default=True,
+              help="Comma list of commlab's all-reduce algorithms, one commlab row each against torch "
+              "(native: the backend's all-reduce, as torch's DTensor issues it)")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1), help="GPT blocks")
+@click.option("--d-model", default=512, show_default=True, type=click.IntRange(min=1), help="GPT width")
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(min=1), help="attention heads")
+@click.option("--vocab", default=256, show_default=True, type=click.IntRange(min=1), help="vocabulary size")
+@click.option("--seq", default=32, show_default=True, type=click.IntRange(min=1), help="tokens per sequence")
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(min=1), help="sequences per step (every rank's)")
+@click.option("--launches", default=6, show_default=True, type=click.IntRange(min=1), help="launches of each implementation")
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="timed steps per launch")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="untimed steps per launch")
+@click.option("--world-size", default=2, show_default=True, type=click.IntRange(min=2), help="local ranks: the TP size")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds before a launch is abandoned")
+@_OVERSUBSCRIBE
+def bench_tensor(algorithms, layers, d_model, heads, vocab, seq, batch, launches, iters, warmup, world_size, timeout,
+                 oversubscribe):
+    """commlab tensor parallelism vs torch parallelize_module on the GPT, alternating separate launches (Gloo, CPU)."""
+    from commlab.bench import tensor_bench  # imports torch in its checks: inside the command
+
+    cfg = dict(algorithms=list(dict.fromkeys(a.strip() for a in algorithms.split(",") if a.strip())), layers=layers,
+               d_model=d_model, heads=heads, vocab=vocab, seq=seq, batch=batch, iters=iters, warmup=warmup)
+    try:
+        tensor_bench.check(cfg, world_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm/--heads/--d-model/--vocab/--world-size") from None
+    _check_capacity(world_size, 0, oversubscribe)
+    tensor_bench.run(cfg, launches=launches, world_size=world_size, timeout=timeout)

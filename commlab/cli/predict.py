@@ -71,6 +71,8 @@ def _plan(spec_file, options, *, hardware: str | None = None):
     spec = sweep_cli._read_spec(spec_file)
     try:
         plan = build_grid(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
+        if any(cfg.tp > 1 for cfg in plan.configs):  # priced as DDP it would be silently wrong
+            raise ValueError("--tp > 1: predict and tune price data-parallel grids only (tp = 1); sweep tensor layouts")
         if hardware is None:
             runner.check_grid(plan)
         else:

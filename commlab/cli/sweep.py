@@ -4,6 +4,7 @@
     commlab sweep --bucket-mb 5,25,100                 the README's first command
     commlab sweep sweeps/bucket_size.yaml              a paper figure's spec (options override it)
     commlab sweep sweeps/smoke.yaml --resume           continue a killed sweep
+    commlab sweep --model gpt --tp 1,2 --world-size 2  tensor x data parallel layouts
     commlab figures results/reference                  redraw every figure from the CSVs
     commlab trace results/reference --config ID        one configuration as a Chrome trace
 """
@@ -32,6 +33,9 @@ _LIST = "comma-separated list"
 @click.option("--bucket-mb", help=f"{_LIST} of bucket caps in MiB (as torch's bucket_cap_mb), e.g. 5,25,100 [25]")
 @click.option("--backend", help=f"{_LIST}: gloo, nccl [gloo]")
 @click.option("--world-size", help=f"{_LIST} of process counts (the paper's GPU axis) [2]")
+@click.option("--tp", help=f"{_LIST}: tensor-parallel sizes (commlab.tensor, --model gpt) [1]")
+@click.option("--pp", help=f"{_LIST}: pipeline stages (1 only, for now) [1]")
+@click.option("--dp", help=f"{_LIST}: data-parallel sizes; the world size is then tp x pp x dp [world size / (tp x pp)]")
 @click.option("--algorithm", help=f"{_LIST} of all-reduce algorithms (commlab.collectives) [native]")
 @click.option("--overlap", type=click.Choice(["on", "off", "both"]), help="overlap comm with backward [both]")
 @click.option("--accumulate", help=f"{_LIST}: micro-batches per step, all but one under no_sync [1]")

@@ -57,11 +57,16 @@ DEFAULTS: dict[str, Any] = {
     # None: Adam when the grid has a stage 1-3 (stage 1 shards the optimizer state, and plain SGD
     # has none), plain SGD for a DDP-only grid (as every DDP result before it): optimizer_default.
     "optimizer": None,
+    # Tensor- and pipeline-parallel sizes; the data-parallel size is the rest of the world size
+    # (world_size / (tp * pp)), or --dp names it and the world size is the product.
+    "tp": "1",
+    "pp": "1",
+    "dp": None,
 }
 # The configuration fields added after results existed, with the value every older record holds;
 # left out of the id at that value, so older results keep their ids (and --resume them).
 LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True,
-                                "optim": DEFAULT_OPTIMIZER}
+                                "optim": DEFAULT_OPTIMIZER, "tp": 1, "pp": 1}
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
 
@@ -92,6 +97,13 @@ class Config:
     # the optimizer (a name of commlab/runs/optimizers.py; set by --optimizer): not "optimizer",
     # which every iteration table has as the optimizer step's seconds
     optim: str = DEFAULT_OPTIMIZER
+    tp: int = 1  # tensor-parallel group size (innermost: ranks r and r + 1 share a group)
+    pp: int = 1  # pipeline stages
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: the ranks that hold the same model part (tp * pp * dp = world size)."""
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def zero_stage(self) -> ZeroStage:
@@ -111,9 +123,10 @@ class Config:
         sharded = "" if not self.stage else f"-s{self.stage}" + (
             f"-p{self.prefetch}-{'rs' if self.reshard else 'nors'}" if self.stage == 3 else "")
         optimizer = "" if "optim" not in settings else f"-{self.optim}"
+        layout = "" if self.tp == self.pp == 1 else f"-tp{self.tp}-pp{self.pp}-dp{self.dp}"
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
-            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}{optimizer}-{digest}"
+            f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}{optimizer}{layout}-{digest}"
         )
 
     def columns(self) -> dict[str, Any]:

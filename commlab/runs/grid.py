@@ -49,6 +49,8 @@ def merge(spec: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
     merged = {**DEFAULTS, **spec}
     given = {k: v for k, v in cli.items() if v is not None}
     merged.update(given)
+    if merged["dp"] is not None and "world_size" not in spec and "world_size" not in given:
+        merged["world_size"] = None  # --dp names the data-parallel size: the world size is the product
     if merged["batch_per_rank"] is not None and "scaling" not in spec and "scaling" not in given:
         merged["scaling"] = "weak"  # a per-rank batch with no scaling named means weak scaling
     return merged
@@ -67,7 +69,8 @@ def build_grid(options: dict[str, Any]) -> Grid:
         raise ValueError("--scaling weak needs --batch-per-rank")
     models = parse_list(o["model"], lambda t, _: t, "model")
     backends = parse_list(o["backend"], lambda t, _: t.lower(), "backend")
-    world_sizes = parse_list(o["world_size"], positive_int, "world_size")
+    tps, pps = parse_list(o["tp"], positive_int, "tp"), parse_list(o["pp"], positive_int, "pp")
+    layouts = layout_sizes(o.get("world_size"), tps, pps, o.get("dp"))
     buckets = parse_list(o["bucket_mb"], positive_float, "bucket_mb")
     algorithms = parse_list(o["algorithm"], lambda t, _: t, "algorithm")
     accumulates = parse_list(o["accumulate"], positive_int, "accumulate")
@@ -104,9 +107,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
     configs: dict[Config, None] = {}  # ordered, without the duplicates the collapsed axes make
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small. The sharded axes go outside them.
-    for (model, backend, world, thread, algo, group, acc, policy, optimizer, stage, prefetch, reshard, bucket,
-         overlap) in itertools.product(models, backends, world_sizes, threads, algorithms, groups, accumulates,
-                                       policies, optimizers, stages, prefetches, reshards, buckets, overlaps):
+    for (model, backend, (world, tp, pp, dp), thread, algo, group, acc, policy, optimizer, stage, prefetch, reshard,
+         bucket, overlap) in itertools.product(models, backends, layouts, threads, algorithms, groups, accumulates,
+                                               policies, optimizers, stages, prefetches, reshards, buckets, overlaps):
         if not parse_stage(stage).parameters:  # prefetch and reshard gather parameters: stage 3's only
             prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
         if not parse_stage(stage).ddp:  # ShardedDataParallel always overlaps, on one process group
@@ -115,20 +118,52 @@ def build_grid(options: dict[str, Any]) -> Grid:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
         if scaling == "strong":
             global_batch = positive_int(str(o["global_batch"]), "global_batch")
-            if global_batch % world:
+            # The batch splits over the data-parallel replicas: a tensor-parallel group shares one.
+            if global_batch % dp:
                 raise ValueError(
-                    f"--global-batch {global_batch} does not split evenly over world size {world} "
-                    "(strong scaling): pick a multiple, or use --scaling weak --batch-per-rank N"
+                    f"--global-batch {global_batch} does not split evenly over {dp} data-parallel rank(s) "
+                    f"(world size {world}, strong scaling): pick a multiple, or use --scaling weak --batch-per-rank N"
                 )
-            per_rank = global_batch // world
+            per_rank = global_batch // dp
         else:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
-            global_batch = per_rank * world
+            global_batch = per_rank * dp
         configs[Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
                        scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard,
-                       optimizer)] = None
+                       optimizer, tp, pp)] = None
     return Grid(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)
+
+
+def layout_sizes(world_size, tps: list[int], pps: list[int], dp) -> list[tuple[int, int, int, int]]:
+    """(world size, tp, pp, dp) of every layout the axes name, in their order.
+
+    Without ``dp`` each world size is split as tp x pp x (the rest); with it (``world_size`` None)
+    the world size is the product, and a world size given too must be that product.
+    """
+    if world_size is None and dp is None:
+        raise ValueError("--world-size needs a value")
+    for pp in pps:
+        if pp > 1:
+            raise ValueError(f"--pp {pp}: pipeline stages in a sweep are not supported yet (the worker "
+                             "runs no pipeline); measure pipelines with `commlab pipeline`, and sweep with --pp 1")
+    worlds = None if world_size is None else parse_list(world_size, positive_int, "world_size")
+    if dp is None:
+        out = []
+        for world, tp, pp in itertools.product(worlds, tps, pps):
+            if world % (tp * pp):
+                raise ValueError(f"--world-size {world} is not a multiple of --tp {tp} x --pp {pp}: "
+                                 "the data-parallel size is world size / (tp x pp)")
+            out.append((world, tp, pp, world // (tp * pp)))
+        return out
+    out = [(tp * pp * d, tp, pp, d) for d, tp, pp in
+           itertools.product(parse_list(dp, positive_int, "dp"), tps, pps)]
+    for world, tp, pp, d in out:
+        if worlds is not None and world not in worlds:
+            raise ValueError(f"--tp {tp} x --pp {pp} x --dp {d} makes world size {world}, not --world-size "
+                             f"{','.join(map(str, worlds))}: the product of the axes is the world size "
+                             "(leave out --world-size, or --dp)")
+    return out
 
 
 def grid_signature(grid: Grid) -> dict[str, Any]:

@@ -13,7 +13,10 @@ from commlab.runs.config import CONFIG_COLUMNS
 # The parts of one optimizer step, in time order: no_sync micro-batches, then the synchronised
 # micro-batch (DDP's forward, backward compute, exposed communication), then the optimizer.
 SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
-PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time"]
+# Seconds per step in each parallel axis's collectives (commlab/runs/store.py defines them); in
+# results older than them they are missing, and their medians NaN.
+AXIS_COLUMNS = ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_send_recv", "dp_reduce"]
+PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time", *AXIS_COLUMNS]
 # What summarise() adds to a runs table.
 _SUMMARY = {"iterations", "repetitions", "step_q1", "step_q3", "step_spread_lo", "step_spread_hi", "step_p10",
             "step_p90", "samples_per_s", "scaling_efficiency", *(f"{c}_median" for c in (*PHASES, "other", "step"))}
@@ -39,6 +42,7 @@ def median_step(rows: pd.DataFrame) -> pd.DataFrame:
     with ``other`` (the step minus its named segments: zero_grad, Python between them) add up to
     it exactly, which medians taken phase by phase would not."""
     columns = [*PHASES, "other", "step"]
+    rows = rows.assign(**{c: rows[c] if c in rows else float("nan") for c in AXIS_COLUMNS})
     rows = rows.assign(other=rows["step"] - rows[SEGMENTS].sum(axis=1))
 
     def middle(group: pd.DataFrame) -> pd.Series:

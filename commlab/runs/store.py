@@ -17,7 +17,12 @@ Columns (besides the configuration's own, :data:`commlab.runs.config.CONFIG_COLU
   ``exposed_comm`` (communication after backward compute ended), ``total``, ``write_back``
   (copying the reduced buckets into ``.grad``), ``unused_allreduce`` (the all-reduce of the
   "used locally" flags of ``find_unused_parameters``; 0 without it), then ``accumulate_time``
-  (the no_sync micro-batches), ``optimizer`` and ``step`` (the whole step).
+  (the no_sync micro-batches), ``optimizer`` and ``step`` (the whole step); then each parallel
+  axis's collectives, seconds per step (summed over its micro-batches; runs.csv has their
+  ``<column>_median`` in the median step): ``tp_all_reduce``, ``tp_all_gather`` and
+  ``tp_reduce_scatter`` (commlab.tensor's timings: on CPU all of it blocks the training thread),
+  ``pp_send_recv`` (pipeline sends and receives; 0 with one stage), ``dp_reduce`` (the
+  data-parallel reduction of the synchronised micro-batch, first launched to last done: ``comm``).
 - buckets.csv: ``bucket`` (its index), ``nbytes``, ``num_params`` and the seconds since
   forward start at which it was ``ready`` (its last gradient arrived), ``launched`` (its
   all-reduce issued; it may then wait behind the group's previous one) and ``done``.
@@ -56,7 +61,7 @@ import pandas as pd
 from commlab._atomic import write_text
 from commlab.ddp.timing import COLUMNS
 from commlab.runs.config import CONFIG_COLUMNS, LATER_FIELDS, Config
-from commlab.runs.stats import summarise
+from commlab.runs.stats import AXIS_COLUMNS, summarise
 
 RECORDS = "configs"
 # One step's seconds: DDP's breakdown of the synchronised micro-batch (commlab.ddp.timing.COLUMNS,
@@ -64,7 +69,7 @@ RECORDS = "configs"
 # sweep worker times around it. The predictor writes exactly these (commlab/costmodel/lowering/ddp.py).
 TIMING_COLUMNS = list(COLUMNS)
 STEP_COLUMNS = [*TIMING_COLUMNS, "accumulate_time", "optimizer", "step"]
-ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS]
+ITERATION_COLUMNS = ["repetition", "rank", "iteration", *STEP_COLUMNS, *AXIS_COLUMNS]
 # threads_measured: torch.get_num_threads() on the ranks (the most of any rank), next to the
 # `threads` that the configuration asked for.
 RUN_COLUMNS = ["status", "error", "seconds", "threads_measured"]

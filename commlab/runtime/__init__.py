@@ -1,4 +1,4 @@
-"""Process groups in one place: launching ranks, the Runtime object, the pp x dp topology.
+"""Process groups in one place: launching ranks, the Runtime object, the tp x pp x dp topology.
 
 Names load on first use (PEP 562), so that importing this package, as a spawned rank does
 before it sets its parent-death signal, does not import torch.

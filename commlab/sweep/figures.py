@@ -9,6 +9,7 @@ The first five follow the evaluation of the DDP paper (Li et al., VLDB 2020, sec
     round_robin      step latency vs round-robin process groups
     timeline         one iteration's buckets: ready, launched, done vs backward compute
     sharded          a grid over ZeRO stages: step time, peak memory and exposed collectives
+    axes             the median step by parallel axis (tp x pp x dp layouts; commlab/sweep/figaxes.py)
 
 Every one reports the statistic the console prints (commlab.runs.stats.median_step): per
 iteration the slowest rank's step, the median over iterations, q1-q3 as the band.
@@ -29,7 +30,7 @@ from matplotlib.patches import Patch  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from commlab.sweep import figdata  # noqa: E402
+from commlab.sweep import figaxes, figdata  # noqa: E402
 from commlab.runs.stats import summarise  # noqa: E402
 from commlab.runs.store import read_metadata, read_tables  # noqa: E402
 
@@ -59,6 +60,7 @@ def draw_all(run_dir: Path, echo=lambda line: print(line, file=sys.stderr)) -> l
         ("round_robin", lambda: _curve(figdata.curve(runs, "groups", 1e3), "groups", "round-robin process groups", "median step (ms)", "Median step against round-robin process groups")),
         ("timeline", lambda: _timeline(iterations, buckets, figdata.pick_timeline_config(runs, buckets))),
         ("sharded", lambda: _sharded(figdata.sharded(runs))),
+        ("axes", lambda: figaxes.draw(figaxes.axis_breakdown(runs))),
     ]
     for name, draw in drawers:
         try:
@@ -99,12 +101,10 @@ def _panels(n: int, width: float = 4.2, height: float = 3.4, sharey: bool = Fals
 
 
 def _breakdown(df: pd.DataFrame, measured: bool = True):
-    """``measured=False`` (a prediction): no footnote about measured iterations; the prediction's
-    own note goes in its place (see :func:`draw_all`)."""
+    """``measured=False`` (a prediction): its own note replaces the footnote (see :func:`draw_all`)."""
     if df.empty:
         return None
-    # Every segment is stacked, so that a bar is the whole step; one too thin to see (e.g. no_sync
-    # time without accumulation) stays out of the legend.
+    # Every segment is stacked (a bar is the whole step); one too thin to see stays out of the legend.
     thin = {s for s in figdata.SEGMENTS if df[s].abs().sum() <= 0.005 * df["step"].sum()}
     colors = dict(zip(figdata.SEGMENTS, sns.color_palette("deep", len(figdata.SEGMENTS))))
     panels = list(dict.fromkeys(df["panel"]))

@@ -49,6 +49,8 @@ def check_grid(plan: Grid) -> None:
             except Exception as err:
                 raise ValueError(f"--model {cfg.model} --model-args {cfg.model_args}: {err}") from None
             built.add((cfg.model, cfg.model_args))
+        if cfg.tp > 1:
+            check_tensor_parallel(cfg)
         if not cfg.zero_stage.ddp and cfg.algorithm not in SHARDED_ALGORITHMS:
             raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
                              f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")
@@ -63,6 +65,21 @@ def check_grid(plan: Grid) -> None:
                 check_cpu_capacity(cfg.world_size // plan.nnodes, cfg.threads)
             except ValueError as err:
                 raise ValueError(f"--world-size {cfg.world_size} --threads {cfg.threads}: {err}") from None
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """A tensor-parallel layout the model can take: the GPT's plan resolved at ``cfg.tp`` (pure,
+    commlab.tensor.resolve), so that tp not dividing the heads or features fails before any rank."""
+    from commlab.models import build_workload
+    from commlab.tensor import gpt_plan, resolve
+
+    if cfg.model != "gpt":
+        raise ValueError(f"--tp {cfg.tp} --model {cfg.model}: tensor parallelism in a sweep splits the built-in "
+                         "GPT by its plan (commlab.tensor.gpt_plan); use --model gpt")
+    try:
+        resolve(build_workload(cfg.model, **cfg.model_kwargs()).model, gpt_plan(), cfg.tp)
+    except ValueError as err:
+        raise ValueError(f"--tp {cfg.tp} --model {cfg.model} --model-args {cfg.model_args or '(defaults)'}: {err}") from None
 
 
 def measure_config(cfg: Config, plan: Grid) -> list[dict[str, Any]]:

@@ -30,9 +30,10 @@ from commlab.runtime.metadata import thread_settings
 from commlab.runtime.threads import use_rank_threads
 from commlab.runtime.timer import WallClock, timed_steps
 from commlab.memtrack import live_bytes, track_peak
-from commlab.sweep import wrap as sharding
+from commlab.sweep import layout, wrap as sharding
 from commlab.runs.config import Config, optimizer_of
 from commlab.runs.optimizers import build_optimizer
+from commlab.tensor import gpt_plan, parallelize, record_timings, timings as tensor_timings
 
 
 def _unlabelled(name: str):
@@ -51,6 +52,7 @@ class Trainer:
     optimizer: Any
     inputs: Any
     target: Any
+    tensor_parallel: Any = None  # the module commlab.tensor.parallelize returned (tp > 1), for its timings
 
     def now(self) -> float:
         return WallClock(self.rt.device).stamp()
@@ -88,14 +90,20 @@ def prepare(cfg: Config) -> Trainer:
     # cpu_count // world_size, torchrun OMP_NUM_THREADS=1): equal compute per rank at every
     # world size is what makes a scaling efficiency mean something.
     use_rank_threads(cfg.world_size, fixed=cfg.threads)
-    torch.manual_seed(0)  # identical initial weights on every rank, as DDP expects
+    torch.manual_seed(0)  # identical initial weights on every rank, as DDP (and the layers' slicing) expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
     model = workload.model.to(rt.device)
-    ddp = sharding.wrap(cfg, model)
+    tp_group, dp_group, dp_index = layout.build_groups(cfg)
+    split = None
+    if cfg.tp > 1:
+        split = parallelize(model, gpt_plan(), group=tp_group, algorithm=cfg.algorithm)
+        record_timings(split)
+    ddp = sharding.wrap(cfg, model, dp_group)
     optimizer = build_optimizer(optimizer_of(cfg), ddp.parameters())
-    gen = torch.Generator().manual_seed(1000 + rt.rank)
+    # One batch per data-parallel replica: the ranks of a tensor-parallel group share it.
+    gen = torch.Generator().manual_seed(1000 + dp_index)
     inputs, target = (t.to(rt.device) for t in workload.make_batch(cfg.batch_per_rank, gen))
-    return Trainer(cfg, rt, workload, ddp, optimizer, inputs, target)
+    return Trainer(cfg, rt, workload, ddp, optimizer, inputs, target, split)
 
 
 def measure(cfg: Config) -> dict[str, Any]:
@@ -124,17 +132,19 @@ def measure(cfg: Config) -> dict[str, Any]:
     timings = list(ddp.iteration_timings)[before:]
     if len(timings) != len(steps):
         raise RuntimeError(f"the wrapper recorded {len(timings)} synchronised iterations for {len(steps)} steps")
+    axes = [dict.fromkeys(layout.AXIS_COLUMNS, 0.0) for _ in steps] if trainer.tensor_parallel is None else \
+        layout.axis_seconds(tensor_timings(trainer.tensor_parallel), cfg.accumulate, len(steps))
     iterations, buckets = [], []
     sizes = [] if cfg.zero_stage.ddp else [len(b.params) for b in ddp.buckets]
-    for i, (timing, own) in enumerate(zip(timings, steps)):
+    for i, (timing, own, axis) in enumerate(zip(timings, steps, axes)):
         row = timing.as_row() if cfg.zero_stage.ddp else sharding.iteration_row(timing)
-        iterations.append({"rank": rt.rank, "iteration": i, **row, **own})
+        iterations.append({"rank": rt.rank, "iteration": i, **row, **own, **axis, "dp_reduce": row["comm"]})
         rows = ([{"bucket": b.index, "nbytes": b.nbytes, "num_params": b.num_params, "ready": b.ready,
                   "launched": b.launched, "done": b.done} for b in timing.buckets]
                 if cfg.zero_stage.ddp else sharding.bucket_rows(timing, sizes))
         buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
     measures = {"peak_bytes": peak_step_bytes(trainer),
-                **sharding.step_measures(ddp, cfg.zero_stage, cfg.world_size, timings)}
+                **sharding.step_measures(ddp, cfg.zero_stage, cfg.dp, timings)}
     device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
     return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
             "iterations": iterations, "buckets": buckets, "measures": measures}

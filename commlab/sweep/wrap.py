@@ -16,18 +16,19 @@ from typing import Any
 from commlab.runs.traffic import comm_bytes
 from commlab.runs.zero_stage import ZeroStage
 
-def wrap(cfg, model):
-    """The configuration's wrapper around ``model`` (inside the process group)."""
+def wrap(cfg, model, process_group=None):
+    """The configuration's wrapper around ``model`` over ``process_group`` (the data-parallel
+    ranks; None: the world), inside the process group."""
     import commlab
 
     if cfg.zero_stage.ddp:
         return commlab.DistributedDataParallel(
             model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm, overlap=cfg.overlap,
-            round_robin_groups=cfg.groups, bucket_policy=cfg.bucket_policy,
+            round_robin_groups=cfg.groups, bucket_policy=cfg.bucket_policy, process_group=process_group,
         )
     return commlab.ShardedDataParallel(
         model, stage=cfg.stage, bucket_cap_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
-        reshard_after_forward=cfg.reshard, algorithm=cfg.algorithm,
+        reshard_after_forward=cfg.reshard, algorithm=cfg.algorithm, process_group=process_group,
     )
 
 

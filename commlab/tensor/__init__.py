@@ -9,7 +9,8 @@ A plan maps module-name patterns to kinds (``kind_names()``): ``colwise``, ``col
 ``rowwise``, ``vocab``, and with ``sequence_parallel=True`` ``sequence``, ``split_sequence``,
 ``gather_sequence``. ``algorithm`` is any of ``commlab.collectives.algorithm_names()``. The
 operators (``copy_to``, ``reduce_from`` and the sequence-parallel pair) are public for models
-that place their own collectives.
+that place their own collectives. ``record_timings(model)`` stamps every collective, and
+``timings(model)`` gives per iteration each layer's time in them, forward and backward (timing.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from commlab.tensor.loss import vocab_parallel_cross_entropy
 from commlab.tensor.operators import copy_to, gather, gather_from, reduce_from, reduce_scatter_to, split
 from commlab.tensor.parallelize import full_state_dict, parallelize
 from commlab.tensor.plan import gpt_plan, kind_names, resolve
+from commlab.tensor.timing import record_timings, timings
 
 __all__ = [
     "TPGroup",
@@ -29,9 +31,11 @@ __all__ = [
     "gpt_plan",
     "kind_names",
     "parallelize",
+    "record_timings",
     "reduce_from",
     "reduce_scatter_to",
     "resolve",
     "split",
+    "timings",
     "vocab_parallel_cross_entropy",
 ]

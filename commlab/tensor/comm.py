@@ -10,7 +10,7 @@ a power of two, gathers and scatters on the ring: the only p2p algorithms that p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,15 @@ from commlab.tensor.shards import check_divides
 
 @dataclass(frozen=True)
 class TPGroup:
-    """A process group (None: the world), its size and this rank's place, and the algorithm."""
+    """A process group (None: the world), its size and this rank's place, and the algorithm; ``site``
+    and ``recorder``: the module whose collectives these are and where their stamps go (timing.py)."""
 
     group: object
     size: int
     rank: int
     algorithm: str = "native"
+    site: str = ""
+    recorder: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, group=None, algorithm: str = "native") -> TPGroup:
@@ -35,6 +38,15 @@ class TPGroup:
         if not dist.is_initialized():
             raise RuntimeError("tensor parallelism needs an initialised process group (use commlab.launch)")
         return cls(group, dist.get_world_size(group), dist.get_rank(group), algorithm)
+
+    def at(self, site: str, recorder=None) -> TPGroup:
+        """The same group, its collectives stamped as ``site``'s in ``recorder`` (None: not stamped)."""
+        return replace(self, site=site, recorder=recorder)
+
+    def _run(self, kind: str, tensor: torch.Tensor, call):
+        if self.recorder is None:
+            return call()
+        return self.recorder.timed(self.site, kind, tensor.nbytes, call)
 
     @property
     def scatter_gather(self) -> str:
@@ -44,7 +56,8 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place over the group ("sum" or "max"); returns it."""
         if self.size > 1:
-            collectives.all_reduce(tensor, op, algorithm=self.algorithm, group=self.group)
+            self._run("all_reduce", tensor,
+                      lambda: collectives.all_reduce(tensor, op, algorithm=self.algorithm, group=self.group))
         return tensor
 
     def all_gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
@@ -54,7 +67,8 @@ class TPGroup:
         dim %= local.dim()
         blocks = local.new_empty((self.size, *local.shape))
         blocks[self.rank].copy_(local)
-        flat.all_gather(blocks.view(-1), blocks[self.rank].view(-1), self.group, self.scatter_gather).wait()
+        self._run("all_gather", local, lambda: flat.all_gather(blocks.view(-1), blocks[self.rank].view(-1), self.group,
+                                                               self.scatter_gather).wait())
         return blocks.movedim(0, dim).flatten(dim, dim + 1)
 
     def reduce_scatter(self, full: torch.Tensor, dim: int) -> torch.Tensor:
@@ -65,7 +79,8 @@ class TPGroup:
         check_divides(self.size, full.shape[dim], f"the length of dimension {dim} of a {tuple(full.shape)} activation")
         blocks = full.unflatten(dim, (self.size, -1)).movedim(dim, 0).contiguous()
         mine = blocks.new_empty(blocks.shape[1:])
-        flat.reduce_scatter(mine.view(-1), blocks.view(-1), self.group, self.scatter_gather).wait()
+        self._run("reduce_scatter", full,
+                  lambda: flat.reduce_scatter(mine.view(-1), blocks.view(-1), self.group, self.scatter_gather).wait())
         return mine
 
     def own_block(self, full: torch.Tensor, dim: int) -> torch.Tensor:

@@ -43,48 +43,25 @@ class _ReduceFrom(Function):
         return grad, None
 
 
-class _GatherFrom(Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup, dim: int):
-        ctx.tp, ctx.dim = tp, dim
-        return tp.all_gather(x.contiguous(), dim)
+# The four operators along a dimension differ only in which of these runs each way.
+_ALONG = {
+    "all_gather": lambda tp, x, dim: tp.all_gather(x.contiguous(), dim),
+    "reduce_scatter": lambda tp, x, dim: tp.reduce_scatter(x, dim),
+    "own_block": lambda tp, x, dim: tp.own_block(x, dim),
+}
+
+
+class _Along(Function):
+    """``forward_op`` on the value and ``backward_op`` on its gradient, both along ``dim``."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.reduce_scatter(grad, ctx.dim), None, None
-
-
-class _ReduceScatterTo(Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup, dim: int):
-        ctx.tp, ctx.dim = tp, dim
-        return tp.reduce_scatter(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_gather(grad.contiguous(), ctx.dim), None, None
-
-
-class _Split(Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup, dim: int):
-        ctx.tp, ctx.dim = tp, dim
-        return tp.own_block(x, dim)
+    def forward(ctx, x, tp: TPGroup, dim: int, forward_op: str, backward_op: str):
+        ctx.tp, ctx.dim, ctx.backward_op = tp, dim, backward_op
+        return _ALONG[forward_op](tp, x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_gather(grad.contiguous(), ctx.dim), None, None
-
-
-class _Gather(Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup, dim: int):
-        ctx.tp, ctx.dim = tp, dim
-        return tp.all_gather(x.contiguous(), dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.own_block(grad, ctx.dim), None, None
+        return _ALONG[ctx.backward_op](ctx.tp, grad, ctx.dim), None, None, None, None
 
 
 def copy_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -99,19 +76,19 @@ def reduce_from(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def gather_from(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
     """Shards concatenated along ``dim`` forward; the gradient reduce-scattered backward."""
-    return _GatherFrom.apply(x, tp, dim)
+    return _Along.apply(x, tp, dim, "all_gather", "reduce_scatter")
 
 
 def reduce_scatter_to(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
     """Partial outputs summed and this rank's block along ``dim`` kept forward; gradient all-gathered."""
-    return _ReduceScatterTo.apply(x, tp, dim)
+    return _Along.apply(x, tp, dim, "reduce_scatter", "all_gather")
 
 
 def split(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
     """This rank's block along ``dim`` of a replicated value forward; the gradient all-gathered."""
-    return _Split.apply(x, tp, dim)
+    return _Along.apply(x, tp, dim, "own_block", "all_gather")
 
 
 def gather(x: torch.Tensor, tp: TPGroup, dim: int = -1) -> torch.Tensor:
     """Shards concatenated along ``dim`` into a replicated value forward; own block of the gradient."""
-    return _Gather.apply(x, tp, dim)
+    return _Along.apply(x, tp, dim, "all_gather", "own_block")

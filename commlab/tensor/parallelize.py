@@ -29,6 +29,7 @@ from commlab.tensor import operators as ops
 from commlab.tensor.comm import TPGroup
 from commlab.tensor.layers import SEQUENCE_DIM, ColwiseLinear, InputCache, RowwiseLinear, VocabEmbedding, sum_gradient_hook
 from commlab.tensor.plan import SEQUENCE_KINDS, resolve
+from commlab.tensor.timing import Recorder
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, sequence_parallel: bool = False,
@@ -44,8 +45,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     kinds = resolve(module, plan, tp.size, sequence_parallel)
     cache = InputCache()
     module.register_forward_pre_hook(cache.clear)
+    recorder = _recorder(module)
     for name, kind in kinds.items():
-        target = module.get_submodule(name)
+        target, tp = module.get_submodule(name), tp.at(name, recorder)
         if kind in SEQUENCE_KINDS:
             if sequence_parallel:
                 _mark_sequence(target, kind, tp)
@@ -60,6 +62,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent), child, new)
     return module
+
+
+def _recorder(module: nn.Module) -> Recorder:
+    """The module's timing recorder (commlab/tensor/timing.py), one however many plans it is given."""
+    if not hasattr(module, "_tensor_parallel_timing"):
+        module._tensor_parallel_timing = Recorder()
+        module.register_forward_pre_hook(module._tensor_parallel_timing.forward_start)
+        module.register_forward_hook(module._tensor_parallel_timing.forward_end)
+    return module._tensor_parallel_timing
 
 
 def _mark_sequence(target: nn.Module, kind: str, tp: TPGroup) -> None:
@@ -90,5 +101,6 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         dim = getattr(owner, "tp_split", {}).get(leaf)
-        out[name] = value.detach().clone() if dim is None else owner.tp.all_gather(value.detach().contiguous(), dim)
+        tp = None if dim is None else owner.tp.at("")  # not stamped: no part of an iteration
+        out[name] = value.detach().clone() if dim is None else tp.all_gather(value.detach().contiguous(), dim)
     return out

@@ -18,6 +18,7 @@ import commlab
 from commlab.models import GPT, lm_loss
 from commlab.pipeline import PipelineExecutor, v_shape
 from commlab.pipeline.runtime.hybrid import DataParallelStage
+from commlab.runtime.topology import grid
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -109,13 +110,18 @@ def hybrid():
     return commlab.launch(_hybrid, world_size=4, backend="gloo", timeout=120)
 
 
+def _at(stage: int, replica: int) -> int:
+    return grid(2, 2)[stage][replica]
+
+
 def test_topology_groups_follow_the_grid(hybrid):
     # grid = arange(4).view(pp=2, dp=2): row = stage, column = replica.
+    # mesh = arange(4).view(dp=2, pp=2): each replica's pipeline is two consecutive ranks.
     assert [r["coords"] for r in hybrid] == [
-        (0, 0, [0, 2], [0, 1]), (0, 1, [1, 3], [0, 1]), (1, 0, [0, 2], [2, 3]), (1, 1, [1, 3], [2, 3]),
+        (0, 0, [0, 1], [0, 2]), (1, 0, [0, 1], [1, 3]), (0, 1, [2, 3], [0, 2]), (1, 1, [2, 3], [1, 3]),
     ]
-    assert [r["pp_ranks"] for r in hybrid] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["dp_ranks"] for r in hybrid] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["pp_ranks"] for r in hybrid] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in hybrid] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all("2 x 2" not in r["bad_dims"] and "world has 4 ranks" in r["bad_dims"] for r in hybrid)
 
 
@@ -132,13 +138,14 @@ def test_hybrid_matches_unpartitioned_model(hybrid, schedule):
     ref = _grads(model)
     # The last stage's ranks (2 and 3; 0 and 1 on the V) each return their half's loss; their
     # mean is the whole batch's.
-    last, others = ((0, 1), (2, 3)) if schedule.startswith("zb-v") else ((2, 3), (0, 1))
+    v = schedule.startswith("zb-v")
+    last, others = [[_at(s, rep) for rep in (0, 1)] for s in ((0, 1) if v else (1, 0))]
     halves = [hybrid[r][schedule][0] for r in last]
     assert all(hybrid[r][schedule][0] is None for r in others)
     assert sum(halves) / 2 == pytest.approx(loss.item(), rel=1e-5)
     assert halves[0] != pytest.approx(halves[1])  # the replicas really saw different data
     for replica in (0, 1):
-        grads = {**hybrid[replica][schedule][1], **hybrid[2 + replica][schedule][1]}
+        grads = {**hybrid[_at(0, replica)][schedule][1], **hybrid[_at(1, replica)][schedule][1]}
         assert set(grads) == set(ref)
         for name, g in ref.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=f"{schedule} replica {replica} {name}")
@@ -147,7 +154,7 @@ def test_hybrid_matches_unpartitioned_model(hybrid, schedule):
         assert set(r[schedule][2].values()) == {1}
     # The parameter-free stage (a Tanh alone) is left unwrapped; every other stage has its DDP.
     if schedule == _key("interleaved", [3, 1, 2, 2]):
-        assert set(hybrid[2][schedule][2]) == {3} and set(hybrid[0][schedule][2]) == {0, 2}  # ranks 2, 3 hold stages 1, 3
+        assert set(hybrid[_at(1, 0)][schedule][2]) == {3} and set(hybrid[_at(0, 0)][schedule][2]) == {0, 2}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -159,12 +166,12 @@ def test_gradient_accumulation_reduces_once_at_the_last_step(hybrid, schedule):
     ref = _grads(model)
     results = [r["accumulated " + schedule] for r in hybrid]  # (grads, syncs) after each step
     for replica in (0, 1):
-        grads = {**results[replica][2], **results[2 + replica][2]}
+        grads = {**results[_at(0, replica)][2], **results[_at(1, replica)][2]}
         assert set(grads) == set(ref)
         for name, g in ref.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=f"{schedule} replica {replica} {name}")
     # Nothing reduced inside no_sync (the replicas' gradients still differ); one reduction after.
-    assert any(not torch.allclose(results[0][0][n], results[1][0][n]) for n in results[0][0])
+    assert any(not torch.allclose(results[_at(0, 0)][0][n], results[_at(0, 1)][0][n]) for n in results[0][0])
     assert all(set(r[1].values()) == {0} and set(r[3].values()) == {1} for r in results)
 
 
@@ -172,10 +179,10 @@ def test_hybrid_gpt_cut_by_name_under_zero_bubble(hybrid):
     model, (tokens, mask, target) = _gpt(), _gpt_data()
     loss = lm_loss(model(tokens, attention_mask=mask), target)
     loss.backward()
-    halves = [hybrid[r]["gpt"][0] for r in (0, 1)]  # the V's last stage is on pipeline rank 0
+    halves = [hybrid[_at(0, r)]["gpt"][0] for r in (0, 1)]  # the V's last stage is on pipeline rank 0
     assert sum(halves) / 2 == pytest.approx(loss.item(), rel=1e-5)
     for replica in (0, 1):
-        grads = {**hybrid[replica]["gpt"][1], **hybrid[2 + replica]["gpt"][1]}
+        grads = {**hybrid[_at(0, replica)]["gpt"][1], **hybrid[_at(1, replica)]["gpt"][1]}
         assert set(grads) == {n for n, _ in model.named_parameters()}
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"replica {replica} {name}")

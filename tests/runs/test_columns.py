@@ -30,14 +30,16 @@ def test_sweep_csv_keeps_every_timing_column_ddp_records(tmp_path):
     for column, value in recorded.items():
         assert math.isclose(row[column], value, rel_tol=1e-8), column
     # Also in DDP's order: the predictor's rows (written in STEP_COLUMNS order) line up with them.
-    assert store.ITERATION_COLUMNS == ["repetition", "rank", "iteration", *COLUMNS, *own]
+    # Then each parallel axis's seconds, absent from a DDP-only record (NaN) and from the predictor's rows.
+    assert store.ITERATION_COLUMNS == ["repetition", "rank", "iteration", *COLUMNS, *own, *store.AXIS_COLUMNS]
+    assert row[store.AXIS_COLUMNS].isna().all()
 
 
 def test_predictor_writes_exactly_the_sweeps_iteration_columns():
     c = costs()
     result, buckets = simulate_step(c, DDPSetting(bucket_cap_mb=1))
     row, _ = breakdown(result, buckets, c)
-    assert list(row) == store.STEP_COLUMNS == store.ITERATION_COLUMNS[3:]
+    assert list(row) == store.STEP_COLUMNS == store.ITERATION_COLUMNS[3:-len(store.AXIS_COLUMNS)]
 
 
 @pytest.mark.slow
@@ -55,6 +57,6 @@ def test_reading_results_and_the_simulator_never_import_torch():
 def test_every_column_is_documented_in_the_store():
     from commlab.runs import store
 
-    for column in [*store.STEP_COLUMNS, *store.BUCKET_COLUMNS[3:], *store.RUN_COLUMNS, "scaling_efficiency"]:
+    for column in [*store.STEP_COLUMNS, *store.AXIS_COLUMNS, *store.BUCKET_COLUMNS[3:], *store.RUN_COLUMNS, "scaling_efficiency"]:
         assert f"``{column}``" in store.__doc__, column
     assert "smallest world size" in store.__doc__ and "1.0 on a grid whose only world size is 2" in store.__doc__

@@ -41,6 +41,7 @@ def test_rows_have_the_registry_keys_and_their_error_is_predicted_over_published
         assert r["error"] == pytest.approx(r["predicted"] / r["published"] - 1)
 
 
+@pytest.mark.slow  # seconds of FLOP counting: outside the quick run
 def test_one_efficiency_from_one_row_reproduces_that_row_which_is_left_out():
     eff = ddp_paper.efficiency()
     assert 0.05 < eff < 1.0

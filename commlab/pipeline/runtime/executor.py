@@ -7,11 +7,10 @@ The schedule is a registered name (:data:`commlab.pipeline.schedule.registry.REG
 action lists themselves (:class:`Action` or strings such as "0F1", "0I1", "0W1"), e.g. read from
 torch.distributed.pipelining's CSV; any list that :func:`validate` accepts runs.
 
-The executor runs this rank's list from the comm pass
-(:func:`~commlab.pipeline.schedule.comm.lower_comm`, for the group's backend): each run of
-SEND and RECV ops is one batch of point-to-point calls (:mod:`commlab.pipeline.runtime.transport`),
-a WAIT waits on an earlier send or receive, and a compute action runs its kind's handler
-(:data:`HANDLERS`). What crosses a boundary may be a tuple of tensors
+The executor runs this rank's list from the comm pass (:func:`~commlab.pipeline.schedule.comm.lower_comm`,
+for the group's backend): each run of SEND and RECV ops is one batch of point-to-point calls
+(:mod:`commlab.pipeline.runtime.transport`), a WAIT waits on an earlier send or receive, and a compute
+action runs its kind's handler (:data:`HANDLERS`). What crosses a boundary may be a tuple of tensors
 (:mod:`commlab.pipeline.runtime.values`). Which micro-batches' activations stay alive, and when
 they are freed, follows :func:`commlab.pipeline.schedule.liveness.liveness`.
 
@@ -260,8 +259,8 @@ class PipelineExecutor:
     def _backward(self, action: Action, message: tuple | None) -> tuple | None:
         s, i = action.stage, action.microbatch
         if action.kind == WEIGHT_GRAD:  # outputs None: the weights-only half of a split backward
-            with self.stage.backward_context(s, self._last_backward[s] == action, None):
-                if action not in self._fused:
+            if action not in self._fused:  # a fused W ran with its I, in the I's context
+                with self.stage.backward_context(s, self._last_backward[s] == action, None):
                     weight_grad(self._stash[(s, i)].layers)
             return None
         stash = self._stash[(s, i)]
@@ -276,9 +275,10 @@ class PipelineExecutor:
             grad = message if message is not None else self._transport.take_local(action)
             self._drop("local", action)
         sends = s > 0 and bool(floats(stash.x))  # a gradient goes back for each floating input
-        if action.kind == INPUT_GRAD:  # never a stage's last backward: its W comes after it
-            with self.stage.backward_context(s, False, None):
-                run = full_grad if action.at(s, WEIGHT_GRAD) in self._fused else input_grad
+        if action.kind == INPUT_GRAD:  # the stage's last backward only when its W, the last, is fused into it
+            w = action.at(s, WEIGHT_GRAD)
+            with self.stage.backward_context(s, w in self._fused and self._last_backward[s] == w, None):
+                run = full_grad if w in self._fused else input_grad
                 out = run(stash.layers, grad, stash.loss)
             return (out or tuple(torch.zeros_like(t) for t in floats(stash.x))) if sends else None
         roots, grads = ([stash.loss], None) if stash.loss is not None else pairs(stash.y, grad)

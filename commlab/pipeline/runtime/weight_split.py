@@ -108,7 +108,10 @@ def split_input_grad(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
             h.remove()
     if len(kept) != len(nodes):  # not expected (I runs every node on the path): W runs the whole graph
         return found, None
-    return found, [(node, kept[node], ps) for node, ps in nodes.items()]
+    # W in the order I reached the nodes (the engine's, the same on every rank of an identical
+    # graph), not the set's (hashes differ between processes): a W may issue a collective (a
+    # tensor-parallel gradient sum), which every rank of the group must call in the same order.
+    return found, [(node, kept[node], nodes[node]) for node in kept]
 
 
 def split_weight_grad(kept: Kept) -> None:
