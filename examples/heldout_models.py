@@ -121,3 +121,70 @@ class WideHead(nn.Module):
 
 def wide_head(features: int = 512, width: int = 1280, depth: int = 5, vocab: int = 7000) -> WideHead:
     return WideHead(features, width, depth, vocab)
+
+
+class WideAttention(nn.Module):
+    """Self-attention with separate query/key/value layers whose heads are viewed with -1, so a
+    tensor-parallel plan that splits them by columns runs the same code on a rank's heads."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.head_dim = d_model // heads
+        self.query, self.key, self.value = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.mix = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t = x.shape[:2]
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.query, self.key, self.value))
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.mix(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class WideBlock(nn.Module):
+    """A post-norm block (unlike the GPT's pre-norm) with a ``ratio``-times-wide SiLU MLP."""
+
+    def __init__(self, d_model: int, heads: int, ratio: int):
+        super().__init__()
+        self.attn = WideAttention(d_model, heads)
+        self.up, self.down = nn.Linear(d_model, ratio * d_model), nn.Linear(ratio * d_model, d_model)
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+
+    def forward(self, x):
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.down(nn.functional.silu(self.up(x))))
+
+
+class WideLM(nn.Module):
+    """A float-sequence transformer for the layout planner's held-out check: an input projection,
+    ``depth`` post-norm blocks of ``heads`` non-causal heads and a ``ratio``-wide MLP, a head.
+    Its tensor-parallel plan is :data:`WIDE_LM_PLAN` (``wide_lm_plan``)."""
+
+    def __init__(self, d_model: int = 192, heads: int = 6, depth: int = 4, seq: int = 48, ratio: int = 6,
+                 features: int = 32):  # fmt: skip
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
+        self.input_shape, self.heads = (seq, features), heads
+        self.embed = nn.Linear(features, d_model)
+        self.blocks = nn.ModuleList(WideBlock(d_model, heads, ratio) for _ in range(depth))
+        self.head = nn.Linear(d_model, features)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def wide_lm(d_model: int = 192, heads: int = 6, depth: int = 4, seq: int = 48, ratio: int = 6) -> WideLM:
+    return WideLM(d_model, heads, depth, seq, ratio)
+
+
+# Megatron's split of each block: query/key/value and the MLP's first layer by columns, the
+# attention's output and the MLP's second layer by rows; the input projection and head whole.
+WIDE_LM_PLAN = {"blocks.*.attn.query": "colwise", "blocks.*.attn.key": "colwise", "blocks.*.attn.value": "colwise",
+                "blocks.*.attn.mix": "rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+def wide_lm_plan() -> dict[str, str]:
+    return dict(WIDE_LM_PLAN)

@@ -22,6 +22,7 @@ _COMMANDS = {
     "calibrate": ("commlab.cli.predict:calibrate", "Measure the DDP model's terms once; cache them in a file."),
     "predict": ("commlab.cli.predict:predict", "Predict a sweep (same files, ids, figures) without running it."),
     "tune": ("commlab.cli.predict:tune", "Recommend bucket_cap_mb, algorithm and overlap by simulation."),
+    "plan": ("commlab.cli.plan:plan", "Plan tp x pp x dp layouts under a per-rank memory budget."),
     "validate": ("commlab.cli.validate:validate", "Predictions against measurement on held-out work."),
 }
 _BENCH_COMMANDS = {
