@@ -154,8 +154,10 @@ def live_bytes(device: torch.device | str = "cpu") -> int:
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+                if storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                # sparse layouts have no storage; a wrapper subclass (a DTensor) has none of its own
+                # (its local tensor is counted where gc finds it)
                 continue
-            if storage.nbytes():
-                seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

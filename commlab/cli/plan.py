@@ -51,11 +51,10 @@ def plan(model_name, model_args, tp_plan, world, pinned, batch, microbatches, sc
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--layout") from None
     click.echo(f"layouts of {world} ranks: " + ", ".join(map(str, candidates)))
-    from commlab.costmodel.planner.tp_calibrate import co_profiles
 
     args = dict(name=model_name, sizes=sizes, plan=tp_layout, world=world, batch=batch, microbatches=ms, checkpoints=modes, heads=heads)
     # Every share profiled on every rank at once, as the ranks will compute (tp_calibrate.py).
-    profiles = co_profiles(world, **args) if world > 1 else search.split_profiles(**args)
+    profiles = search.co_profiles(world, **args) if world > 1 else search.split_profiles(**args)
     profiles = {k: p for k, p in profiles.items() if any((lay.tp, lay.dp) == k[:2] and lay.pp == 1 for lay in candidates)}
     plans, points, system = [], None, None
     if any(lay.pp > 1 for lay in candidates):

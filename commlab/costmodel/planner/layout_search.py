@@ -14,8 +14,10 @@ point-to-point line) come from one calibration of the model's sizes
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from commlab.costmodel.lowering.pipeline import DataParallel
 from commlab.costmodel.planner.layouts import Layout, SplitProfile, layouts, peak_bytes, step_time
@@ -100,6 +102,28 @@ def split_profiles(name: str, sizes: Mapping, plan: Mapping[str, str], world: in
                     x, y = workload.make_batch(size, torch.Generator().manual_seed(0))
                     out[(lay.tp, lay.dp, m, mode)] = profile_split(workload.model, plan, lay.tp, x, y, workload.loss_fn,
                                                                    recompute=RECOMPUTE[mode], repeat=repeat)  # fmt: skip
+    return out
+
+
+def _profile_rank(args: dict[str, Any], _common: Any) -> dict:
+    return split_profiles(**args)
+
+
+def co_profiles(ranks: int, timeout: float = 600.0, **args) -> dict:
+    """:func:`split_profiles` on ``ranks`` ranks at once (tp_calibrate.py says why):
+    per key, rank 0's profile with each layer's times the median over ranks."""
+    from dataclasses import replace
+
+    from commlab.costmodel.calibration.run import run_calibration
+
+    run = run_calibration(_profile_rank, args, None, world_size=ranks, backend="gloo", timeout=timeout, spread=lambda _r: 0.0)
+    per_rank = run.results
+    out = {}
+    for key, first in per_rank[0].items():
+        med = [statistics.median(r[key].forward[l] for r in per_rank) for l in range(len(first.forward))]
+        back = [statistics.median(r[key].backward[l] for r in per_rank) for l in range(len(first.backward))]
+        out[key] = replace(first, forward=tuple(med), backward=tuple(back),
+                           saved_bytes=max(r[key].saved_bytes for r in per_rank))  # fmt: skip
     return out
 
 

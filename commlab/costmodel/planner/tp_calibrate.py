@@ -4,8 +4,8 @@ Two effects a one-process profile and a from-the-barrier all-reduce miss, each m
 model on the ranks it plans for (Gloo), never on a run of a layout:
 
 - ranks compute at once and share the host's caches and memory bandwidth (the pipeline planner
-  times its stages every rank at once for the same reason): :func:`co_profiles` runs
-  :func:`commlab.costmodel.planner.layout_search.split_profiles` on every rank together (each rank
+  times its stages every rank at once for the same reason): :func:`commlab.costmodel.planner.layout_search.co_profiles` runs
+  :func:`~commlab.costmodel.planner.layout_search.split_profiles` on every rank together (each rank
   profiles rank 0's share over its own recording group: still no tensor-parallel run) and takes
   the median over ranks of each time;
 - a tensor-parallel collective sits between two pieces of compute: each one waits for the later
@@ -24,30 +24,6 @@ from typing import Any
 
 from commlab.costmodel.terms.uncertainty import overall_spread
 from commlab.costmodel.terms.costs import CollectiveCost, cost_from_entry, fit_table
-
-
-def _profile_rank(args: dict[str, Any], _common: Any) -> dict:
-    from commlab.costmodel.planner.layout_search import split_profiles
-
-    return split_profiles(**args)
-
-
-def co_profiles(ranks: int, timeout: float = 600.0, **args) -> dict:
-    """:func:`~commlab.costmodel.planner.layout_search.split_profiles` on ``ranks`` ranks at once:
-    per key, rank 0's profile with each layer's times the median over ranks."""
-    from dataclasses import replace
-
-    from commlab.costmodel.calibration.run import run_calibration
-
-    run = run_calibration(_profile_rank, args, None, world_size=ranks, backend="gloo", timeout=timeout, spread=lambda _r: 0.0)
-    per_rank = run.results
-    out = {}
-    for key, first in per_rank[0].items():
-        med = [statistics.median(r[key].forward[l] for r in per_rank) for l in range(len(first.forward))]
-        back = [statistics.median(r[key].backward[l] for r in per_rank) for l in range(len(first.backward))]
-        out[key] = replace(first, forward=tuple(med), backward=tuple(back),
-                           saved_bytes=max(r[key].saved_bytes for r in per_rank))  # fmt: skip
-    return out
 
 
 def _between_rank(sizes: list[int], common: dict[str, Any]) -> dict[str, Any]:
