@@ -14,8 +14,9 @@ import json
 import os
 import sys
 import tempfile
-import time
 import unittest
+
+from tests.support.suite_runs import run_case
 
 
 def main() -> None:
@@ -42,22 +43,8 @@ def main() -> None:
         names = [(c, n) for c, n in names if f"{c.__name__}.{n}" not in known]
     results = {}
     for cls, name in names:
-        result = unittest.TestResult()
-        start = time.monotonic()
-        cls(name).run(result)
-        seconds = time.monotonic() - start
-        if result.skipped:
-            outcome, text = "skipped", result.skipped[0][1]
-        elif result.failures:
-            outcome, text = "failed", result.failures[0][1]
-        elif result.errors:
-            outcome, text = "error", result.errors[0][1]
-        else:
-            outcome, text = "passed", ""
-        built = sorted({line.strip() for f in os.listdir(log) if f.startswith(name + ".")
-                        for line in open(os.path.join(log, f))})  # fmt: skip
-        results[f"{cls.__name__}.{name}"] = {"outcome": outcome, "text": text[-3000:], "built": built,
-                                             "seconds": round(seconds, 1)}  # fmt: skip
+        results[f"{cls.__name__}.{name}"] = row = run_case(cls, name, log)
+        outcome, seconds, built = row["outcome"], row["seconds"], row["built"]
         print(f"{outcome:8s} {seconds:6.1f}s {cls.__name__}.{name} {built}", flush=True)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:

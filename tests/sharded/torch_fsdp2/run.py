@@ -16,8 +16,9 @@ import json
 import os
 import sys
 import tempfile
-import time
 import unittest
+
+from tests.support.suite_runs import run_case
 
 
 def main() -> None:
@@ -48,22 +49,9 @@ def main() -> None:
         with open(args.out) as f:
             results = json.load(f)
     for cls, name in names:
-        result = unittest.TestResult()
-        start = time.monotonic()
-        cls(name).run(result)
-        seconds = time.monotonic() - start
-        if result.skipped:
-            outcome, text = "skipped", result.skipped[0][1]
-        elif result.failures:
-            outcome, text = "failed", result.failures[0][1]
-        elif result.errors:
-            outcome, text = "error", result.errors[0][1]
-        else:
-            outcome, text = "passed", ""
-        built = sorted({line.strip() for f in os.listdir(log) if f.startswith(name + ".")
-                        for line in open(os.path.join(log, f))})  # fmt: skip
-        results[f"{cls.__name__}.{name}"] = {"file": harness.file_of(cls), "outcome": outcome, "text": text[-4000:],
-                                             "built": built, "seconds": round(seconds, 1)}  # fmt: skip
+        row = run_case(cls, name, log, keep=4000)
+        results[f"{cls.__name__}.{name}"] = {"file": harness.file_of(cls), **row}
+        outcome, seconds, built = row["outcome"], row["seconds"], row["built"]
         for f in os.listdir(log):  # the next test's log starts empty (names repeat across classes)
             os.remove(os.path.join(log, f))
         print(f"{outcome:8s} {seconds:6.1f}s {cls.__name__}.{name} {built}", flush=True)

@@ -1,0 +1,34 @@
+"""One test of torch's own suites (DDP's, FSDP2's) run in this process, and what came of it.
+
+Both opt-in suites (tests/ddp/torch_suite/run.py, tests/sharded/torch_fsdp2/run.py) record the
+same facts per test: passed / failed / error / skipped with the message, the classes each rank
+built (the lines the harness logs under ``log``, one file per rank named after the test) and
+the seconds it took.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import unittest
+from typing import Any
+
+
+def run_case(cls: type, name: str, log: str, keep: int = 3000) -> dict[str, Any]:
+    """Run ``cls(name)`` and return its outcome, the message's last ``keep`` characters, what the
+    ranks built and the seconds."""
+    result = unittest.TestResult()
+    start = time.monotonic()
+    cls(name).run(result)
+    seconds = time.monotonic() - start
+    if result.skipped:
+        outcome, text = "skipped", result.skipped[0][1]
+    elif result.failures:
+        outcome, text = "failed", result.failures[0][1]
+    elif result.errors:
+        outcome, text = "error", result.errors[0][1]
+    else:
+        outcome, text = "passed", ""
+    built = sorted({line.strip() for f in os.listdir(log) if f.startswith(name + ".")
+                    for line in open(os.path.join(log, f))})  # fmt: skip
+    return {"outcome": outcome, "text": text[-keep:], "built": built, "seconds": round(seconds, 1)}
