@@ -8,6 +8,7 @@ the seconds it took.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import unittest
@@ -32,3 +33,16 @@ def run_case(cls: type, name: str, log: str, keep: int = 3000) -> dict[str, Any]
     built = sorted({line.strip() for f in os.listdir(log) if f.startswith(name + ".")
                     for line in open(os.path.join(log, f))})  # fmt: skip
     return {"outcome": outcome, "text": text[-keep:], "built": built, "seconds": round(seconds, 1)}
+
+
+def show(key: str, row: dict[str, Any]) -> None:
+    """One line per test as it finishes (the suites take minutes: progress matters)."""
+    print(f"{row['outcome']:8s} {row['seconds']:6.1f}s {key} {row['built']}", flush=True)
+
+
+def write_results(path: str, results: dict[str, Any]) -> None:
+    """The outcomes so far, written whole or not at all (a killed run keeps the last complete file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import unittest
 
-from tests.support.suite_runs import run_case
+from tests.support.suite_runs import run_case, show, write_results
 
 
 def main() -> None:
@@ -44,12 +44,8 @@ def main() -> None:
     results = {}
     for cls, name in names:
         results[f"{cls.__name__}.{name}"] = row = run_case(cls, name, log)
-        outcome, seconds, built = row["outcome"], row["seconds"], row["built"]
-        print(f"{outcome:8s} {seconds:6.1f}s {cls.__name__}.{name} {built}", flush=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, args.out)
+        show(f"{cls.__name__}.{name}", row)
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import unittest
 
-from tests.support.suite_runs import run_case
+from tests.support.suite_runs import run_case, show, write_results
 
 
 def main() -> None:
@@ -51,14 +51,10 @@ def main() -> None:
     for cls, name in names:
         row = run_case(cls, name, log, keep=4000)
         results[f"{cls.__name__}.{name}"] = {"file": harness.file_of(cls), **row}
-        outcome, seconds, built = row["outcome"], row["seconds"], row["built"]
         for f in os.listdir(log):  # the next test's log starts empty (names repeat across classes)
             os.remove(os.path.join(log, f))
-        print(f"{outcome:8s} {seconds:6.1f}s {cls.__name__}.{name} {built}", flush=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, args.out)
+        show(f"{cls.__name__}.{name}", row)
+        write_results(args.out, results)
 
 
 if __name__ == "__main__":
