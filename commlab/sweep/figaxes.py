@@ -36,10 +36,10 @@ def axis_breakdown(runs: pd.DataFrame) -> pd.DataFrame:
     df["step"], df["step_lo"], df["step_hi"] = df["step_median"], df["step_q1"], df["step_q3"]
     df["compute"] = df["step"] - df[SEGMENTS[:-1]].sum(axis=1)
     df["dp"] = df["world_size"] // (df["tp"] * df["pp"])
-    outer = figdata._context(df, [a for a in figdata.AXES if a not in ("world_size", "tp", "pp")])
+    outer = figdata.context(df, [a for a in figdata.AXES if a not in ("world_size", "tp", "pp")])
     df["panel"] = df.apply(lambda r: figdata.label(r, outer), axis=1)
     df["bar"] = df.apply(lambda r: f"tp {r['tp']} x pp {r['pp']} x dp {r['dp']}", axis=1)
-    figdata._one_per_cell(df, ["panel", "bar"])
+    figdata.one_per_cell(df, ["panel", "bar"])
     df = df.sort_values([*outer, "world_size", "pp", "tp"], kind="stable")
     return df[["config", "panel", "bar", "tp", "pp", "dp", *SEGMENTS, "step", "step_lo", "step_hi"]]
 

@@ -84,7 +84,7 @@ def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
     for seg in SEGMENTS:
         df[seg] = df[f"{seg}_median"]
     df["step"], df["step_lo"], df["step_hi"] = df["step_median"], df["step_q1"], df["step_q3"]
-    outer = _context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
+    outer = context(df, [a for a in AXES if a not in ("bucket_mb", "overlap")])
     df["panel"] = df.apply(lambda r: label(r, outer), axis=1)
     both = df.groupby("panel")["overlap"].transform(lambda v: v.map(_truthy).nunique() > 1)
     if both.any():  # the figure is about overlap: keep the panels that can compare it
@@ -92,7 +92,7 @@ def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
     hidden = _hidden(df, ["panel", "bucket_mb", "overlap"])  # e.g. the same bars measured with other --iters
     df["bar"] = df.apply(lambda r: "\n".join(filter(None, [
         f"{r['bucket_mb']:g} MiB", "overlap" if _truthy(r["overlap"]) else "no overlap", label(r, hidden) if hidden else ""])), axis=1)
-    _one_per_cell(df, ["panel", "bar"])
+    one_per_cell(df, ["panel", "bar"])
     # Panels in the order of their values (w8, w16, ... numerically), not of their labels as text.
     order = [*outer, "bucket_mb", "overlap"]
     df = df.sort_values(order, ascending=[True] * (len(order) - 1) + [False], kind="stable")
@@ -112,12 +112,12 @@ def curve(runs: pd.DataFrame, x: str, per: float = 1.0) -> pd.DataFrame:
     scale = df["accumulate"] if x == "accumulate" else 1.0
     for stat in ("median", "q1", "q3", "spread_lo", "spread_hi"):
         df[stat] = df[f"step_{stat}"] / scale * per
-    panels = _context(df, [a for a in ("model", "model_args", "backend", "world_size") if a != x])
+    panels = context(df, [a for a in ("model", "model_args", "backend", "world_size") if a != x])
     series = varying(df, [a for a in AXES if a not in panels and a not in ("model", "model_args", "backend", "world_size", x)])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     df["series"] = df.apply(lambda r: label(r, series + _hidden(df, ["panel", x])), axis=1)
     df = _curves_only(df, ["panel", "series"], x)
-    _one_per_cell(df, ["panel", "series", x])
+    one_per_cell(df, ["panel", "series", x])
     df = df.sort_values([*panels, "series", x], kind="stable")  # panels by value: w8 before w16
     return df[["config", "panel", "series", x, "median", "q1", "q3", "spread_lo", "spread_hi", "repetitions"]]
 
@@ -141,7 +141,7 @@ def scaling(runs: pd.DataFrame) -> pd.DataFrame:
     df = _curves_only(df, ["series"], "world_size")
     if df.empty:
         return df
-    _one_per_cell(df, ["series", "world_size"])
+    one_per_cell(df, ["series", "world_size"])
     # Throughput is inverse to step time: the slowest repetition gives the low end.
     samples = df["global_batch"] * df["accumulate"]
     df["samples_lo"], df["samples_hi"] = samples / df["step_spread_hi"], samples / df["step_spread_lo"]
@@ -171,13 +171,13 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     per_stage = {0: varying(ddp, ["overlap"]), 3: varying(s3, ["prefetch", "reshard"])}
     df["series"] = df.apply(lambda r: label(r, ["stage", *per_stage.get(int(r["stage"]), [])]), axis=1)
     inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
-    panels = _context(df, [a for a in AXES if a not in inner])
+    panels = context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     df = df[df.groupby("panel")["series"].transform("nunique") > 1].copy()
     # The step's exposed_comm is the reductions' wait after backward compute at every stage (DDP's
     # all-reduce; commlab/sweep/wrap.py), so the median step's is the reductions' bar.
     df["exposed_reduction"] = df["exposed_comm_median"]
-    _one_per_cell(df, ["panel", "series", "bucket_mb"])
+    one_per_cell(df, ["panel", "series", "bucket_mb"])
     rising = {"stage": True, "overlap": False, "prefetch": True, "reshard": False}  # overlap, reshard: on first
     order = [c for c in rising if c in df]
     df = df.sort_values([*panels, *order, "bucket_mb"], ascending=[True] * len(panels) + [rising[c] for c in order] + [True],
@@ -265,7 +265,7 @@ def _hidden(df: pd.DataFrame, cell: list[str], settings: list[str] = SETTINGS) -
     return [c for c in settings if c in crowded and (crowded.groupby(cell)[c].nunique() > 1).any()]
 
 
-def _one_per_cell(df: pd.DataFrame, keys: list[str]) -> None:
+def one_per_cell(df: pd.DataFrame, keys: list[str]) -> None:
     """Refuse to draw two configurations as one point (their differences would be hidden)."""
     dup = df[df.duplicated(keys, keep=False)]
     if not dup.empty:
@@ -278,7 +278,7 @@ def _curves_only(df: pd.DataFrame, keys: list[str], x: str) -> pd.DataFrame:
     return df[df.groupby(keys)[x].transform("nunique") > 1].copy()
 
 
-def _context(df: pd.DataFrame, columns: list[str]) -> list[str]:
+def context(df: pd.DataFrame, columns: list[str]) -> list[str]:
     """Model, backend and world size always (a panel says what it shows), plus what else varies."""
     always = [c for c in ("model", "backend", "world_size") if c in columns]
     return always + [c for c in varying(df, columns) if c not in always]
