@@ -1,28 +1,20 @@
 """Sharded data parallelism (ZeRO stages 1-3) on commlab's flat buckets.
 
-Package map: ``layout`` (where parameters lie in a flat padded bucket and its shards, pure),
-``memory_model`` (the ZeRO memory model, pure), ``buckets`` (which parameters share a bucket),
-``flat_bucket`` (one bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks,
-gathers, frees, reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes),
-``state`` (full module state dicts), ``optim_state`` (the full optimizer state dict),
-``arguments`` (argument and optimizer checks), ``distributed`` (the public wrapper).
+Package map: ``layout`` (each parameter's rows per rank and a bucket's rank-major buffer, pure),
+``copies`` (copy-in and copy-out between parameters and that buffer), ``dparams`` (the model's
+parameters as DTensor shards, swapped for whole tensors around a forward), ``memory_model`` (the
+ZeRO memory model, pure), ``buckets`` (which parameters share a bucket), ``flat_bucket`` (one
+bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks, gathers, frees,
+reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (full
+module state dicts), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
+optimizer checks), ``distributed`` (the public wrapper).
 
-How commlab's stage 3 differs from torch's ``fully_shard`` (FSDP2,
-torch/distributed/fsdp/_fully_shard): torch shards every parameter on its own along dim 0, as a
-DTensor (``Shard(0)``, each parameter padded to a multiple of the world size) that the optimizer
-sees in the parameter's own shape; for each collective it copies a unit's shards into one buffer
-and back out (copy-in and copy-out around the all-gather, a copy into a flat buffer before the
-reduce-scatter). commlab lays a bucket's parameters end to end in one flat buffer, pads the
-bucket (not each parameter) to a multiple of the world size and gives each rank one contiguous
-1-D piece (ZeRO's and torch's FSDP1 layout): the parameters are views into the gathered buffer,
-so the all-gather writes them in place with no copy-out; gradients are copied into the bucket
-as DDP copies them; a bucket may follow module boundaries (``units``, like fully_shard's) or a
-size limit (DDP's assignment), which fully_shard cannot. What follows: a rank's shard cuts
-parameters at arbitrary points and holds pieces of several, so an optimizer that needs a whole
-parameter (per-parameter norms as in LAMB or LARS, Adafactor's row and column factors, Muon's
-orthogonalisation, LBFGS) is not supported; torch's such optimizers are refused at their first
-step, others cannot be recognised. Element-wise optimizers (SGD with momentum, Adam, AdamW) give
-the parameters torch's DDP gives, and the same state dict.
+The parameters are torch's ``fully_shard`` (FSDP2) parameters: each a DTensor ``Shard(0)``
+holding the rank's rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so optimizers,
+parameter groups, gradient clipping and GradScaler see whole parameters; the collectives run
+per bucket (a size cap or ``units``) on commlab's own algorithms, with copies in and out as
+fully_shard's (commlab/sharded/copies.py). Where commlab differs: stages 1-2 keep a replica, and
+buckets may follow a size cap, which fully_shard's units cannot.
 """
 
 from commlab.sharded.distributed import ShardedDataParallel

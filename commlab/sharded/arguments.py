@@ -4,8 +4,8 @@ first step).
 The optimizer check is a global ``torch.optim`` step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``), held through a weak reference and
 removed with the wrapper. Before every optimizer step in the process it refuses, with a
-ValueError, an optimizer that holds the wrapped module's own (unsharded) parameters, and an
-optimizer known not to be element-wise (see :data:`NOT_ELEMENTWISE`) over the shards.
+ValueError, an optimizer that holds the whole tensors a forward computes on, and an optimizer
+over the shards that is not known to be correct on them (:func:`check_optimizer`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from commlab.runs.zero_stage import ZeroStage, parse_stage
 
-# Optimizers whose update of an element depends on other elements of the same parameter (matrix
-# factors, orthogonalisation, whole-parameter line searches): a flat shard that cuts parameters
-# at arbitrary points gives them the wrong neighbours. Per-parameter norms (LAMB, LARS trust
-# ratios) are the same case; torch ships none, so they cannot be recognised by name here.
-NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "Muon", "SparseAdam")
+# Optimizers whose every operation is element-wise or a per-parameter reduction that DTensor
+# computes over the mesh (torch's own, which the tests run against fully_shard and DDP).
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta",
+                         "ASGD", "Rprop"})
+# torch's optimizers that need more than a DTensor can give: a closure re-evaluating the whole model
+# (LBFGS), sparse gradients (SparseAdam).
+NOT_SUPPORTED = frozenset({"LBFGS", "SparseAdam"})
 
 
 def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward) -> ZeroStage:
@@ -39,6 +41,10 @@ def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forwar
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    scalars = [name for name, p in module.named_parameters() if p.requires_grad and p.ndim == 0]
+    if scalars:
+        raise ValueError(f"0-dimensional trainable parameters {scalars} cannot be sharded along dim 0: "
+                         "give them shape (1,) or freeze them")
     devices = {t.device for t in (*module.parameters(), *module.buffers())}
     if len(devices) > 1:
         raise ValueError(
@@ -48,26 +54,43 @@ def check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forwar
     return zero
 
 
-def optimizer_guard(owner, originals: set[int], shards: set[int]):
+def optimizer_guard(owner, wholes: set[int], shards: set[int]):
     """Register the step pre-hook for ``owner`` (held weakly), which knows the ids of the
-    module's sharded parameters and of the shards; returns the hook's handle."""
+    module's whole (compute) parameters and of its DTensor shards; returns the hook's handle."""
     ref = weakref.ref(owner)
 
     def hook(optimizer: torch.optim.Optimizer, args, kwargs):
         if ref() is None:
             return None
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if held & originals:
-            raise ValueError(
-                "this optimizer holds the wrapped module's own parameters; with ShardedDataParallel "
-                "build it over sharded.parameters() (the rank's shards)"
-            )
-        name = type(optimizer).__name__
-        if held & shards and name in NOT_ELEMENTWISE:
-            raise ValueError(
-                f"{name} is not element-wise (it needs whole parameters), which flat shards do not "
-                "give; use an element-wise optimizer such as SGD, Adam or AdamW"
-            )
+        check_optimizer(optimizer, {id(p) for group in optimizer.param_groups for p in group["params"]}, wholes, shards)
         return None
 
     return register_optimizer_step_pre_hook(hook)
+
+
+def check_optimizer(optimizer, held: set[int], wholes: set[int], shards: set[int]) -> None:
+    """ValueError for an optimizer over the whole tensors, or one not known to be correct on
+    DTensor shards (third-party optimizers whose update reads whole parameters, LAMB or LARS
+    trust ratios, factored or orthogonalised moments, may work on DTensors through their
+    operations or may not: their author opts in with ``optimizer.elementwise = True``)."""
+    if held & wholes:
+        raise ValueError(
+            "this optimizer holds the whole tensors a forward computes on; build it over "
+            "sharded.parameters() (the module's parameters, sharded) outside the forward"
+        )
+    if not held & shards:
+        return
+    name = type(optimizer).__name__
+    if name in NOT_SUPPORTED:
+        raise ValueError(f"{name} is not supported on sharded parameters (it needs whole parameters or sparse "
+                         "gradients); use an element-wise optimizer such as SGD, Adam or AdamW")
+    optin = getattr(optimizer, "elementwise", None)
+    if type(optimizer).__module__.startswith("torch.optim") and name in ELEMENTWISE or optin is True:
+        return
+    raise ValueError(
+        f"{name} is not known to be correct on sharded parameters: each rank holds some rows of each "
+        "parameter (a DTensor), and an update that reads a whole parameter (a per-parameter norm as in "
+        "LAMB or LARS, factored moments, orthogonalisation) is only right if it goes through DTensor "
+        f"operations. If every operation of {name} does (or is element-wise), set "
+        "optimizer.elementwise = True before its first step"
+    )

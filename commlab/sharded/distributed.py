@@ -3,7 +3,7 @@
 Usage (every rank)::
 
     sharded = ShardedDataParallel(model, stage=3, units=list(model.layers))
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)  # the rank's shards
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)  # the model's parameters, sharded
     for x, y in data:
         opt.zero_grad()
         loss_fn(sharded(x), y).backward()
@@ -11,12 +11,13 @@ Usage (every rank)::
 
 Contract, and what is not supported:
 
-- Build the optimizer over ``sharded.parameters()``: one flat 1-D shard per bucket, whose
-  ``.grad`` is the rank's shard of the averaged gradient. An optimizer over the module's own
-  parameters is refused at its first step. The optimizer must be element-wise (SGD, Adam,
-  AdamW, ...): a shard cuts parameters at arbitrary points, so an update that needs a whole
-  parameter (per-parameter norms as in LAMB/LARS, matrix factors as in Adafactor,
-  orthogonalisation as in Muon) is wrong on it; those torch ships are refused by name.
+- Build the optimizer over ``sharded.parameters()`` (or ``sharded.module.parameters()``, the
+  same objects): the module's own parameters in their names and shapes, each a DTensor ``Shard(0)``
+  holding this rank's rows, whose ``.grad`` is this rank's rows of the averaged gradient
+  (commlab/sharded/dparams.py); parameter groups, ``clip_grad_norm_`` and ``GradScaler`` work on
+  them. Optimizers: torch's element-wise ones; any other class must declare
+  ``optimizer.elementwise = True`` (commlab/sharded/arguments.py says why), LBFGS and SparseAdam
+  are refused.
 - Every trainable parameter must receive a gradient in every backward (else a RuntimeError at
   the end of backward), and stage 3 needs each parameter used inside the forward of a module
   that holds it, of its unit, or of a module holding another parameter of its bucket (else a
@@ -52,6 +53,7 @@ from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.sharded import arguments, comm, state
 from commlab.sharded.buckets import plan_buckets, trainable
+from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
 from commlab.sharded.flat_bucket import FlatBucket
 from commlab.sharded.layout import ShardLayout
@@ -102,25 +104,28 @@ class ShardedDataParallel(nn.Module):
         params = [p for _, p in trainable(module)]
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
+        self.mesh = mesh_of(process_group, device_type)
         buckets = [
-            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm)
+            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh)
             for i, idx in enumerate(plan.buckets)
         ]
-        self.shards = nn.ParameterList([b.shard for b in buckets])
-        object.__setattr__(self, "module", module)  # not a submodule: parameters() are the shards
+        sharded = {id(p) for p in params}
+        self._frozen = [p for p in module.parameters() if id(p) not in sharded]
+        # The module is no submodule of the wrapper: named_parameters() below gives its names
+        # unprefixed, as state_dict() gives its keys.
+        object.__setattr__(self, "module", module)
         self._engine = ShardedEngine(module, buckets, plan.owners, stage, prefetch, reshard_after_forward)
         if stage == 3:
             self._engine.free(range(len(buckets)))
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
-        sharded = {id(p) for p in params}
-        self._frozen = [p for p in module.parameters() if id(p) not in sharded]
+        self._swap = ParamSwap(module, [pair for b in buckets for pair in zip(b.params, b.sharded)])
+        self._engine.handles += self._swap.install(module)
+        shard_ids = {id(dp) for b in buckets for dp in b.sharded}
         # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
-        guard = arguments.optimizer_guard(self, sharded, {id(s) for s in self.shards})
+        guard = arguments.optimizer_guard(self, sharded, shard_ids)
         weakref.finalize(self, guard.remove)  # the global step pre-hook goes with the wrapper
         if stage < 3:  # the updated shards' all-gathers start at the end of the optimizer step
-            post = register_optimizer_step_post_hook(
-                gather_after_step_hook(weakref.ref(self), {id(s) for s in self.shards})
-            )
+            post = register_optimizer_step_post_hook(gather_after_step_hook(weakref.ref(self), shard_ids))
             weakref.finalize(self, post.remove)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,6 +143,20 @@ class ShardedDataParallel(nn.Module):
             raise
         finally:
             self._engine.after_forward()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's own parameters, names and shapes: DTensor shards for the trainable ones
+        (commlab/sharded/dparams.py), frozen ones as they are (replicated)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    @contextmanager
+    def _whole(self) -> Iterator[None]:
+        """The module's slots hold the whole tensors inside (state dicts read and write them)."""
+        self._swap.to_whole()
+        try:
+            yield
+        finally:
+            self._swap.to_sharded()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -161,7 +180,8 @@ class ShardedDataParallel(nn.Module):
         stepped stage 1-2 gather: every rank must call it."""
         if args or kwargs:
             raise ValueError("ShardedDataParallel.state_dict() takes no arguments; it gives the full module state dict")
-        return state.full_state_dict(self.module, self._engine)
+        with self._whole():
+            return state.full_state_dict(self.module, self._engine)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
@@ -170,13 +190,14 @@ class ShardedDataParallel(nn.Module):
         wrong shape raise ValueError before anything changes."""
         if not strict or assign:
             raise ValueError("ShardedDataParallel.load_state_dict supports strict=True, assign=False only")
-        state.load_full_state_dict(self.module, self._engine, state_dict)
+        with self._whole():
+            state.load_full_state_dict(self.module, self._engine, state_dict)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """``optimizer``'s state (built over ``self.parameters()``) as the same optimizer over the
         unsharded module would hold it, loadable there (commlab/sharded/optim_state.py). A
         collective: every rank must call it."""
-        return full_optimizer_state_dict(self.module, self._engine.buckets, optimizer)
+        return full_optimizer_state_dict(optimizer)
 
     # --- what can be read ----------------------------------------------------------------
     @property

@@ -4,10 +4,12 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
 
 1. Forward start (the wrapper's forward). Stage 1 drops the full gradients of the last synchronised
    backward. Stages 1-2, if the shards changed since the last gather and step 6 did not gather
-   them: every bucket's all-gather is launched at once.
+   them: every bucket's all-gather is queued (step 6's window).
 2. A forward pre-hook on each module that uses bucket b (its unit, or the modules holding its
-   parameters) waits for b's all-gather. Stage 3 first launches the all-gathers of b and of the
-   ``prefetch`` buckets after it that are not gathered, into storage allocated again for them.
+   parameters) waits for b's all-gather, then copies the gathered rank-major buffer out into
+   the parameters (commlab/sharded/copies.py). Stage 3 first launches the all-gathers of b and
+   of the ``prefetch`` buckets after it that are not gathered; the copy-out fills storage
+   allocated again for them.
 3. Stage 3 with ``reshard_after_forward``: a forward post-hook frees b (storage resized to 0)
    once every module using it has run, except buckets the root module uses itself (needed again
    at once, as torch's fully_shard keeps its root unsharded). The same hook puts a gradient hook on
@@ -19,11 +21,13 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
    (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
-   every reduction, then give each shard its gradient (``shard.grad``, accumulated if present).
+   every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
+   the reduced buffer; accumulated if present).
 6. The user's optimizer steps the shards. Stages 1-2: a step post-hook of an optimizer that holds
-   every shard launches every bucket's all-gather at once, so that it overlaps whatever the
-   training loop does before the next forward (zero_grad, the next batch); each module waits for
-   its own bucket in step 2. The values sent are the stepped shards; a shard changed after the
+   every shard queues every bucket's all-gather and launches the first ``1 + prefetch`` of them,
+   so that they overlap whatever the training loop does before the next forward (zero_grad, the
+   next batch); waiting for one (step 2) launches the next. A window, not all at once: each
+   all-gather in flight holds a rank-major copy of its bucket until its copy-out. The values sent are the stepped shards; a shard changed after the
    step in place (not through an optimizer step) reaches the other ranks only with the next
    step's gather. Stage 3 gathers nothing here (its forward does).
 
@@ -63,6 +67,7 @@ class ShardedEngine:
         self.stale = False  # stages 1-2: the shards may have been stepped since the last gather
         self.synced_grads = False  # stage 1: a synchronised backward's full gradients are held
         self.gathers: dict[int, tuple] = {}  # bucket -> (work, timing entry) in flight
+        self.queued: list[int] = []  # stages 1-2: all-gathers waiting for the window (step 6)
         self.reductions: list[tuple] = []  # (bucket, work, timing entry)
         self.callback_queued = False
         self.backward_done: set[int] = set()
@@ -102,9 +107,21 @@ class ShardedEngine:
         self._count()
 
     def _wait_gather(self, b: int) -> None:
+        if b in self.queued:  # stages 1-2: needed before its turn in the window
+            self.queued.remove(b)
+            self._launch_gather(b)
         if b in self.gathers:
             work, entry = self.gathers.pop(b)
             self.recorder.wait(work, entry)
+            self.buckets[b].finish_gather()
+        self._pump()
+
+    def _pump(self) -> None:
+        """Stages 1-2: launch queued all-gathers while fewer than ``1 + prefetch`` are in flight
+        (each holds a rank-major copy of its bucket until its copy-out: all at once would hold a
+        second copy of the model)."""
+        while self.queued and len(self.gathers) < 1 + self.prefetch:
+            self._launch_gather(self.queued.pop(0))
 
     def _gather_stage3(self, b: int, window: Sequence[int]) -> None:
         """Launch b and the buckets of ``window`` (prefetch) that hold no gathered values, wait b."""
@@ -116,12 +133,10 @@ class ShardedEngine:
     def gather_all(self) -> list[int]:
         """Every bucket gathered and current (state dicts); returns those to free again."""
         freed = [b for b, bucket in enumerate(self.buckets) if not bucket.gathered]
-        for b in range(len(self.buckets)):
-            if self.stale or not self.buckets[b].gathered:
-                self._launch_gather(b)
-        self.stale = False
-        for b in range(len(self.buckets)):
-            self._wait_gather(b)
+        self._refresh()
+        for b in freed:
+            self._launch_gather(b)
+        self.settle(drain=True)
         return freed
 
     def free(self, bs: Sequence[int]) -> None:
@@ -148,21 +163,28 @@ class ShardedEngine:
             self.stale = True
             self._refresh()
 
-    def settle(self) -> None:
-        """Wait for every all-gather in flight (before anything writes the gathered buffers)."""
+    def settle(self, drain: bool = False) -> None:
+        """Wait for every all-gather in flight (before anything writes the gathered buffers);
+        with ``drain``, also run the queued ones (stages 1-2: every bucket current)."""
+        if drain:
+            while self.gathers or self.queued:
+                self._wait_gather(next(iter(self.gathers)) if self.gathers else self.queued[0])
+            return
+        queued, self.queued = self.queued, []  # waiting must not launch more
         for b in list(self.gathers):
             self._wait_gather(b)
+        self.queued = queued
 
     def _refresh(self) -> None:
         """Stages 1-2 after a step: launch every bucket's all-gather (each module waits for its own)."""
         if self.stage < 3 and self.stale:
             self.stale = False
-            for b in range(len(self.buckets)):
-                self._launch_gather(b)
+            self.queued = [b for b in range(len(self.buckets)) if b not in self.gathers]
+            self._pump()
 
     def after_forward(self) -> None:
         self.recorder.forward_end = time.perf_counter()
-        self.settle()
+        self.settle(drain=True)  # a bucket no module waited for is current too
         if self.stage == 3 and not torch.is_grad_enabled():
             self.free(range(len(self.buckets)))  # no backward follows: nothing stays gathered
 

@@ -1,114 +1,166 @@
-"""One bucket as a flat padded buffer: the rank's parameter shard, the gathered parameters, the
-gradient buffer, and the collectives that move between them.
+"""One bucket: its parameters' whole tensors, their DTensor shards, the rank-major flat buffers
+the collectives run on, and the copies between them.
 
-The module's parameters become views into ``full``, the gathered flat buffer (as torch's FSDP1
-FlatParameter views, torch/distributed/fsdp/_flat_param.py). Stages 1 and 2 keep ``full`` for
-good and the shard is a view into it, so the optimizer updates the rank's part of the replica in
-place and an all-gather refreshes the rest. Stage 3 keeps the shard as a tensor of its own and
-frees ``full`` by resizing its storage to zero bytes: the parameter views keep their shapes (and
-autograd its saved references to them) while holding no memory, and a later all-gather into the
-same storage brings them back. Parameters keep their own version counters (``.data`` assignment
-does not share the buffer's), so writing the gathered values does not invalidate what autograd
-saved.
+The module's parameters, whole, are views into ``full``, one unpadded buffer in parameter order
+(as torch's FSDP1 FlatParameter views, torch/distributed/fsdp/_flat_param.py), so that the
+model computes on ordinary contiguous tensors. The optimizer holds ``sharded``: for each
+parameter a DTensor (commlab/sharded/dparams.py) whose local tensor is this rank's rows. Stages
+1-2 keep ``full`` for good and the local rows are views into it, so an optimizer step updates
+the rank's part of the replica in place; the all-gather after it copies the rank's pieces into
+its block of a rank-major buffer and, when waited for, copies every rank's pieces out into
+``full``. Stage 3 keeps the rank's pieces in ``shard``, a flat buffer of its own (its block of
+the rank-major layout, so it is the all-gather's input as it stands), and frees ``full`` by
+resizing its storage to zero bytes: the parameter views keep their shapes (and autograd its
+saved references) while holding no memory, and the copy-out after the next all-gather fills the
+same storage again. Parameters keep their own version counters (``.data`` assignment does not
+share the buffer's), so writing gathered values does not invalidate what autograd saved.
 """
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
-from commlab.sharded import comm
+from commlab.sharded import comm, copies
+from commlab.sharded.dparams import as_dtensor
 from commlab.sharded.layout import shard_layout
 
 
 class FlatBucket:
-    """The parameters of one bucket, flattened, padded and sharded over the group's ranks."""
+    """The parameters of one bucket, sharded by rows over the group's ranks."""
 
     def __init__(
         self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group,
-        algorithm: str = "native",
+        algorithm: str, mesh,
     ):
         self.index, self.params, self.rank, self.stage, self.group = index, params, rank, stage, group
-        self.algorithm = algorithm  # the collectives' (commlab/sharded/comm.py)
+        self.algorithm, self.mesh = algorithm, mesh  # the collectives' (commlab/sharded/comm.py)
         self.world_size = world_size
-        self.layout = shard_layout([p.numel() for p in params], world_size)
+        self.layout = shard_layout([tuple(p.shape) for p in params], world_size)
         self.lo, self.hi = self.layout.shard_range(rank)
         self.element_size = params[0].element_size()
         first = params[0]
-        self.full = torch.zeros(self.layout.padded, dtype=first.dtype, device=first.device)
+        self.full = torch.zeros(self.layout.total, dtype=first.dtype, device=first.device)
+        self.shard: torch.Tensor | None = None
         with torch.no_grad():
-            for p, offset in zip(params, self.layout.offsets):
-                self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.full[offset : offset + p.numel()].view(p.shape)
-        # Stages 1-2: a view, so that optimizer steps land in the replica; stage 3: its own memory.
-        own = self.full[self.lo : self.hi]
-        self.shard = nn.Parameter(own.clone() if stage == 3 else own)
+            for p, whole in zip(params, self._wholes()):
+                whole.copy_(p.detach())
+                p.data = whole
+            if stage == 3:
+                self.shard = torch.zeros(self.layout.shard_size, dtype=first.dtype, device=first.device)
+                for i, whole in enumerate(self._wholes()):
+                    copies.in_shard(self.shard, self.layout, i, rank).copy_(self._local_rows(whole, i))
+        self.sharded = [nn.Parameter(as_dtensor(self.local(i), mesh, p)) for i, p in enumerate(params)]
+        self.gather_buffer: torch.Tensor | None = None  # rank-major, while an all-gather is in flight
         self.grad_buffer: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None  # where the reduction writes the rank's shard
         self.gathered = True
         self.pending = len(params)  # gradients still to arrive in this backward
 
+    def _wholes(self) -> list[torch.Tensor]:
+        return [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.layout.offsets)]
+
+    def _local_rows(self, whole: torch.Tensor, i: int) -> torch.Tensor:
+        return copies.local_rows(whole, self.layout, i, self.rank)
+
+    def local(self, i: int) -> torch.Tensor:
+        """This rank's rows of parameter i: in ``shard`` (stage 3) or in the replica (stages 1-2)."""
+        if self.shard is not None:
+            return copies.in_shard(self.shard, self.layout, i, self.rank)
+        o = self.layout.offsets[i]
+        return self._local_rows(self.full[o : o + self.params[i].numel()], i)
+
     @property
     def full_nbytes(self) -> int:
+        """Bytes of the rank-major buffer each collective moves."""
         return self.layout.padded * self.element_size
 
     # --- parameters -----------------------------------------------------------------------
     def free(self) -> None:
         """Stage 3: release the gathered parameters (the views stay, holding no memory)."""
-        assert self.stage == 3 and self.gathered
+        assert self.stage == 3 and self.gathered and self.gather_buffer is None
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def launch_gather(self):
-        """All-gather the shards into ``full``, allocating it again if freed."""
-        if not self.gathered:
-            self.full.untyped_storage().resize_(self.full_nbytes)
+        """All-gather every rank's pieces into a rank-major buffer; ``finish_gather`` copies out."""
         self.gathered = True
-        # Stages 1-2 gather into the buffer the shard lives in: the backend's all-gather gets a
-        # copy, not an alias; a p2p algorithm gathers in place, its own block untouched.
-        inplace = self.stage == 3 or self.algorithm != "native"
-        source = self.shard.detach() if inplace else self.shard.detach().clone()
-        return comm.all_gather(self.full, source, self.group, self.algorithm)
+        buffer = torch.empty(self.layout.padded, dtype=self.full.dtype, device=self.full.device)
+        if self.shard is not None:
+            source = self.shard
+        else:  # stages 1-2: the rank's rows, copied in from the replica
+            own = buffer[self.lo : self.hi]
+            own.zero_()
+            for i in range(len(self.params)):
+                copies.in_shard(own, self.layout, i, self.rank).copy_(self.local(i))
+            # The backend's all-gather gets its own input, not an alias of its output; a p2p
+            # algorithm gathers in place around its own block.
+            source = own.clone() if self.algorithm == "native" else own
+        self.gather_buffer = buffer
+        return comm.all_gather(buffer, source, self.group, self.algorithm)
+
+    def finish_gather(self) -> None:
+        """After the all-gather's wait: the parameters, whole, from the rank-major buffer."""
+        buffer, self.gather_buffer = self.gather_buffer, None
+        if buffer is None:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.total * self.element_size)
+        with torch.no_grad():
+            for i, whole in enumerate(self._wholes()):
+                copies.copy_out(buffer, self.layout, i, whole)
 
     # --- gradients -----------------------------------------------------------------------
     def add_gradient(self, slot: int) -> None:
         """Copy parameter ``slot``'s accumulated gradient into the bucket, pre-divided by the world
         size as torch's DDP does it (a multiplication by 1/N while copying: reducer.cpp's
-        copy_grad_to_bucket), so that the sums are the same numbers DDP's are."""
-        if self.grad_buffer is None:
-            # Every parameter's slot is written below before the reduction reads the buffer, so
-            # only the padding needs zeros: one pass over new memory instead of two.
-            self.grad_buffer = torch.empty(self.layout.padded, dtype=self.full.dtype, device=self.full.device)
-            self.grad_buffer[self.layout.total:].zero_()
-        p, offset = self.params[slot], self.layout.offsets[slot]
-        view = self.grad_buffer[offset : offset + p.numel()].view(p.shape)
-        torch.mul(p.grad, 1.0 / self.world_size, out=view)
-        # Stage 1 keeps the full reduced gradient in .grad (ZeRO-1); 2 and 3 keep only the shard.
-        p.grad = view if self.stage == 1 else None
+        copy_grad_to_bucket), so that the sums are the same numbers DDP's are. Stage 1 all-reduces,
+        which needs no rank-major order: its buffer is in parameter order and the full reduced
+        gradient stays as the parameters' .grad (ZeRO-1); stages 2-3 copy into the rank-major
+        order the reduce-scatter needs, and drop the parameter's own."""
+        if self.grad_buffer is None:  # every element is written below before the reduction reads it
+            size = self.layout.total if self.stage == 1 else self.layout.padded
+            self.grad_buffer = torch.empty(size, dtype=self.full.dtype, device=self.full.device)
+        p = self.params[slot]
+        if self.stage == 1:
+            o = self.layout.offsets[slot]
+            view = self.grad_buffer[o : o + p.numel()].view(p.shape)
+            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+            p.grad = view
+        else:
+            copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.world_size)
+            p.grad = None
 
     def launch_reduction(self):
         """Stage 1 all-reduces the whole buffer; stages 2-3 reduce-scatter it into a new shard."""
         assert self.grad_buffer is not None
         if self.stage == 1:
-            self.reduced = self.grad_buffer[self.lo : self.hi]
             return comm.all_reduce(self.grad_buffer, self.group, self.algorithm)
-        self.reduced = torch.empty(self.hi - self.lo, dtype=self.full.dtype, device=self.full.device)
+        self.reduced = torch.empty(self.layout.shard_size, dtype=self.full.dtype, device=self.full.device)
         return comm.reduce_scatter(self.reduced, self.grad_buffer, self.group, self.algorithm)
 
     def finish_reduction(self) -> None:
-        """After the reduction's wait: the shard's gradient (accumulated, as torch's .grad is);
-        stages 2-3 drop the full gradient buffer."""
-        if self.shard.grad is None:
-            self.shard.grad = self.reduced
-        else:
-            self.shard.grad.add_(self.reduced)
+        """After the reduction's wait: each DTensor's gradient, this rank's rows of the averaged
+        gradient (accumulated into one already there, as torch's .grad is); stages 2-3 drop the
+        full gradient buffer."""
+        with torch.no_grad():
+            for i, (p, dp) in enumerate(zip(self.params, self.sharded)):
+                if self.stage == 1:
+                    o = self.layout.offsets[i]
+                    piece = self._local_rows(self.grad_buffer[o : o + p.numel()], i)
+                else:
+                    piece = copies.in_shard(self.reduced, self.layout, i, self.rank)
+                if dp.grad is None:
+                    dp.grad = as_dtensor(piece, self.mesh, p)
+                else:
+                    dp.grad.to_local().add_(piece)
         self.reduced = None
         if self.stage != 1:
             self.grad_buffer = None
 
     def drop_full_gradients(self) -> None:
-        """The module's full gradients go (the shard's stays): stage 1 at the next forward, any
+        """The module's full gradients go (the shards' stay): stage 1 at the next forward, any
         stage after a backward that left the bucket incomplete."""
         for p in self.params:
             p.grad = None
@@ -116,13 +168,12 @@ class FlatBucket:
 
     # --- state ---------------------------------------------------------------------------
     def write_full(self, values: list[torch.Tensor]) -> None:
-        """Set every parameter of the bucket (all ranks pass the same values): the rank's shard,
+        """Set every parameter of the bucket (all ranks pass the same values): the rank's rows,
         and the replica where it is gathered."""
-        flat = torch.zeros(self.layout.padded, dtype=self.full.dtype, device=self.full.device)
-        for value, offset in zip(values, self.layout.offsets):
-            flat[offset : offset + value.numel()].copy_(value.reshape(-1))
         with torch.no_grad():
             if self.gathered:
-                self.full.copy_(flat)
-            if self.stage == 3:
-                self.shard.copy_(flat[self.lo : self.hi])
+                for whole, value in zip(self._wholes(), values):
+                    whole.copy_(value)
+            if self.shard is not None:
+                for i, value in enumerate(values):
+                    self.local(i).copy_(self._local_rows(value.detach().contiguous(), i))

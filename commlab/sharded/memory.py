@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from commlab.memtrack import live_bytes, track_peak
 from commlab.sharded.engine import ShardedEngine
@@ -54,18 +55,23 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def measure(engine: ShardedEngine, frozen: list[torch.Tensor], optimizer=None) -> ShardedMemory:
     buckets = engine.buckets
-    shards = [b.shard for b in buckets]
+    sharded = [dp for b in buckets for dp in b.sharded]
+    shards = [b.shard if b.shard is not None else b.full for b in buckets]
     fulls = [b.full for b in buckets if b.gathered]
-    grads = [b.grad_buffer for b in buckets] + [b.shard.grad for b in buckets]
+    grads = [b.grad_buffer for b in buckets] + [_local(dp.grad) for dp in sharded]
     grads += [p.grad for b in buckets for p in b.params]
     state = []
     if optimizer is not None:
-        for s in shards:
-            state.extend(v for v in optimizer.state.get(s, {}).values() if isinstance(v, torch.Tensor))
+        for dp in sharded:
+            state.extend(_local(v) for v in optimizer.state.get(dp, {}).values() if isinstance(v, torch.Tensor))
     return ShardedMemory(
-        parameter_shards=sum(s.numel() * s.element_size() for s in shards),
+        parameter_shards=sum(b.layout.shard_size * b.element_size for b in buckets),
         gathered=storage_bytes(fulls),
         parameters=storage_bytes([*shards, *fulls]),
         gradients=storage_bytes(grads),
@@ -90,7 +96,7 @@ def track_memory(sharded) -> Iterator[None]:
     are not seen, commlab/memtrack.py): read the peak after a second step.
     """
     engine: ShardedEngine = sharded._engine
-    device = engine.buckets[0].shard.device if engine.buckets else torch.device("cpu")
+    device = engine.buckets[0].full.device if engine.buckets else torch.device("cpu")
     window: dict = {}
 
     def last_synced():  # the record of the last synchronised step: a new one means a step ended

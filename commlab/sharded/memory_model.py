@@ -72,13 +72,16 @@ def zero_memory(
 class BucketMemory:
     """The transient terms of a concrete bucket layout, bytes per rank.
 
-    ``gathered``: full (padded) parameter buckets held at once by a stage-3 rank at its peak, the
-    bucket in use plus ``prefetch`` buckets being gathered ahead (the largest ones: an upper
-    bound). ``reduce_scatter``: the full gradient buckets held at once (stages 2 and 3): the one a
+    ``gathered``: full (padded) parameter buckets held at once besides what the model counts: at
+    stage 3 the bucket in use plus ``prefetch`` buckets being gathered ahead, plus one more for the
+    copy-out (an all-gather's rank-major buffer and the parameters it is copied into coexist); at
+    stages 1-2, which keep the replica, the rank-major buffers of the ``1 + prefetch`` all-gathers
+    in flight after a step. The largest buckets: an upper bound. ``reduce_scatter``: the full gradient buckets held at once (stages 2 and 3): the one a
     reduce-scatter reads from and the next one filling, as the engine keeps one reduce-scatter in
     flight (torch's fully_shard default); the two largest, an upper bound. Stage 1 keeps every
     gradient bucket, which the model counts already.
-    ``padding``: what padding adds to the sharded terms of the model.
+    ``padding``: what padding adds to the sharded terms of the model (the replica and stage 1's
+    gradient buffer are unpadded).
     """
 
     gathered: int
@@ -102,12 +105,12 @@ def bucket_memory(
     if zero.ddp:
         raise ValueError("bucket_memory is for stages 1-3 (stage 0, DDP, has no sharded buckets)")
     sizes = sorted((int(n) for n in padded_numels), reverse=True)
-    gathered = sum(sizes[: prefetch + 1]) * element_size if zero.parameters else 0
+    window = sum(sizes[: prefetch + 1])
+    gathered = (window + sizes[0] if zero.parameters else window) * element_size
     reduce_scatter = sum(sizes[:2]) * element_size if zero.gradients else 0
     pad = sum(padded_numels) - (sum(unpadded_numels) if unpadded_numels is not None else sum(padded_numels))
     # Padding elements are sharded like the rest: per rank, pad / N of each sharded kind.
     per_rank_pad = pad / world_size
     params, grads = (element_size if zero.parameters else 0), (element_size if zero.gradients else 0)
     sharded = optimizer_bytes + grads + params
-    replicated = 2 * element_size - grads - params
-    return BucketMemory(gathered, reduce_scatter, int(round(per_rank_pad * sharded + pad * replicated)))
+    return BucketMemory(gathered, reduce_scatter, int(round(per_rank_pad * sharded)))

@@ -52,4 +52,4 @@ def load_full_state_dict(module: nn.Module, engine: ShardedEngine, state_dict: M
         for bucket in engine.buckets:
             bucket.write_full([state_dict[name_of[id(p)]] for p in bucket.params])
     # Stages 1-2: the replica now holds the loaded values everywhere; nothing to gather.
-    engine.stale = False
+    engine.stale, engine.queued = False, []

@@ -24,14 +24,18 @@ def test_each_stage_shards_one_more_kind():
 def test_bucket_terms():
     # Buckets of 6, 4 and 10 padded elements (8, 4, 9 real), fp32, 2 ranks.
     b = bucket_memory([6, 4, 10], 2, 3, prefetch=1, unpadded_numels=[5, 4, 9])
-    assert b.gathered == (10 + 6) * 4 and b.reduce_scatter == (10 + 6) * 4  # the two largest
+    # The two largest gathered, and the largest once more for the copy-out; the two largest
+    # full gradient buckets.
+    assert b.gathered == (10 + 6 + 10) * 4 and b.reduce_scatter == (10 + 6) * 4
     # 2 padding elements, half per rank, each sharded as parameter + gradient + Adam state.
     assert b.padding == 1 * (4 + 4 + 8)
-    assert bucket_memory([6, 4, 10], 2, 3, prefetch=0).gathered == 40
-    assert bucket_memory([6, 4, 10], 2, 3, prefetch=5).gathered == 80
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=0).gathered == 80
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=5).gathered == 120
     b1 = bucket_memory([6, 4, 10], 2, 1, prefetch=1, unpadded_numels=[5, 4, 9])
-    assert (b1.gathered, b1.reduce_scatter) == (0, 0)
-    assert b1.padding == 2 * (4 + 4) + 1 * 8  # replicated full buffers, sharded Adam state
+    # Stage 1: the rank-major buffers of the 1 + prefetch all-gathers after a step; no
+    # reduce-scatter; the replica is unpadded, the Adam state sharded.
+    assert (b1.gathered, b1.reduce_scatter) == ((10 + 6) * 4, 0)
+    assert b1.padding == 1 * 8
 
 
 def test_bad_arguments():

@@ -9,9 +9,10 @@ order the real engine (commlab/sharded/engine.py) does things:
   every bucket (the sharded wrapper's ``size_buckets``), in forward order;
 - forward: one compute task per bucket, the profiled forward split in proportion to each
   bucket's backward time (the profile times forward as a whole), each after its bucket's
-  all-gather. Stages 1-2: every bucket's all-gather was launched by the previous optimizer step
-  (engine step 6), so the step starts with all of them queued; stage 3: bucket j's all-gather is
-  launched by the forward pre-hook of bucket j - prefetch (prefetch 0: just before use);
+  all-gather. Stages 1-2: the previous optimizer step launched the first 1 + prefetch buckets'
+  all-gathers (engine step 6), so the step starts with them queued, and bucket j's is launched
+  when bucket j - 1 - prefetch is waited for (its forward pre-hook); stage 3: bucket j's
+  all-gather is launched by the forward pre-hook of bucket j - prefetch (prefetch 0: just before use);
 - backward: the profiled gradient-ready times (they include the copy into the bucket). Stage 3
   with reshard: bucket b is gathered again by the pre-backward hook of bucket b + prefetch
   (backward runs the buckets in reverse), and its first gradient waits for it;
@@ -24,7 +25,8 @@ Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "al
 algorithm, world) tables, and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
 faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
 shards. Not modelled: buckets the root module uses itself (the engine keeps
-them gathered), stage 1's copy of the reduced gradient into the shard, the gathers of no_sync
+them gathered), the copy-out of the parameters after each all-gather, the padding of each
+parameter's rows (``padded_bytes`` pads the bucket: at most N - 1 rows per parameter more), the gathers of no_sync
 micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
 """
 
@@ -143,8 +145,11 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
         compute("nosync", (setting.accumulate - 1) * sc.nosync_s, "nosync")
         before_forward = ("nosync",)
     for j in range(n):  # forward all-gathers: launched by the optimizer step (1-2) or a pre-hook (3)
-        hook = max(0, j - setting.prefetch)
-        deps = () if stage < 3 else (f"fwd{hook - 1}",) if hook else before_forward
+        hook = max(0, j - setting.prefetch - (1 if stage < 3 else 0))  # the bucket whose pre-hook launches j
+        if stage < 3 and j <= setting.prefetch:
+            deps: tuple[str, ...] = ()  # launched by the optimizer step
+        else:
+            deps = (f"fwd{hook - 1}",) if hook else before_forward
         fresh = costs.alloc(full[j]) if stage == 3 else 0.0  # stage 3 gathers into storage allocated again
         comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + fresh, deps, j)
     for b in range(n):
