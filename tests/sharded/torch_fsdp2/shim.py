@@ -153,7 +153,10 @@ class _ShimModule(FSDPModule):
         shim = self._commlab_shim
         if shim["busy"] or (shim["wrapper"] is None and not self._is_root()):
             return super().named_parameters(*args, **kwargs)
-        return _wrapped_root(self)._commlab_shim["wrapper"].named_parameters(*args, **kwargs)
+        # The wrapper's parameters are the root's own (DTensor shards in the modules' slots), so
+        # wrapping is all it takes; asking the wrapper would come back here through its module.
+        _wrapped_root(self)
+        return super().named_parameters(*args, **kwargs)
 
     def parameters(self, recurse: bool = True):
         for _, p in self.named_parameters(recurse=recurse):
