@@ -15,8 +15,10 @@ master copy). The paper's example, Psi = 7.5e9 and N = 64 in mixed precision: 12
 and 1.9 GB.
 
 :func:`bucket_memory` adds what the model leaves out for a concrete bucket layout: the padding,
-the gathered buckets a stage-3 rank holds while ``prefetch`` all-gathers are in flight, and the
-full gradient bucket a reduce-scatter reads from.
+the rank-major buffers of the all-gathers in flight, and the full gradient buckets a reduce-scatter
+reads from. They are not all held at once: stages 1-2 gather after the optimizer step, when
+neither activations nor a gradient bucket being filled exist (``after_step``), stage 3 gathers
+in forward and backward beside them (``gathered``).
 """
 
 from __future__ import annotations
@@ -72,21 +74,30 @@ def zero_memory(
 class BucketMemory:
     """The transient terms of a concrete bucket layout, bytes per rank.
 
-    ``gathered``: full (padded) parameter buckets held at once besides what the model counts: at
-    stage 3 the bucket in use plus ``prefetch`` buckets being gathered ahead, plus one more for the
-    copy-out (an all-gather's rank-major buffer and the parameters it is copied into coexist); at
-    stages 1-2, which keep the replica, the rank-major buffers of the ``1 + prefetch`` all-gathers
-    in flight after a step. The largest buckets: an upper bound. ``reduce_scatter``: the full gradient buckets held at once (stages 2 and 3): the one a
+    ``gathered`` (stage 3): full (padded) parameter buckets held in forward and backward besides
+    what the model counts: the bucket in use plus ``prefetch`` buckets being gathered ahead. (The
+    copy-out briefly holds a bucket twice, its rank-major buffer and its parameters, but that
+    buffer is gone before the bucket's gradients arrive, which the reduce-scatter term counts.)
+    ``after_step`` (stages 1-2, which keep the replica and gather
+    right after the optimizer step, commlab/sharded/engine.py step 6): the rank-major buffers of
+    the ``1 + prefetch`` all-gathers then in flight, and, for an algorithm that needs an input of
+    its own (``input_copy``: the backend's all-gather, whose input must not alias its output,
+    commlab/sharded/flat_bucket.py launch_gather), a shard-sized copy for each. With ``staged``
+    (Gloo's all-gather, which gathers into a flat tensor of its own and then copies it out:
+    measured, docs/measurements.md) every all-gather in flight holds its bucket once more. The
+    largest buckets: an upper bound.
+    ``reduce_scatter``: the full gradient buckets held at once (stages 2 and 3): the one a
     reduce-scatter reads from and the next one filling, as the engine keeps one reduce-scatter in
     flight (torch's fully_shard default); the two largest, an upper bound. Stage 1 keeps every
     gradient bucket, which the model counts already.
-    ``padding``: what padding adds to the sharded terms of the model (the replica and stage 1's
-    gradient buffer are unpadded).
+    ``padding``: what padding adds to the sharded terms of the model for the rank holding the most
+    rows (rank 0 holds a full padded piece of every parameter; the replica is unpadded).
     """
 
     gathered: int
     reduce_scatter: int
     padding: int
+    after_step: int = 0
 
 
 def bucket_memory(
@@ -97,6 +108,8 @@ def bucket_memory(
     element_size: int = 4,
     optimizer_bytes: int = 8,
     unpadded_numels: Sequence[int] | None = None,
+    input_copy: bool = True,
+    staged: bool = False,
 ) -> BucketMemory:
     """Transient and padding bytes for buckets of these padded sizes (see :class:`BucketMemory`)."""
     if prefetch < 0:
@@ -106,11 +119,32 @@ def bucket_memory(
         raise ValueError("bucket_memory is for stages 1-3 (stage 0, DDP, has no sharded buckets)")
     sizes = sorted((int(n) for n in padded_numels), reverse=True)
     window = sum(sizes[: prefetch + 1])
-    gathered = (window + sizes[0] if zero.parameters else window) * element_size
+    # Staged, a gather in flight holds its buffer and Gloo's; once waited for, the buffer and the
+    # parameters it is copied into. Stage 3's bucket in use is done with both, so its gradients
+    # arrive beside the ``prefetch`` gathers ahead (at most the largest): those hold twice.
+    # Stages 1-2 launch all 1 + prefetch at once after the step.
+    ahead = sum(sizes[:prefetch]) if staged else 0
+    gathered = (window + ahead) * element_size if zero.parameters else 0
+    staging = window if staged else 0
+    after_step = 0 if zero.parameters else (window + staging + (window // world_size if input_copy else 0)) * element_size
     reduce_scatter = sum(sizes[:2]) * element_size if zero.gradients else 0
     pad = sum(padded_numels) - (sum(unpadded_numels) if unpadded_numels is not None else sum(padded_numels))
     # Padding elements are sharded like the rest: per rank, pad / N of each sharded kind.
     per_rank_pad = pad / world_size
     params, grads = (element_size if zero.parameters else 0), (element_size if zero.gradients else 0)
     sharded = optimizer_bytes + grads + params
-    return BucketMemory(gathered, reduce_scatter, int(round(per_rank_pad * sharded)))
+    return BucketMemory(gathered, reduce_scatter, int(round(per_rank_pad * sharded)), after_step)
+
+
+# Parameter-sized temporaries an optimizer's step holds at once, by its state bytes per parameter
+# (commlab/runs/optimizers.py's K): Adam and AdamW (8) compute the square root of the second
+# moment, then its quotient, before the update (torch/optim/adam.py's single-tensor path, the
+# default for CPU tensors); SGD with or without momentum (4, 0) updates in place. On CUDA torch's
+# default is the multi-tensor path, which holds one temporary for every parameter at once: not
+# modelled.
+STEP_TEMPORARIES = {0: 0, 4: 0, 8: 2}
+
+
+def step_temporaries(optimizer_bytes: float) -> int:
+    """How many temporaries of the largest parameter (or of its shard) the optimizer's step holds."""
+    return STEP_TEMPORARIES.get(int(optimizer_bytes), 0)

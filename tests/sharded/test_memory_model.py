@@ -24,17 +24,25 @@ def test_each_stage_shards_one_more_kind():
 def test_bucket_terms():
     # Buckets of 6, 4 and 10 padded elements (8, 4, 9 real), fp32, 2 ranks.
     b = bucket_memory([6, 4, 10], 2, 3, prefetch=1, unpadded_numels=[5, 4, 9])
-    # The two largest gathered, and the largest once more for the copy-out; the two largest
-    # full gradient buckets.
-    assert b.gathered == (10 + 6 + 10) * 4 and b.reduce_scatter == (10 + 6) * 4
+    # The two largest gathered (the one in use, one ahead); the two largest full gradient buckets.
+    assert b.gathered == (10 + 6) * 4 and b.reduce_scatter == (10 + 6) * 4
     # 2 padding elements, half per rank, each sharded as parameter + gradient + Adam state.
     assert b.padding == 1 * (4 + 4 + 8)
-    assert bucket_memory([6, 4, 10], 2, 3, prefetch=0).gathered == 80
-    assert bucket_memory([6, 4, 10], 2, 3, prefetch=5).gathered == 120
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=0).gathered == 40
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=5).gathered == 80
+    # Gloo's all-gather stages through a flat copy: each gather in flight holds its bucket twice,
+    # the one ahead of the bucket in use (at most the largest) at stage 3.
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=1, staged=True).gathered == (10 + 6 + 10) * 4
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=0, staged=True).gathered == 10 * 4
     b1 = bucket_memory([6, 4, 10], 2, 1, prefetch=1, unpadded_numels=[5, 4, 9])
-    # Stage 1: the rank-major buffers of the 1 + prefetch all-gathers after a step; no
-    # reduce-scatter; the replica is unpadded, the Adam state sharded.
-    assert (b1.gathered, b1.reduce_scatter) == ((10 + 6) * 4, 0)
+    # Stage 1: nothing gathered in forward or backward (the replica stays), no reduce-scatter; after
+    # the step the rank-major buffers of the 1 + prefetch all-gathers then in flight and, for the
+    # backend's all-gather, a shard-sized input copy of each; the replica is unpadded, the Adam
+    # state sharded.
+    assert (b1.gathered, b1.reduce_scatter, b1.after_step) == (0, 0, (10 + 6 + (10 + 6) // 2) * 4)
+    assert bucket_memory([6, 4, 10], 2, 2, prefetch=0, input_copy=False).after_step == 10 * 4
+    assert bucket_memory([6, 4, 10], 2, 2, prefetch=0, staged=True).after_step == (10 + 10 + 5) * 4
+    assert bucket_memory([6, 4, 10], 2, 3, prefetch=1).after_step == 0  # stage 3 gathers in forward
     assert b1.padding == 1 * 8
 
 

@@ -21,7 +21,7 @@ def synthetic_entry(**over):
                         model_args="depth=2,width=64", batch_per_rank=32)
     e = {"key": key, "created": time.time(),
          "params": {"nbytes": nbytes, "ready_order": list(reversed(range(n))),
-                    "signature": prof.param_signature(nbytes, shapes)},
+                    "signature": prof.param_signature(nbytes, shapes), "rows": [s[0] for s in shapes]},
          "compute": {"forward_s": 0.002, "ready_s": [0.001 * (j + 1) for j in range(n)], "optimizer_s": 0.0005,
                      "nosync_s": 0.008, "writeback_s_per_byte": 1e-9, "bucket_fixed_s": 1e-4, "corun": 1.1},
          "contention": {"native": {"kc": 0.5, "km": 0.2}},

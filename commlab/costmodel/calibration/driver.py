@@ -171,7 +171,9 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "key": key,
         "created": time.time(),
         "params": {"nbytes": nbytes, "ready_order": ddp["ready_order"],
-                   "signature": cache.param_signature(nbytes, shapes)},
+                   "signature": cache.param_signature(nbytes, shapes),
+                   # dim 0 of each: the sharded wrapper pads every parameter's rows to the world size
+                   "rows": [s[0] if s else 1 for s in shapes]},
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
                     "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,

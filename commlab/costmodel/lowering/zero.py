@@ -25,8 +25,7 @@ Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "al
 algorithm, world) tables, and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
 faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
 shards. Not modelled: buckets the root module uses itself (the engine keeps
-them gathered), the copy-out of the parameters after each all-gather, the padding of each
-parameter's rows (``padded_bytes`` pads the bucket: at most N - 1 rows per parameter more), the gathers of no_sync
+them gathered), the copy-out of the parameters after each all-gather, the gathers of no_sync
 micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
 """
 
@@ -85,18 +84,23 @@ class ShardedCosts:
     world_size: int
     activation_bytes: int = 0  # what the profile says the forward keeps for backward (0: unknown)
     fresh: Callable[[int], float] | None = None  # bytes allocated anew and written once -> seconds
+    algorithm: str = "native"  # the backend's collectives need an input apart from their output
+    rows: tuple[int, ...] | None = None  # each parameter's dim 0, module order (None: not calibrated)
+    staged_gather: bool = False  # the all-gather copies through a flat buffer of its own (Gloo's)
 
     def alloc(self, nbytes: float) -> float:
         return self.fresh(int(nbytes)) if self.fresh is not None and nbytes > 0 else 0.0
 
 
 def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
-                  activation_bytes: int = 0, fresh: Callable[[int], float] | None = None) -> ShardedCosts:
+                  activation_bytes: int = 0, fresh: Callable[[int], float] | None = None,
+                  rows: Sequence[int] | None = None, backend: str | None = None) -> ShardedCosts:
     """ValueError if the system lacks an all-reduce, reduce-scatter or all-gather table for them."""
     return ShardedCosts(step_costs(system, profile, algorithm, world_size, activation_bytes),
                         system.collective("reduce_scatter", algorithm, world_size),
                         system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes),
-                        fresh)
+                        fresh, algorithm, None if rows is None else tuple(int(r) for r in rows),
+                        staged_gather=algorithm == "native" and backend == "gloo")
 
 
 def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[int]]:
@@ -109,10 +113,13 @@ def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[i
 
 
 def padded_bytes(costs: ShardedCosts, buckets: Sequence[Sequence[int]]) -> list[int]:
-    """Each bucket's flat buffer, padded to a multiple of the world size (commlab/sharded/layout.py)."""
-    w = costs.world_size
-    numels = [sum(costs.step.param_nbytes[p] for p in b) // ELEMENT for b in buckets]
-    return [-(-n // w) * w * ELEMENT for n in numels]
+    """Each bucket's rank-major buffer: every parameter's rows padded to a multiple of the world
+    size (commlab/sharded/layout.py). Without the parameters' rows (a calibration made before they
+    were recorded) each bucket is padded as one flat vector: low by up to N - 1 rows a parameter."""
+    w, nbytes = costs.world_size, costs.step.param_nbytes
+    if costs.rows is None:
+        return [-(-sum(nbytes[p] for p in b) // (w * ELEMENT)) * w * ELEMENT for b in buckets]
+    return [sum(-(-costs.rows[p] // w) * w * (nbytes[p] // costs.rows[p]) for p in b) for b in buckets]
 
 
 def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> list[Task]:
@@ -226,25 +233,39 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
 
 def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
     """Predicted peak bytes per rank: the ZeRO model in fp32 with ``setting.optimizer_bytes`` of
-    optimizer state (commlab/sharded/memory_model.py), plus bucket_memory's transient and padding
-    terms (stage 3 without reshard holds every gathered bucket), plus the largest parameter's
-    gradient as autograd makes it (before the copy into its bucket), plus the profile's activations
-    (what autograd saves in one forward, commlab/costmodel/calibration/sharded.py; 0 in a calibration
-    made without them). Left out: the allocator's caching and fragmentation, the forward's
-    transient tensors that are not saved, the temporaries of the optimizer's step and of the
-    collectives (a p2p algorithm's send/receive chunks)."""
-    from commlab.sharded.memory_model import bucket_memory, zero_memory  # lazy: commlab.sharded imports torch
+    optimizer state (commlab/sharded/memory_model.py) and bucket_memory's padding, held throughout,
+    plus the largest of three moments' transients: inside forward and backward (stage 3's
+    gathered buckets, every one without reshard; the full gradient buckets of the reduce-scatters;
+    the largest parameter's gradient as autograd makes it, before the copy into its bucket; the
+    profile's activations, what autograd saves in one forward, commlab/costmodel/calibration/sharded.py,
+    0 in a calibration made without them), the optimizer's step (its temporaries, of the largest
+    parameter's shard) and after it (stages 1-2: the all-gathers then in flight). Left out: the
+    allocator's caching and fragmentation, the forward's transient tensors that are not saved, the
+    first activations of a stage 1-2 forward beside its last all-gathers, a reduction's own
+    temporaries, a p2p algorithm's chunks."""
+    from commlab.sharded.memory_model import bucket_memory, step_temporaries, zero_memory  # lazy: imports torch
 
     w, k = costs.world_size, setting.optimizer_bytes
     full = padded_bytes(costs, buckets)
     unpadded = [sum(costs.step.param_nbytes[p] for p in b) // ELEMENT for b in buckets]
     base = zero_memory(sum(unpadded), w, setting.stage, "fp32", optimizer_bytes=k).total
-    m = bucket_memory([f // ELEMENT for f in full], w, setting.stage, setting.prefetch, ELEMENT, int(k), unpadded)
+    m = bucket_memory([f // ELEMENT for f in full], w, setting.stage, setting.prefetch, ELEMENT, int(k), unpadded,
+                      input_copy=costs.algorithm == "native", staged=costs.staged_gather)
     gathered = sum(full) if setting.zero.parameters and not setting.reshard else m.gathered
     # autograd's own .grad of a parameter lives until the hook has copied it into the bucket: the
     # largest parameter's bytes at once (DDP's peak counts every .grad already)
     transient = max(costs.step.param_nbytes, default=0)
-    return int(base + gathered + m.reduce_scatter + m.padding + costs.activation_bytes + transient)
+    during = gathered + m.reduce_scatter + costs.activation_bytes + transient
+    step = step_temporaries(k) * largest_shard_bytes(costs)
+    return int(base + m.padding + max(m.after_step, during, step))
+
+
+def largest_shard_bytes(costs: ShardedCosts) -> int:
+    """Bytes of the largest parameter's piece on the rank holding the most rows (ceil(rows / N))."""
+    nbytes, w = costs.step.param_nbytes, costs.world_size
+    if costs.rows is None:
+        return -(-max(nbytes, default=0) // w)
+    return max((-(-r // w) * (n // r) for n, r in zip(nbytes, costs.rows)), default=0)
 
 
 def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:

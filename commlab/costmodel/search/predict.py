@@ -91,7 +91,8 @@ def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> Sh
     fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
                          activation_bytes=entry["compute"].get("activation_bytes", 0),
-                         fresh=cost_from_entry(fresh) if fresh else None)
+                         fresh=cost_from_entry(fresh) if fresh else None, rows=entry["params"].get("rows"),
+                         backend=entry["key"].get("backend"))
 
 
 def knob(cfg: Any, name: str) -> Any:
@@ -145,11 +146,16 @@ def ddp_columns(costs: StepCosts, world_size: int, optimizer_bytes: float = 0.0)
     ``optimizer_bytes`` of optimizer state per parameter (commlab/runs/optimizers.py: 0 for plain
     SGD, 8 for Adam), plus DDP's bucket buffers (a second copy of the gradients: the
     default gradient_as_bucket_view=False writes clones back, commlab/ddp/bucket.py as torch's
-    reducer), plus the profile's activations; and the all-reduce's 2 (N-1)/N of the gradients sent."""
+    reducer), plus the larger of the profile's activations (backward) and the optimizer step's
+    temporaries of the largest parameter (commlab/sharded/memory_model.py's step_temporaries); and
+    the all-reduce's 2 (N-1)/N of the gradients sent."""
+    from commlab.sharded.memory_model import step_temporaries  # lazy: commlab.sharded imports torch
+
     total = sum(costs.param_nbytes)
     sent = int(round(comm_bytes([("all_reduce", total)], world_size)))
     state = int(optimizer_bytes * total / 4)  # fp32: total / 4 parameters
-    return {"peak_bytes": 3 * total + state + costs.activation_bytes, "comm_bytes": sent,
+    step = step_temporaries(optimizer_bytes) * max(costs.param_nbytes, default=0)
+    return {"peak_bytes": 3 * total + state + max(costs.activation_bytes, step), "comm_bytes": sent,
             "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
 
 

@@ -3,6 +3,8 @@
 No processes, no calibration: costs are written by hand.
 """
 
+import dataclasses
+
 import pytest
 
 from commlab.costmodel.lowering.ddp import DDPSetting, StepCosts, breakdown, simulate_step
@@ -82,11 +84,16 @@ def test_peak_bytes_fall_with_the_stage_and_comm_bytes_follow_the_standard_accou
     peaks = {s: run(c, stage=s, prefetch=0, optimizer_bytes=8)[2]["peak_bytes"] for s in (1, 2, 3)}
     ddp = ddp_columns(c.step, 4)["peak_bytes"] + 2 * total  # + Adam's 8 bytes per 4-byte parameter
     assert ddp > peaks[1] > peaks[2] > peaks[3]
-    # stage 3, prefetch 0: p+g+K sharded (16 / 4 bytes per parameter) + one gathered bucket and its
-    # copy-out (the all-gather's rank-major buffer beside the parameters) + two full gradient
-    # buckets (one reduce-scatter in flight while the next bucket fills) + autograd's gradient of the
-    # largest parameter before its copy into the bucket
-    assert peaks[3] == 4 * MIB + 2 * MIB + 2 * MIB + MIB
+    # stage 3, prefetch 0: p+g+K sharded (16 / 4 bytes per parameter) + one gathered bucket + two
+    # full gradient buckets (one reduce-scatter in flight while the next bucket fills) + autograd's
+    # gradient of the largest parameter before its copy into the bucket (the copy-out's rank-major
+    # buffer is gone by then)
+    assert peaks[3] == 4 * MIB + MIB + 2 * MIB + MIB
+    # Gloo's all-gather stages each bucket in flight through a copy of its own: one bucket more
+    # with a gather ahead, none without (the bucket in use is gathered before its gradients come)
+    staged = dataclasses.replace(c, staged_gather=True)
+    assert run(staged, stage=3, prefetch=0, optimizer_bytes=8)[2]["peak_bytes"] == peaks[3]
+    assert run(staged, stage=3, prefetch=1, optimizer_bytes=8)[2]["peak_bytes"] == peaks[3] + 2 * MIB
     assert run(c, stage=3, prefetch=2, optimizer_bytes=8)[2]["peak_bytes"] == peaks[3] + 2 * MIB
     sent = {s: run(c, stage=s)[2]["comm_bytes"] for s in (1, 2, 3)}
     assert sent == {1: 3 * total * 3 // 4, 2: 2 * total * 3 // 4, 3: 3 * total * 3 // 4}
@@ -95,7 +102,15 @@ def test_peak_bytes_fall_with_the_stage_and_comm_bytes_follow_the_standard_accou
 
 def test_buckets_are_padded_to_the_world_size_and_settings_are_checked():
     c = costs(world=3, param_nbytes=(40, 4, 4, 4))  # 10 + 1 + 1 + 1 elements
-    assert padded_bytes(c, [[0], [1, 2, 3]]) == [12 * 4, 3 * 4]
+    assert padded_bytes(c, [[0], [1, 2, 3]]) == [12 * 4, 3 * 4]  # rows unknown: each bucket as one vector
+    # With the rows, every parameter's rows are padded as the wrapper's layout pads them: the
+    # layout itself is the oracle (shapes (5, 2), (1,), (1,), (1,) at world size 3: 6 + 3 x 3 rows)
+    from commlab.sharded.layout import shard_layout
+
+    shapes = [(5, 2), (1,), (1,), (1,)]
+    rows = dataclasses.replace(c, rows=tuple(sh[0] for sh in shapes))
+    want = [shard_layout([shapes[p] for p in b], 3).padded * 4 for b in ([0], [1, 2, 3])]
+    assert padded_bytes(rows, [[0], [1, 2, 3]]) == want == [12 * 4, 9 * 4]
     for bad in (dict(stage=0), dict(stage=4), dict(prefetch=-1), dict(bucket_cap_mb=0)):
         with pytest.raises(ValueError):
             ShardedSetting(**bad)
