@@ -120,6 +120,7 @@ class ShardedDataParallel(nn.Module):
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
         self._swap = ParamSwap(module, [pair for b in buckets for pair in zip(b.params, b.sharded)])
         self._engine.handles += self._swap.install(module)
+        self._engine.handles += self._swap.install_within(m for ms in plan.owners for m in ms if m is not module)
         shard_ids = {id(dp) for b in buckets for dp in b.sharded}
         # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
         guard = arguments.optimizer_guard(self, sharded, shard_ids)

@@ -78,3 +78,31 @@ class ParamSwap:
         self.to_sharded()
         return [root.register_forward_pre_hook(before, prepend=True),
                 root.register_forward_hook(after, always_call=True)]
+
+    def install_within(self, modules) -> list:
+        """Hooks on each of ``modules`` that give it the whole tensors for a forward that runs while
+        the slots hold the shards: outside the root's forward, a submodule called on its own or
+        recomputed in backward by activation checkpointing (fully_shard's pre-forward hook
+        unshards every unit the same way). Returns their handles."""
+        handles = []
+        for module in {id(m): m for m in modules}.values():
+            inside = {id(m) for m in module.modules()}
+            mine = [e for e in self.entries if id(e[0]) in inside]
+            swapped: list[bool] = []  # per call in progress: did it swap (calls nest by recursion)
+
+            def before(mod, args, mine=mine, swapped=swapped):
+                # The slots' own state, not the flag: an enclosing unit may have swapped them already.
+                now = self.sharded and any(m._parameters[name] is shard for m, name, _, shard in mine)
+                if now:
+                    for m, name, whole, _ in mine:
+                        m._parameters[name] = whole
+                swapped.append(now)
+
+            def after(mod, args, output, mine=mine, swapped=swapped):
+                if swapped.pop():
+                    for m, name, _, shard in mine:
+                        m._parameters[name] = shard
+
+            handles += [module.register_forward_pre_hook(before, prepend=True),
+                        module.register_forward_hook(after, always_call=True)]
+        return handles

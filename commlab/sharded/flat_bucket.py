@@ -155,6 +155,12 @@ class FlatBucket:
                     dp.grad = as_dtensor(piece, self.mesh, p)
                 else:
                     dp.grad.to_local().add_(piece)
+                # Autograd never accumulates into the DTensor (the forward computes on the whole
+                # tensor), so its post-accumulate-grad hooks run here, on the reduced rows, as
+                # fully_shard runs them after its reduce-scatter (_fsdp_collectives.py): an
+                # optimizer stepped in backward sees the averaged gradient.
+                for hook in (getattr(dp, "_post_accumulate_grad_hooks", None) or {}).values():
+                    hook(dp)
         self.reduced = None
         if self.stage != 1:
             self.grad_buffer = None

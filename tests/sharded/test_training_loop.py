@@ -45,6 +45,13 @@ def test_gpt_loop_with_groups_clipping_and_scaler_equals_fully_shard(world):
                 assert r["scaled_diff"] <= 1e-4, (rank, stage, r["scaled_diff"])
         # The model's own names, shapes and tied parameter, as DTensor Shard(0) rows = torch.chunk's.
         assert all(result["stages"][3]["representation"].values()), result["stages"][3]["representation"]
+        # Activation checkpointing runs each block's forward again in backward, outside the root's
+        # forward: it computes on the whole tensors there too (before, on the DTensor shards: an error).
+        # Optimizer-in-backward: each parameter's post-accumulate-grad hook steps it with the
+        # averaged rows of its gradient (before, the hooks on the DTensors never ran).
+        for case in ("checkpointing", "optimizer_in_backward"):
+            for stage, diff in result[case].items():
+                assert diff == 0.0 if size == 2 else diff <= 1e-5, (case, rank, stage, diff)
         rule = result["optimizer_rule"]
         assert rule["refused"].startswith("ValueError") and "optimizer.elementwise = True" in rule["refused"]
         assert rule["unchanged"] and rule["after_opt_in"] == "no error"

@@ -91,13 +91,7 @@ def _representation(ours: ShardedDataParallel, theirs: nn.Module, plain: nn.Modu
 
 
 def _fully_shard(model: nn.Module) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    return _fully_shard_units(model, list(model.layers))
 
 
 def _optimizer_rule() -> dict:
@@ -115,6 +109,91 @@ def _optimizer_rule() -> dict:
     unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, ours.parameters()))
     opt.elementwise = True
     return {"refused": refused, "unchanged": unchanged, "after_opt_in": error_of(opt.step)}
+
+
+class _Checkpointed(nn.Module):
+    """Three blocks, run under activation checkpointing unless told not to: backward runs each
+    block's forward again, after the root's forward has put the DTensor shards back in the slots."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        torch.manual_seed(1)
+        self.checkpointed = checkpointed
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.out(x)
+
+
+def _checkpointing() -> dict:
+    """Each stage against fully_shard (a unit per block) over 3 steps of SGD with momentum: the
+    largest difference of this rank's rows, relative to the tensor's largest value."""
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * dist.get_rank() + step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 1)).backward()
+            opt.step()
+        return {n: p.to_local().detach() for n, p in model.named_parameters()}
+
+    base = _Checkpointed()
+    theirs = train(_fully_shard_units(base, list(base.blocks)))
+    out = {}
+    for stage in (1, 2, 3):
+        model = _Checkpointed()
+        mine = train(ShardedDataParallel(model, stage=stage, units=list(model.blocks)))
+        out[stage] = _largest_difference(mine, theirs)
+    return out
+
+
+def _optimizer_in_backward() -> dict:
+    """An optimizer per parameter stepped by its post-accumulate-grad hook (the optimizer-in-backward
+    pattern) over 3 steps, each stage against fully_shard: the largest relative difference."""
+
+    def train(model):
+        opts = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+        def step(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        for i in range(3):
+            g = torch.Generator().manual_seed(10 * dist.get_rank() + i)
+            nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 1)).backward()
+        return {n: p.to_local().detach() for n, p in model.named_parameters()}
+
+    base = _Checkpointed(checkpointed=False)
+    theirs = train(_fully_shard_units(base, list(base.blocks)))
+    out = {}
+    for stage in (1, 2, 3):
+        model = _Checkpointed(checkpointed=False)
+        mine = train(ShardedDataParallel(model, stage=stage, units=list(model.blocks)))
+        out[stage] = _largest_difference(mine, theirs)
+    return out
+
+
+def _largest_difference(mine: dict, theirs: dict) -> float:
+    """Of this rank's rows, relative to each tensor's largest value."""
+    return max((mine[n] - t).abs().max().item() / max(t.abs().max().item(), 1e-30) for n, t in theirs.items() if t.numel())
+
+
+def _fully_shard_units(model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def run() -> dict:
@@ -140,4 +219,6 @@ def run() -> dict:
             "tied_in_state_dict": torch.equal(full["head.weight"], full["tok.weight"]),
         }
     out["optimizer_rule"] = _optimizer_rule()
+    out["checkpointing"] = _checkpointing()
+    out["optimizer_in_backward"] = _optimizer_in_backward()
     return out
