@@ -19,7 +19,8 @@ Contract, and what is not supported:
   ``optimizer.elementwise = True`` (commlab/sharded/arguments.py says why), LBFGS and SparseAdam
   are refused.
 - Every trainable parameter must receive a gradient in every backward (else a RuntimeError at
-  the end of backward), and stage 3 needs each parameter used inside the forward of a module
+  the end of backward); which parameters train is fixed at construction (requires_grad changed
+  later: a ValueError at the next forward), and stage 3 needs each parameter used inside the forward of a module
   that holds it, of its unit, or of a module holding another parameter of its bucket (else a
   RuntimeError naming the fix: nn.MultiheadAttention reads its out_proj's weight itself, so a
   bucket size that separates them needs units).
@@ -119,6 +120,9 @@ class ShardedDataParallel(nn.Module):
             self._engine.free(range(len(buckets)))
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
         self._swap = ParamSwap(module, [pair for b in buckets for pair in zip(b.params, b.sharded)])
+        names = {id(p): n for n, p in zip(self.param_names, params)}
+        self._requires_grad = [(names[id(p)], dp, True) for b in buckets for p, dp in zip(b.params, b.sharded)]
+        self._requires_grad += [(n, p, False) for n, p in module.named_parameters() if id(p) not in sharded]
         self._engine.handles += self._swap.install(module)
         self._engine.handles += self._swap.install_within(m for ms in plan.owners for m in ms if m is not module)
         shard_ids = {id(dp) for b in buckets for dp in b.sharded}
@@ -130,6 +134,12 @@ class ShardedDataParallel(nn.Module):
             weakref.finalize(self, post.remove)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        changed = [name for name, p, trained in self._requires_grad if p.requires_grad != trained]
+        if changed:
+            # The buckets, shards and gradient hooks hold the trainable parameters of construction:
+            # a parameter frozen since would go on training, one unfrozen would stay as it was.
+            raise ValueError(f"requires_grad changed after wrapping for {changed}: ShardedDataParallel fixes the "
+                             "trainable parameters when it is built; set requires_grad before wrapping (or wrap again)")
         self._engine.before_forward()
         try:
             return self.module(*args, **kwargs)

@@ -197,6 +197,14 @@ def test_optimizer_over_unsharded_parameters_is_refused_at_its_first_step(world2
         assert errors["module_called_directly"]
 
 
+@pytest.mark.slow
+def test_requires_grad_changed_after_wrapping_is_refused_at_the_next_forward(world2, world3):
+    for result in [*world2, *world3]:
+        for case, error in result["requires_grad_changed"].items():
+            assert error.startswith("ValueError") and "requires_grad" in error, (case, error)
+            assert case.split("-")[1] in error and "before wrapping" in error, (case, error)
+
+
 # --- bad input, refused before any process group is needed ------------------------------------
 
 

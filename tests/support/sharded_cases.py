@@ -247,6 +247,23 @@ def _no_grad_forward_gathered() -> int:
     return ours.memory().gathered
 
 
+def requires_grad_changed() -> dict:
+    """Freezing a trained parameter, or unfreezing a frozen one, after wrapping: the buckets and
+    shards were fixed at construction, so the next forward says so on every rank (before, the
+    frozen one went on training and the unfrozen one stayed as it was, silently)."""
+    out = {}
+    for stage in (1, 2, 3):
+        for name, frozen in (("a.weight", False), ("b.bias", True)):
+            ours = ShardedDataParallel(Net(frozen=frozen), stage=stage, bucket_cap_mb=SPLIT_MB)
+            opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+            _train(ours, opt, 1, 1)
+            param = dict(ours.named_parameters())[name]
+            param.requires_grad_(frozen)
+            x, y = _data(1)
+            out[f"s{stage}-{name}"] = error_of(lambda: nn.functional.mse_loss(ours(x), y).backward())
+    return out
+
+
 def run_world2() -> dict:
     warnings.simplefilter("ignore", FutureWarning)
     cases = {}
@@ -278,6 +295,7 @@ def run_world2() -> dict:
             "s2-split": transformer(2, bucket_cap_mb=0.0005),
         },
         "state": {stage: state_dicts(stage) for stage in (1, 2, 3)},
+        "requires_grad_changed": requires_grad_changed(),
         "optimizer": misuse(),  # last: it leaves a failed backward behind
     }
 
@@ -289,7 +307,8 @@ def run_world3() -> dict:
         cases[f"s{stage}-split"] = against_ddp(stage, bucket_cap_mb=SPLIT_MB)
         cases[f"s{stage}-units"] = against_ddp(stage, units=True, prefetch=2)
         cases[f"s{stage}-no_sync"] = against_ddp(stage, "adamw", micro=2)
-    return {"cases": cases, "fully_shard": against_fully_shard(), "state": {3: state_dicts(3)}}
+    return {"cases": cases, "fully_shard": against_fully_shard(), "state": {3: state_dicts(3)},
+            "requires_grad_changed": requires_grad_changed()}
 
 
 def run_ring() -> dict:
