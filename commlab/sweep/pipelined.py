@@ -151,7 +151,7 @@ class PipelineTrainer:
 
 def prepare(cfg, rt, workload) -> PipelineTrainer:
     """This rank's pipeline for ``cfg`` (inside the process group; every rank calls it)."""
-    from commlab.ddp import DistributedDataParallel
+    from commlab import DistributedDataParallel
     from commlab.pipeline.runtime.executor import PipelineExecutor
     from commlab.pipeline.runtime.hybrid import DataParallelStage
     from commlab.runs.config import optimizer_of
