@@ -54,17 +54,25 @@ class _Head(nn.Module):
 
 
 def pieces(name: str, model: nn.Module) -> nn.Sequential:
-    """``model`` as an nn.Sequential of the pieces a pipeline may cut between, sharing its modules."""
+    """``model`` as an nn.Sequential of the pieces a pipeline may cut between, sharing its modules.
+    A layer without parameters (the MLP's ReLU) stays with the layer before it: a stage of it
+    alone would have nothing to train, and its rank no optimizer."""
     if name == "gpt":
         return nn.Sequential(_Embed(model), *model.layers, _Head(model))
-    if name == "mlp" and isinstance(model, nn.Sequential):
-        return model
-    raise ValueError(f"--model {name}: a sweep pipelines the built-in {' or '.join(MODELS)} only")
+    if name != "mlp" or not isinstance(model, nn.Sequential):
+        raise ValueError(f"--model {name}: a sweep pipelines the built-in {' or '.join(MODELS)} only")
+    groups: list[list[nn.Module]] = []
+    for layer in model:
+        if groups and not any(True for _ in layer.parameters()):
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+    return nn.Sequential(*(g[0] if len(g) == 1 else nn.Sequential(*g) for g in groups))
 
 
 def stage_balance(seq: nn.Sequential, pp: int) -> list[int]:
-    """Pieces per stage, the largest stage's parameter count made as small as it can be. One
-    element more per piece, so that pieces without parameters (ReLU) still weigh something."""
+    """Pieces per stage, the largest stage's parameter count made as small as it can be (one
+    more per piece, so that every piece weighs something)."""
     from commlab.pipeline.runtime.partition import partition
 
     return partition([1 + sum(p.numel() for p in piece.parameters()) for piece in seq], pp)
@@ -88,7 +96,6 @@ def check_pipeline(cfg) -> None:
         REGISTRY[cfg.schedule].check(cfg.pp, cfg.microbatches, 1)
     except ValueError as err:
         raise ValueError(f"{where} --microbatches {cfg.microbatches}: {err}") from None
-    torch.manual_seed(0)
     seq = pieces(cfg.model, build_workload(cfg.model, **cfg.model_kwargs()).model)
     if cfg.pp > len(seq):
         raise ValueError(f"{where}: --model {cfg.model} --model-args {cfg.model_args or '(defaults)'} has "
@@ -109,39 +116,40 @@ class PipelineTrainer:
     inputs: Any  # on the first stage's ranks, else None
     target: Any  # on the last stage's ranks, else None
     tensor_parallel: Any = None  # the module commlab.tensor.parallelize returned (tp > 1)
-    compute: list = field(default_factory=list)  # per step: action -> seconds, of the synchronised pipeline step
+    compute: list = field(default_factory=list)  # per step, per pipeline step in it: action -> seconds
 
     def now(self) -> float:
         from commlab.runtime.timer import WallClock
 
         return WallClock(self.rt.device).stamp()
 
-    def _pipeline_step(self) -> float:
+    def _pipeline_step(self, compute: list) -> float:
         from commlab.tensor.timing import start_iteration
 
         if self.tensor_parallel is not None:  # one tensor-parallel iteration per pipeline step
             start_iteration(self.tensor_parallel)
         self.pipe.step(self.inputs, target=self.target)
+        compute.append({t.action: t.end - t.start for t in self.pipe.timeline})
         return self.pipe.p2p_seconds
 
     def step(self, label=lambda name: nullcontext()) -> dict[str, float]:
         """One optimizer step (``label`` names its phases when profiling); its seconds."""
         from commlab.pipeline.schedule.actions import FORWARD
 
-        start, p2p = self.now(), 0.0
+        start, p2p, compute = self.now(), 0.0, []
         with self.stages.no_sync():
             for _ in range(self.cfg.accumulate - 1):
                 with label("commlab:no_sync pipeline step"):
-                    p2p += self._pipeline_step()
+                    p2p += self._pipeline_step(compute)
         synced = self.now()
         with label("commlab:pipeline step (with the gradient all-reduce)"):
-            p2p += self._pipeline_step()
+            p2p += self._pipeline_step(compute)
         pipeline_end = self.now()
         with label("commlab:optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         end = self.now()
-        self.compute.append({t.action: t.end - t.start for t in self.pipe.timeline})
+        self.compute.append(compute)
         forward = sum(t.end - t.start for t in self.pipe.timeline if t.action.kind == FORWARD)
         backward = sum(t.end - t.start for t in self.pipe.timeline if t.action.kind != FORWARD)
         return {"forward": forward, "backward_compute": backward, "total": pipeline_end - synced,
@@ -216,11 +224,12 @@ def measure_steps(trainer: PipelineTrainer) -> tuple[list, list, dict[str, float
 
 def replayed_idle(trainer: PipelineTrainer) -> list[float]:
     """Per timed step, this rank's bubble: its idle seconds when the schedule is replayed on the
-    simulator with every pipeline rank's measured compute times of that step and free messages
-    (:func:`commlab.pipeline.schedule.simulate.simulate`). The measured waits hold it and the
+    simulator with every pipeline rank's measured compute times and free messages, summed over
+    the step's pipeline steps (:func:`commlab.pipeline.schedule.simulate.simulate`). The measured waits hold it and the
     messages' own time; the replay tells them apart. Collective over the pipeline group."""
     import torch.distributed as dist
 
+    from commlab.pipeline.schedule.actions import flatten
     from commlab.pipeline.schedule.registry import build
     from commlab.pipeline.schedule.simulate import simulate
 
@@ -228,6 +237,13 @@ def replayed_idle(trainer: PipelineTrainer) -> list[float]:
     gathered: list = [None] * stages.ranks
     dist.all_gather_object(gathered, trainer.compute, group=stages.group)
     actions = build(cfg.schedule, cfg.pp, cfg.microbatches, 1)
-    # Zero default times: every action has its measured time, and none may be invented.
-    return [simulate(actions, 0.0, 0.0, durations={a: sec for rank in gathered for a, sec in rank[k].items()})
-            .idle[stages.rank] for k in range(len(trainer.compute))]
+    everything = {a for rank in flatten(actions) for a in rank}
+    idle = []
+    for k, step in enumerate(trainer.compute):
+        idle.append(0.0)
+        for j in range(len(step)):
+            durations = {a: sec for rank in gathered for a, sec in rank[k][j].items()}
+            if set(durations) != everything:  # an action without its measured time would be priced as nothing
+                raise RuntimeError(f"the pipeline ranks timed {len(durations)} actions of the schedule's {len(everything)}")
+            idle[-1] += simulate(actions, 0.0, 0.0, durations=durations).idle[stages.rank]
+    return idle

@@ -4,6 +4,7 @@ before any process, the model's pieces and their balance, the figure's pipeline 
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -15,7 +16,9 @@ from commlab.cli import main
 from commlab.models import build_workload
 from commlab.runs.grid import build_grid, merge
 from commlab.sweep import figaxes, runner
-from commlab.sweep.pipelined import pieces, stage_balance
+from commlab.pipeline.schedule.actions import FORWARD
+from commlab.pipeline.schedule.registry import build
+from commlab.sweep.pipelined import pieces, replayed_idle, stage_balance
 
 TINY_GPT = "d_model=32,heads=2,layers=2,vocab=64,seq=16"
 
@@ -52,7 +55,7 @@ def test_bad_pipeline_layouts_are_value_errors(options, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model-args", "depth=1,width=8", "--pp", "4", "--dp", "1"], "has 3 pieces to cut between, so at most 3 stages"),
+    (["--model-args", "depth=2,width=8", "--pp", "4", "--dp", "1"], "has 3 pieces to cut between, so at most 3 stages"),
     (["--model", "transformer", "--pp", "2", "--dp", "1"], "use --model mlp or gpt"),
     (["--pp", "2", "--dp", "1", "--schedule", "zb-h1"], "a sweep runs gpipe, 1f1b"),
     (["--pp", "2", "--dp", "1", "--schedule", "nope"], "--schedule nope: unknown"),
@@ -76,8 +79,12 @@ def test_the_gpts_pieces_compute_the_gpt():
     torch.testing.assert_close(seq(tokens), workload.model(tokens), rtol=0, atol=0)
     # The pieces share the GPT's parameters (the pipeline trains the model itself).
     assert {id(p) for p in seq.parameters()} == {id(p) for p in workload.model.parameters()}
+    # The MLP's ReLUs stay with their Linear layers: every piece has parameters to train.
     mlp = build_workload("mlp", depth=2, width=8).model
-    assert pieces("mlp", mlp) is mlp
+    seq = pieces("mlp", mlp)
+    assert [len(list(piece.children())) for piece in seq] == [2, 2, 0] and seq[2] is mlp[4]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(seq(x), mlp(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="mlp or gpt only"):
         pieces("transformer", build_workload("transformer", layers=1, d_model=16, heads=2, seq=4, vocab=16).model)
 
@@ -97,6 +104,24 @@ def test_stages_balance_parameters_as_well_as_any_cut(model, sizes, pp):
     every_cut = [[b - a for a, b in zip((0, *cuts), (*cuts, len(seq)))]
                  for cuts in itertools.combinations(range(1, len(seq)), pp - 1)]
     assert largest(balance) == min(largest(c) for c in every_cut)
+
+
+def test_the_bubble_is_the_replayed_idle_time_of_every_pipeline_step(monkeypatch):
+    # Uniform stages (forward 1, backward 2) under 1F1B, p = 2, m = 4: the closed form's bubble
+    # (p - 1) / (m + p - 1) of a (m + p - 1) x 3 step is 3 s idle on each rank, per pipeline step.
+    ranks, m = 2, 4
+    per_rank = [[[{a: 1.0 if a.kind == FORWARD else 2.0 for a in actions} for _ in range(accumulate)]
+                 for accumulate in (1, 2)] for actions in build("1f1b", ranks, m, 1)]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), per_rank))
+    expected = (ranks - 1) / (m + ranks - 1) * (m + ranks - 1) * 3.0
+    for rank in range(ranks):
+        trainer = SimpleNamespace(cfg=SimpleNamespace(schedule="1f1b", pp=ranks, microbatches=m), compute=per_rank[rank],
+                                  stages=SimpleNamespace(ranks=ranks, group=None, rank=rank))
+        assert replayed_idle(trainer) == pytest.approx([expected, 2 * expected])
+    per_rank[1][0][0].popitem()  # an action without its time: refused, not priced as nothing
+    with pytest.raises(RuntimeError, match="timed 15 actions of the schedule's 16"):
+        replayed_idle(trainer)
 
 
 def test_axis_figure_splits_the_pipelines_waits_into_bubble_and_messages():
