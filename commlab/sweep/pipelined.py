@@ -1,8 +1,9 @@
-"""A sweep configuration with pipeline stages (pp > 1): the model cut into stages over commlab DDP, timed per step.
+"""A configuration with pipeline stages (pp > 1): the model cut into stages over commlab DDP, timed per step.
 
-The built-in MLP is an nn.Sequential already; the GPT becomes one of its own modules (embeddings,
-blocks, norm and head), so that tensor parallelism's plan (``commlab.tensor.gpt_plan``, by the
-GPT's names) applies first and the pipeline then cuts the split blocks, as the 3D tests do. Stages
+The built-in MLP is cut between its Linear layers (each with its ReLU); the GPT becomes an
+nn.Sequential of its own modules (embeddings, blocks, norm and head), so that tensor parallelism's
+plan (``commlab.tensor.gpt_plan``, by the GPT's names) applies first and the pipeline then cuts
+the split blocks, as the 3D tests do. Stages
 hold about equal parameter counts (:func:`stage_balance`, a pure function of the model's sizes,
 the same on every rank and in the check before any rank starts). Each stage's ``dp`` replicas
 are kept in sync by commlab DDP (:class:`commlab.pipeline.runtime.hybrid.DataParallelStage`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -81,7 +83,6 @@ def stage_balance(seq: nn.Sequential, pp: int) -> list[int]:
 def check_pipeline(cfg) -> None:
     """ValueError, before any rank starts, for what a sweep cannot pipeline: the model, the
     schedule, its micro-batch count, more stages than pieces."""
-    from commlab.models import build_workload
     from commlab.pipeline.schedule.registry import REGISTRY
 
     where = f"--pp {cfg.pp}"
@@ -96,10 +97,18 @@ def check_pipeline(cfg) -> None:
         REGISTRY[cfg.schedule].check(cfg.pp, cfg.microbatches, 1)
     except ValueError as err:
         raise ValueError(f"{where} --microbatches {cfg.microbatches}: {err}") from None
-    seq = pieces(cfg.model, build_workload(cfg.model, **cfg.model_kwargs()).model)
-    if cfg.pp > len(seq):
+    count = _piece_count(cfg.model, cfg.model_args)
+    if cfg.pp > count:
         raise ValueError(f"{where}: --model {cfg.model} --model-args {cfg.model_args or '(defaults)'} has "
-                         f"{len(seq)} pieces to cut between, so at most {len(seq)} stages")
+                         f"{count} pieces to cut between, so at most {count} stages")
+
+
+@lru_cache(maxsize=None)
+def _piece_count(model: str, model_args: str) -> int:  # built once per model and sizes, however many layouts
+    from commlab.models import build_workload
+    from commlab.runs.options import parse_model_args
+
+    return len(pieces(model, build_workload(model, **parse_model_args(model_args)).model))
 
 
 @dataclass
