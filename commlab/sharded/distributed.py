@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
@@ -160,6 +161,14 @@ class ShardedDataParallel(nn.Module):
         (commlab/sharded/dparams.py), frozen ones as they are (replicated)."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_children(self):
+        """The module's children: the wrapper's tree is its module's, so torch's helpers that walk
+        it (torch.distributed.checkpoint.state_dict's parameter names) see the module's names."""
+        return self.module.named_children()
+
     @contextmanager
     def _whole(self) -> Iterator[None]:
         """The module's slots hold the whole tensors inside (state dicts read and write them)."""
@@ -186,23 +195,60 @@ class ShardedDataParallel(nn.Module):
         return self
 
     # --- state --------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The wrapped module's full state dict (keys as the unwrapped module's). Stage 3 and a
-        stepped stage 1-2 gather: every rank must call it."""
-        if args or kwargs:
-            raise ValueError("ShardedDataParallel.state_dict() takes no arguments; it gives the full module state dict")
-        with self._whole():
-            return state.full_state_dict(self.module, self._engine)
+    def __getattr__(self, name: str) -> Any:
+        # The wrapper answers for its module (as fully_shard's module is the model itself), so
+        # torch's helpers that walk a state dict's names from the root (torch.distributed.
+        # checkpoint.state_dict's FQN lookup) find them.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The module's state dict in its own keys: trainable parameters as this rank's DTensor
+        shards (what ``fully_shard``'s state dict holds, so ``torch.distributed.checkpoint`` saves
+        each rank's piece), buffers and frozen parameters as they are. No collective here; at
+        stages 1-2 the next forward all-gathers the replica from the shards (loaded in place or not)."""
+        # Nothing in flight may write the shards' storage once handed out (dcp.load fills it in
+        # place), and at stages 1-2 the next forward gathers the replica from them again.
+        self._engine.settle(drain=True)
+        self._engine.stale = self.stage < 3
+        return self.module.state_dict(*args, **kwargs)
+
+    def full_state_dict(self, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+        """The whole module's state dict, gathered one tensor at a time by torch's own helper
+        (``get_model_state_dict`` with ``full_state_dict=True``); with ``cpu_offload`` on CPU and on
+        rank 0 only (the others get an empty dict). A collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
 
     def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
-    ) -> None:
-        """Load a full module state dict (every rank the same); missing or unexpected keys or a
-        wrong shape raise ValueError before anything changes."""
-        if not strict or assign:
-            raise ValueError("ShardedDataParallel.load_state_dict supports strict=True, assign=False only")
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a sharded state dict (DTensor shards on this wrapper's mesh, as :meth:`state_dict`
+        gives or ``dcp.load`` fills) or a full one (every rank the same values; missing or
+        unexpected keys or a wrong shape raise ValueError before anything changes)."""
+        if assign:
+            raise ValueError("ShardedDataParallel.load_state_dict copies into its shards: assign=True is not supported")
+        if any(isinstance(v, DTensor) for v in state_dict.values()):
+            # The values first: a state dict from state_dict() shares the shards' storage (as
+            # dcp.load fills it), and at stages 1-2 an all-gather still in flight (launched by an
+            # optimizer step, such as the one torch's set_state_dict runs to create the state)
+            # would copy the old replica over them when it is waited for.
+            values = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+            self._engine.settle(drain=True)
+            result = self.module.load_state_dict(values, strict=strict)  # copies into the shards
+            self._engine.after_step()  # stages 1-2: the replicas gathered from the loaded shards
+            return result
+        if not strict:
+            raise ValueError("a full state dict loads with strict=True only")
         with self._whole():
             state.load_full_state_dict(self.module, self._engine, state_dict)
+        return None
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """``optimizer``'s state (built over ``self.parameters()``) as the same optimizer over the

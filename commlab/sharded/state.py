@@ -1,8 +1,8 @@
-"""Full (unsharded) module state dicts from and into the shards.
+"""A full (unsharded) module state dict into the shards.
 
-``full_state_dict`` gathers every bucket (a collective: every rank calls it) and returns the
-module's own state dict, as the unwrapped module would give it. ``load_full_state_dict`` needs no
-collective: every rank is given the same full values and keeps its own shard of them.
+``load_full_state_dict`` needs no collective: every rank is given the same full values and keeps
+its own shard of them. (The other way, torch's ``get_model_state_dict`` gathers the DTensor shards
+one tensor at a time: ShardedDataParallel.full_state_dict.)
 """
 
 from __future__ import annotations
@@ -13,14 +13,6 @@ import torch
 from torch import nn
 
 from commlab.sharded.engine import ShardedEngine
-
-
-def full_state_dict(module: nn.Module, engine: ShardedEngine) -> dict[str, torch.Tensor]:
-    freed = engine.gather_all()
-    try:
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
-    finally:
-        engine.free(freed)
 
 
 def check_keys(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -105,7 +105,7 @@ def _train(topo, schedule: str, dp: str, vocab: bool, sp: bool) -> dict:
         params = {n: p.detach().clone() for n, p in stage.named_parameters()}
     else:
         params = {f"{names[id(z.module)]}.{k}": v for s in sorted(stage.modules) for z in stage.sharded_layers(s)
-                  for k, v in z.state_dict().items()}  # fmt: skip
+                  for k, v in z.full_state_dict().items()}  # fmt: skip
     return {"losses": losses, "params": {n: (v, splits[n]) for n, v in params.items() if n in splits}}
 
 

@@ -77,7 +77,7 @@ def against_ddp(
 
     _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, at_end_of_step)
     _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None)
-    result = _diff(ours.state_dict(), theirs.module.state_dict())
+    result = _diff(ours.full_state_dict(), theirs.module.state_dict())
     result["buckets"] = ours.bucket_names
     result["memory"] = memory
     result["memory_after_zero_grad"] = _memory(ours, opt_o)["measured"]
@@ -143,7 +143,7 @@ def against_fully_shard() -> dict:
     _train(ours, opt_o, STEPS, 1)
     _train(theirs, opt_t, STEPS, 1)
     full = {k: v.full_tensor().detach() for k, v in theirs.state_dict().items()}
-    return _diff(ours.state_dict(), full)
+    return _diff(ours.full_state_dict(), full)
 
 
 def transformer(stage: int, **kw) -> bool:
@@ -163,7 +163,7 @@ def transformer(stage: int, **kw) -> bool:
             nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
             opt.step()
             opt.zero_grad()
-    return _diff(ours.state_dict(), theirs.module.state_dict())["exact"]
+    return _diff(ours.full_state_dict(), theirs.module.state_dict())["exact"]
 
 
 def state_dicts(stage: int) -> dict:
@@ -172,7 +172,7 @@ def state_dicts(stage: int) -> dict:
     ours = ShardedDataParallel(base, stage=stage, bucket_cap_mb=SPLIT_MB)
     opt = OPTIMIZERS["adam"](ours.parameters())
     _train(ours, opt, 2, 1)
-    sd = ours.state_dict()
+    sd = ours.full_state_dict()
     plain = Net()
     plain.load_state_dict(sd)  # loads into the unsharded model
     x, _ = _data(99)
@@ -181,7 +181,7 @@ def state_dicts(stage: int) -> dict:
     torch.manual_seed(50 + dist.get_rank())
     other = ShardedDataParallel(Net(), stage=stage, bucket_cap_mb=SPLIT_MB)
     other.load_state_dict(sd)
-    again = other.state_dict()
+    again = other.full_state_dict()
     bad = dict(sd)
     bad["extra"] = bad.pop("a.bias")
     return {

@@ -210,7 +210,7 @@ def run() -> dict:
         diff = {n: (mine["local"][n] - theirs["local"][n]).abs().max().item() /
                 max(theirs["local"][n].abs().max().item(), 1e-30) if theirs["local"][n].numel() else 0.0
                 for n in theirs["local"]}
-        full = ours.state_dict()
+        full = ours.full_state_dict()
         out["stages"][stage] = {
             "norms": mine["norms"], "scales": mine["scales"], "losses": mine["losses"],
             "scaled_diff": max(diff.values()), "exact": all(torch.equal(mine["local"][n], theirs["local"][n])

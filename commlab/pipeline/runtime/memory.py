@@ -30,7 +30,8 @@ class SavedBytes:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        # a DTensor (a ZeRO layer's parameter shard) has no storage of its own: its local piece's
+        self._exclude = {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in exclude}
         self.tensors: dict[int, int] = {}  # storage pointer -> bytes
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
