@@ -12,8 +12,9 @@ whole parameter's meaning while holding a piece.
 Computation runs on the whole tensors (views into the bucket's gathered buffer). The root
 module's forward pre-hook puts them in the modules' parameter slots, its forward hook puts the
 DTensors back, as fully_shard swaps ``to_unsharded``/``to_sharded``; autograd keeps what the
-forward saved, so backward needs no swap. A tied parameter is one parameter held by several
-modules: every slot holding it is swapped.
+forward saved, so backward needs no swap. A unit's forward that runs outside the root's (called
+on its own, or again in backward by activation checkpointing) swaps its own slots around itself.
+A tied parameter is one parameter held by several modules: every slot holding it is swapped.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    them: every bucket's all-gather is queued (step 6's window).
 2. A forward pre-hook on each module that uses bucket b (its unit, or the modules holding its
    parameters) waits for b's all-gather, then copies the gathered rank-major buffer out into
-   the parameters (commlab/sharded/copies.py). Stage 3 first launches the all-gathers of b and
-   of the ``prefetch`` buckets after it that are not gathered; the copy-out fills storage
-   allocated again for them.
+   the parameters (commlab/sharded/copies.py). Stage 3 first launches the all-gathers of b and of
+   the ``prefetch`` buckets after it not gathered; the copy-out fills storage allocated again.
 3. Stage 3 with ``reshard_after_forward``: a forward post-hook frees b (storage resized to 0)
    once every module using it has run, except buckets the root module uses itself (needed again
    at once, as torch's fully_shard keeps its root unsharded). The same hook puts a gradient hook on
@@ -26,10 +25,9 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
 6. The user's optimizer steps the shards. Stages 1-2: a step post-hook of an optimizer that holds
    every shard queues every bucket's all-gather and launches the first ``1 + prefetch`` of them,
    so that they overlap whatever the training loop does before the next forward (zero_grad, the
-   next batch); waiting for one (step 2) launches the next. A window, not all at once: each
-   all-gather in flight holds a rank-major copy of its bucket until its copy-out. The values sent are the stepped shards; a shard changed after the
-   step in place (not through an optimizer step) reaches the other ranks only with the next
-   step's gather. Stage 3 gathers nothing here (its forward does).
+   next batch); waiting for one (step 2) launches the next (a window: each holds a rank-major copy
+   of its bucket until its copy-out). A shard changed in place after the step, not by an
+   optimizer, reaches the other ranks with the next step's gather. Stage 3 gathers here nothing.
 
 Inside ``no_sync()`` step 4 only counts: gradients accumulate, full size, in the module's
 parameters' .grad, and the next synchronised backward reduces the sum.
@@ -141,6 +139,8 @@ class ShardedEngine:
 
     def free(self, bs: Sequence[int]) -> None:
         for b in bs:
+            if b in self.gathers:  # prefetched for a module that did not run (a unit called on its own)
+                self._wait_gather(b)
             if self.buckets[b].gathered:
                 self.buckets[b].free()
 

@@ -208,6 +208,9 @@ def misuse() -> dict:
         "unrelated": error_of(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1).step),
         # Every rank leaves the same parameter unused: each raises instead of waiting forever.
         "unused": error_of(lambda: nn.functional.mse_loss(ShardedDataParallel(WithUnused(), stage=3)(x), y).backward()),
+        # A unit run on its own at stage 3 prefetches the next unit's bucket, which no module then
+        # waits for: the end of backward waits for it before freeing, then refuses as above.
+        "unit_alone": error_of(lambda: _unit_alone(x)),
         "gathered_after_no_grad_forward": _no_grad_forward_gathered(),
         # One parameter per bucket: attention's out_proj weight is read by its parent's forward.
         "outside_its_module": error_of(lambda: transformer(3, bucket_cap_mb=1e-6)),
@@ -225,6 +228,12 @@ def _collected() -> tuple[bool, int]:
     del ours
     gc.collect()
     return ref() is None, during - before, len(_global_optimizer_pre_hooks) - before
+
+
+def _unit_alone(x) -> None:
+    net = Net()
+    ShardedDataParallel(net, stage=3, units=[net.a, net.b, net.head], prefetch=1)
+    net.a(x).sum().backward()
 
 
 def _module_called_directly() -> bool:
