@@ -121,6 +121,7 @@ class ShardedDataParallel(nn.Module):
             self._engine.free(range(len(buckets)))
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
         self._swap = ParamSwap(module, [pair for b in buckets for pair in zip(b.params, b.sharded)])
+        self._whole_by_shard = {id(shard): whole for b in buckets for whole, shard in zip(b.params, b.sharded)}
         names = {id(p): n for n, p in zip(self.param_names, params)}
         self._requires_grad = [(names[id(p)], dp, True) for b in buckets for p, dp in zip(b.params, b.sharded)]
         self._requires_grad += [(n, p, False) for n, p in module.named_parameters() if id(p) not in sharded]
@@ -160,6 +161,11 @@ class ShardedDataParallel(nn.Module):
         """The module's own parameters, names and shapes: DTensor shards for the trainable ones
         (commlab/sharded/dparams.py), frozen ones as they are (replicated)."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def whole_of(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole tensor forward computes with (autograd's leaf) for one of the module's DTensor
+        shards; any other tensor (a frozen parameter) as it is."""
+        return self._whole_by_shard.get(id(shard), shard)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)

@@ -174,6 +174,13 @@ class _ShardedLayer(nn.Module):
         self.layer = sharded.module
         object.__setattr__(self, "sharded", sharded)  # not a submodule: its parameters are the shards
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # The whole tensors forward computes with, not the module's DTensor shards that sit in its
+        # slots between forwards: a split backward (W) asks autograd for their gradients.
+        for name, p in self.layer.named_parameters(prefix=f"{prefix}.layer" if prefix else "layer",
+                                                   remove_duplicate=remove_duplicate):
+            yield name, self.sharded.whole_of(p)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.sharded(*args, **kwargs)
 
