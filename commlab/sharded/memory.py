@@ -71,7 +71,7 @@ def measure(engine: ShardedEngine, frozen: list[torch.Tensor], optimizer=None) -
         for dp in sharded:
             state.extend(_local(v) for v in optimizer.state.get(dp, {}).values() if isinstance(v, torch.Tensor))
     return ShardedMemory(
-        parameter_shards=sum(b.layout.shard_size * b.element_size for b in buckets),
+        parameter_shards=sum(b.layout.shard_size * b.dtypes.master.itemsize for b in buckets),
         gathered=storage_bytes(fulls),
         parameters=storage_bytes([*shards, *fulls]),
         gradients=storage_bytes(grads),

@@ -16,9 +16,16 @@ from commlab.sharded.engine import ShardedEngine
 
 
 def full_state_dict(module: nn.Module, engine: ShardedEngine) -> dict[str, torch.Tensor]:
+    """Under mixed precision the gathered parameters are the compute copies: the values given
+    are the master shards', gathered whole (a DTensor all-gather, in state dict order on every rank)."""
+    masters = {id(p): dp for b in engine.buckets if b.dtypes.mixed for p, dp in zip(b.params, b.sharded)}
     freed = engine.gather_all()
     try:
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out = {}
+        for k, v in module.state_dict(keep_vars=True).items():
+            dp = masters.get(id(v))
+            out[k] = (dp.full_tensor() if dp is not None else v).detach().clone()
+        return out
     finally:
         engine.free(freed)
 
