@@ -19,7 +19,7 @@ buckets may follow a size cap, which fully_shard's units cannot.
 
 from commlab.sharded.distributed import ShardedDataParallel
 from commlab.sharded.memory import ShardedMemory, track_memory
-from commlab.sharded.memory_model import StageMemory, bucket_memory, zero_memory
+from commlab.sharded.memory_model import StageMemory, bucket_memory, mixed_precision_memory, zero_memory
 from commlab.sharded.precision import MixedPrecision
 from commlab.sharded.timing import CollectiveTiming, ShardedIterationTiming
 
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedMemory",
     "StageMemory",
     "bucket_memory",
+    "mixed_precision_memory",
     "track_memory",
     "zero_memory",
 ]

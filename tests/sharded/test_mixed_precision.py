@@ -17,6 +17,7 @@ from torch import nn
 
 import commlab
 from commlab.sharded import MixedPrecision, ShardedDataParallel
+from commlab.sharded.memory_model import mixed_precision_memory, zero_memory
 from commlab.sharded.precision import BucketDtypes, bucket_dtypes, cast_inputs, resolve
 from tests.support import sharded_mp_cases as cases
 
@@ -63,6 +64,21 @@ def test_cast_inputs_casts_floating_tensors_only():
     assert cast_inputs(MixedPrecision(BF16, cast_forward_inputs=False), (x,), {})[0][0].dtype == FP32
 
 
+def test_mixed_precision_memory_against_the_papers_k12():
+    psi, n = 1e6, 4
+    paper = {s: zero_memory(psi, n, s, "mixed").total for s in (1, 2, 3)}  # p = g = 2, K = 12
+    # Adam (8 bytes of moments) beside a 4-byte master: the paper's K = 12.
+    ours = {s: mixed_precision_memory(psi, n, s, 8, reduce_bytes=2) for s in (1, 2, 3)}
+    assert ours[3].total == paper[3] == 16 * psi / n  # no 16-bit shard kept, the gradient shard in fp32
+    assert ours[2].total == paper[2] + 2 * psi / n
+    # Stage 1: the full bf16 gradient, plus its rows cast to fp32 for the optimizer.
+    assert ours[1].gradients == 2 * psi + 4 * psi / n and ours[1].parameters == 2 * psi + 4 * psi / n
+    # fp32 reductions: stage 1 keeps the full reduced gradient in fp32, and gives views of it.
+    assert mixed_precision_memory(psi, n, 1, 8, reduce_bytes=4).gradients == 4 * psi
+    with pytest.raises(ValueError):
+        mixed_precision_memory(psi, n, 0)
+
+
 @pytest.fixture(scope="module")
 def results():
     return commlab.launch(cases.run, world_size=2, backend="gloo", timeout=600)
@@ -89,3 +105,6 @@ def test_bf16_params_fp32_reductions_equal_fully_shard(results):
                 reduction = "all_reduce" if stage == 1 else "reduce_scatter"
                 assert r["wire_bytes"] == {"all_gather": [2.0], reduction: [4.0]}, (where, r["wire_bytes"])
                 assert r["state_dict_is_master"], where
+        # What memory(opt) reads from the live tensors is the mixed-precision memory model's.
+        for key, m in result["memory"].items():
+            assert m["measured"] == m["model"], (rank, key, m)

@@ -127,9 +127,34 @@ def _compare(make, policy) -> dict:
     return out
 
 
+def _memory() -> dict:
+    """Bytes held after a step of Adam (memory(opt)), each stage, on a model of even rows (no
+    padding), against commlab's mixed-precision memory model, fp32 and bf16 reductions."""
+    from commlab.sharded.memory_model import mixed_precision_memory
+
+    out = {}
+    for reduce in (FP32, BF16):
+        for stage in (1, 2, 3):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False))
+            kw = {"units": [model[0], model[2]]} if stage == 3 else {"bucket_cap_mb": 0.0005}
+            ours = ShardedDataParallel(model, stage=stage, mixed_precision=MixedPrecision(BF16, reduce), **kw)
+            opt = torch.optim.Adam(ours.parameters(), lr=1e-3)
+            ours(torch.randn(4, 16)).float().sum().backward()
+            opt.step()
+            held = ours.memory(opt)
+            steps = sum(st["step"].untyped_storage().nbytes() for st in opt.state.values())  # Adam's counters
+            model_ = mixed_precision_memory(512, dist.get_world_size(), stage, reduce_bytes=reduce.itemsize)
+            out[(str(reduce), stage)] = {
+                "measured": (held.parameters, held.gradients, held.optimizer - steps),
+                "model": (model_.parameters, model_.gradients, model_.optimizer),
+            }
+    return out
+
+
 def run() -> dict:
     policy_torch = __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).MixedPrecisionPolicy(
         param_dtype=BF16, reduce_dtype=FP32)
     # The MLP through commlab's own policy, the GPT through torch's object: both are accepted.
     return {"mlp": _compare(_mlp, MixedPrecision(param_dtype=BF16, reduce_dtype=FP32)),
-            "gpt": _compare(_gpt, policy_torch)}
+            "gpt": _compare(_gpt, policy_torch), "memory": _memory()}
