@@ -105,6 +105,8 @@ def test_bf16_params_fp32_reductions_equal_fully_shard(results):
                 reduction = "all_reduce" if stage == 1 else "reduce_scatter"
                 assert r["wire_bytes"] == {"all_gather": [2.0], reduction: [4.0]}, (where, r["wire_bytes"])
                 assert r["state_dict_is_master"], where
+                # load_state_dict writes the fp32 masters, and the compute copies are their bf16 casts.
+                assert r["load"] == {"rows": True, "output": True}, (where, r["load"])
         # What memory(opt) reads from the live tensors is the mixed-precision memory model's.
         for key, m in result["memory"].items():
             assert m["measured"] == m["model"], (rank, key, m)

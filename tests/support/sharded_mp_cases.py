@@ -95,6 +95,22 @@ def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else full[:0]
 
 
+def _load(ours: ShardedDataParallel, full: dict, make) -> dict:
+    """Load changed fp32 values: this rank's master rows are theirs, and the next forward computes
+    on their bf16 casts, as the unwrapped model cast to bf16 does."""
+    changed = {k: v + 0.01 for k, v in full.items()}
+    ours.load_state_dict(changed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = make()
+    plain.load_state_dict(changed)
+    plain.to(BF16)
+    x, _ = _batch(plain, STEPS)
+    with torch.no_grad():
+        same_output = torch.equal(ours(x), plain(x.to(BF16) if x.is_floating_point() else x))
+    rows = all(torch.equal(p.to_local(), _rows(changed[n], rank, world)) for n, p in ours.named_parameters())
+    return {"rows": rows, "output": same_output}
+
+
 def _compare(make, policy) -> dict:
     theirs = _train(_fully_shard(make, FP32), make())
     bf16_reduce = _train(_fully_shard(make, BF16), make())
@@ -123,6 +139,7 @@ def _compare(make, policy) -> dict:
                 for n, v in full.items() if n in mine["local"]
             ),
             "dtensors": all(isinstance(p, DTensor) for p in ours.parameters()),
+            "load": _load(ours, full, make),
         }
     return out
 
