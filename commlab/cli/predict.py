@@ -71,8 +71,10 @@ def _plan(spec_file, options, *, hardware: str | None = None):
     spec = sweep_cli._read_spec(spec_file)
     try:
         plan = build_grid(merge(spec, {k: v for k, v in options.items() if k not in _RUN_ONLY and k != "draw"}))
-        if any(cfg.tp > 1 for cfg in plan.configs):  # priced as DDP it would be silently wrong
-            raise ValueError("--tp > 1: predict and tune price data-parallel grids only (tp = 1); sweep tensor layouts")
+        for axis in ("tp", "pp"):  # priced as DDP it would be silently wrong
+            if any(getattr(cfg, axis) > 1 for cfg in plan.configs):
+                raise ValueError(f"--{axis} > 1: predict and tune price data-parallel grids only (tp = pp = 1); "
+                                 "sweep tensor and pipeline layouts")
         if hardware is None:
             runner.check_grid(plan)
         else:

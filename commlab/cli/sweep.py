@@ -5,6 +5,7 @@
     commlab sweep sweeps/bucket_size.yaml              a paper figure's spec (options override it)
     commlab sweep sweeps/smoke.yaml --resume           continue a killed sweep
     commlab sweep --model gpt --tp 1,2 --world-size 2  tensor x data parallel layouts
+    commlab sweep --model gpt --tp 1,2 --pp 1,2 --dp 1 tensor x pipeline layouts
     commlab figures results/reference                  redraw every figure from the CSVs
     commlab trace results/reference --config ID        one configuration as a Chrome trace
 """
@@ -34,7 +35,9 @@ _LIST = "comma-separated list"
 @click.option("--backend", help=f"{_LIST}: gloo, nccl [gloo]")
 @click.option("--world-size", help=f"{_LIST} of process counts (the paper's GPU axis) [2]")
 @click.option("--tp", help=f"{_LIST}: tensor-parallel sizes (commlab.tensor, --model gpt) [1]")
-@click.option("--pp", help=f"{_LIST}: pipeline stages (1 only, for now) [1]")
+@click.option("--pp", help=f"{_LIST}: pipeline stages (--model mlp or gpt, over commlab DDP) [1]")
+@click.option("--microbatches", help=f"{_LIST}: pipeline micro-batches per step, with --pp > 1 [2 x pp]")
+@click.option("--schedule", help=f"{_LIST}: pipeline schedules of one stage per rank: gpipe, 1f1b, zb-h1 [1f1b]")
 @click.option("--dp", help=f"{_LIST}: data-parallel sizes; the world size is then tp x pp x dp [world size / (tp x pp)]")
 @click.option("--algorithm", help=f"{_LIST} of all-reduce algorithms (commlab.collectives) [native]")
 @click.option("--overlap", type=click.Choice(["on", "off", "both"]), help="overlap comm with backward [both]")

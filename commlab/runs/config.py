@@ -62,11 +62,16 @@ DEFAULTS: dict[str, Any] = {
     "tp": "1",
     "pp": "1",
     "dp": None,
+    # Pipeline micro-batches per step (None: 2 x pp, enough for 1F1B to reach its steady state)
+    # and the schedule (commlab.pipeline's registry); both mean something with pp > 1 only.
+    "microbatches": None,
+    "schedule": "1f1b",
 }
 # The configuration fields added after results existed, with the value every older record holds;
 # left out of the id at that value, so older results keep their ids (and --resume them).
 LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True,
-                                "optim": DEFAULT_OPTIMIZER, "tp": 1, "pp": 1}
+                                "optim": DEFAULT_OPTIMIZER, "tp": 1, "pp": 1,
+                                "microbatches": 1, "schedule": "1f1b"}
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
 
@@ -99,6 +104,8 @@ class Config:
     optim: str = DEFAULT_OPTIMIZER
     tp: int = 1  # tensor-parallel group size (innermost: ranks r and r + 1 share a group)
     pp: int = 1  # pipeline stages
+    microbatches: int = 1  # pipeline micro-batches per step (1 with one stage)
+    schedule: str = "1f1b"  # the pipeline's schedule (a name of commlab.pipeline's registry)
 
     @property
     def dp(self) -> int:
@@ -124,6 +131,7 @@ class Config:
             f"-p{self.prefetch}-{'rs' if self.reshard else 'nors'}" if self.stage == 3 else "")
         optimizer = "" if "optim" not in settings else f"-{self.optim}"
         layout = "" if self.tp == self.pp == 1 else f"-tp{self.tp}-pp{self.pp}-dp{self.dp}"
+        layout += f"-m{self.microbatches}-{self.schedule}" if self.pp > 1 else ""
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
             f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}{optimizer}{layout}-{digest}"

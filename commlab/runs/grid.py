@@ -97,6 +97,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
                             optimizer_value, "optimizer")
     prefetches = parse_list(o["prefetch"], non_negative_int, "prefetch")
     reshards = overlap_values(o["reshard"], "reshard")
+    # None: 2 x pp micro-batches, chosen per layout below.
+    microbatches = [None] if o.get("microbatches") is None else parse_list(o["microbatches"], positive_int, "microbatches")
+    schedules = parse_list(o.get("schedule") or DEFAULTS["schedule"], lambda t, _: t.lower(), "schedule")
     if not all(parse_stage(s).ddp for s in stages) and policies != [DEFAULTS["bucket_policy"]]:
         raise ValueError("--bucket-policy applies to stage 0 (DDP) only; ShardedDataParallel sizes its own buckets")
     if nnodes > 1 and launcher != "torchrun":
@@ -107,9 +110,19 @@ def build_grid(options: dict[str, Any]) -> Grid:
     configs: dict[Config, None] = {}  # ordered, without the duplicates the collapsed axes make
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small. The sharded axes go outside them.
-    for (model, backend, (world, tp, pp, dp), thread, algo, group, acc, policy, optimizer, stage, prefetch, reshard,
-         bucket, overlap) in itertools.product(models, backends, layouts, threads, algorithms, groups, accumulates,
-                                               policies, optimizers, stages, prefetches, reshards, buckets, overlaps):
+    for (model, backend, (world, tp, pp, dp), micro, schedule, thread, algo, group, acc, policy, optimizer, stage,
+         prefetch, reshard, bucket, overlap) in itertools.product(models, backends, layouts, microbatches, schedules,
+                                                                  threads, algorithms, groups, accumulates, policies,
+                                                                  optimizers, stages, prefetches, reshards, buckets,
+                                                                  overlaps):
+        if pp == 1:  # no pipeline: one micro-batch, no schedule
+            micro, schedule = LATER_FIELDS["microbatches"], LATER_FIELDS["schedule"]
+        elif micro is None:
+            micro = 2 * pp
+        if pp > 1 and stage:
+            raise ValueError(f"--pp {pp} --stage {stage}: a pipeline's stages are kept in sync by commlab DDP "
+                             "(--stage 0) in a sweep; ZeRO under a pipeline shards each layer apart, and its "
+                             "timings are not gathered into sweep rows")
         if not parse_stage(stage).parameters:  # prefetch and reshard gather parameters: stage 3's only
             prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
         if not parse_stage(stage).ddp:  # ShardedDataParallel always overlaps, on one process group
@@ -128,9 +141,13 @@ def build_grid(options: dict[str, Any]) -> Grid:
         else:
             per_rank = positive_int(str(o["batch_per_rank"]), "batch_per_rank")
             global_batch = per_rank * dp
+        if per_rank % micro:
+            named = "" if o.get("microbatches") is not None else " (the default, 2 x --pp)"
+            raise ValueError(f"--microbatches {micro}{named} does not divide the batch of {per_rank} sample(s) per "
+                             f"data-parallel replica (--pp {pp}, {dp} replica(s)): pick a divisor")
         configs[Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
                        scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard,
-                       optimizer, tp, pp)] = None
+                       optimizer, tp, pp, micro, schedule)] = None
     return Grid(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)
 
@@ -143,10 +160,6 @@ def layout_sizes(world_size, tps: list[int], pps: list[int], dp) -> list[tuple[i
     """
     if world_size is None and dp is None:
         raise ValueError("--world-size needs a value")
-    for pp in pps:
-        if pp > 1:
-            raise ValueError(f"--pp {pp}: pipeline stages in a sweep are not supported yet (the worker "
-                             "runs no pipeline); measure pipelines with `commlab pipeline`, and sweep with --pp 1")
     worlds = None if world_size is None else parse_list(world_size, positive_int, "world_size")
     if dp is None:
         out = []

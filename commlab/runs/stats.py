@@ -15,7 +15,7 @@ from commlab.runs.config import CONFIG_COLUMNS
 SEGMENTS = ["accumulate_time", "forward", "backward_compute", "exposed_comm", "optimizer"]
 # Seconds per step in each parallel axis's collectives (commlab/runs/store.py defines them); in
 # results older than them they are missing, and their medians NaN.
-AXIS_COLUMNS = ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_send_recv", "dp_reduce"]
+AXIS_COLUMNS = ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_send_recv", "pp_bubble", "dp_reduce"]
 PHASES = ["forward", "backward_compute", "comm", "exposed_comm", "optimizer", "total", "accumulate_time", *AXIS_COLUMNS]
 # What summarise() adds to a runs table.
 _SUMMARY = {"iterations", "repetitions", "step_q1", "step_q3", "step_spread_lo", "step_spread_hi", "step_p10",

@@ -21,8 +21,11 @@ Columns (besides the configuration's own, :data:`commlab.runs.config.CONFIG_COLU
   axis's collectives, seconds per step (summed over its micro-batches; runs.csv has their
   ``<column>_median`` in the median step): ``tp_all_reduce``, ``tp_all_gather`` and
   ``tp_reduce_scatter`` (commlab.tensor's timings: on CPU all of it blocks the training thread),
-  ``pp_send_recv`` (pipeline sends and receives; 0 with one stage), ``dp_reduce`` (the
-  data-parallel reduction of the synchronised micro-batch, first launched to last done: ``comm``).
+  ``pp_send_recv`` (issuing and waiting on pipeline sends and receives, the bubble's waits
+  included; 0 with one stage), ``pp_bubble`` (the schedule's idle time in them, replayed:
+  commlab/sweep/pipelined.py), ``dp_reduce`` (the data-parallel reduction of the synchronised
+  micro-batch, first launched to last done: ``comm``). With pipeline stages a micro-batch is a
+  pipeline step of ``microbatches``; ``forward`` and ``backward_compute`` are the rank's compute in it.
 - buckets.csv: ``bucket`` (its index), ``nbytes``, ``num_params`` and the seconds since
   forward start at which it was ``ready`` (its last gradient arrived), ``launched`` (its
   all-reduce issued; it may then wait behind the group's previous one) and ``done``.

@@ -2,7 +2,8 @@
 
 As the DDP breakdown stacks a step's phases, this stacks the median step of each layout
 (tp x pp x dp) by the axis whose collectives held the training thread: tensor parallelism's
-all-reduces, all-gathers and reduce-scatters (on CPU all of them block), pipeline sends and
+all-reduces, all-gathers and reduce-scatters (on CPU all of them block), the pipeline's bubble
+(the schedule's own idle time, replayed from the measured compute) and the rest of its sends and
 receives, the data-parallel reduction left exposed after backward, then the optimizer and the
 rest (compute, and what no axis claims). The segments add up to the median step.
 """
@@ -13,8 +14,9 @@ import pandas as pd
 
 from commlab.sweep import figdata
 
-SEGMENTS = ["tensor", "pipeline", "data", "optimizer", "compute"]
-NAMES = {"tensor": "tensor parallel (TP collectives)", "pipeline": "pipeline (send/recv)",
+SEGMENTS = ["tensor", "bubble", "pipeline", "data", "optimizer", "compute"]
+NAMES = {"tensor": "tensor parallel (TP collectives)", "bubble": "pipeline bubble (schedule idle)",
+         "pipeline": "pipeline (send/recv)",
          "data": "data parallel (exposed reduction)", "optimizer": "optimizer", "compute": "compute and the rest"}
 _TP = ["tp_all_reduce_median", "tp_all_gather_median", "tp_reduce_scatter_median"]
 
@@ -30,15 +32,22 @@ def axis_breakdown(runs: pd.DataFrame) -> pd.DataFrame:
         return df.iloc[0:0]
     df = df[df[_TP].notna().all(axis=1)].copy()
     df["tensor"] = df[_TP].sum(axis=1)
-    df["pipeline"] = df["pp_send_recv_median"]
+    # The bubble is spent waiting on receives: the part of the send/recv seconds it explains
+    # (results from before the column have none).
+    bubble = df["pp_bubble_median"].fillna(0.0) if "pp_bubble_median" in df else pd.Series(0.0, index=df.index)
+    df["bubble"] = bubble.clip(upper=df["pp_send_recv_median"])
+    df["pipeline"] = df["pp_send_recv_median"] - df["bubble"]
     df["data"] = df["exposed_comm_median"]
     df["optimizer"] = df["optimizer_median"]
     df["step"], df["step_lo"], df["step_hi"] = df["step_median"], df["step_q1"], df["step_q3"]
     df["compute"] = df["step"] - df[SEGMENTS[:-1]].sum(axis=1)
     df["dp"] = df["world_size"] // (df["tp"] * df["pp"])
-    outer = figdata.context(df, [a for a in figdata.AXES if a not in ("world_size", "tp", "pp")])
+    # A pipeline's micro-batches and schedule belong to its bar: one stage has neither.
+    inner = ("world_size", "tp", "pp", "microbatches", "schedule")
+    outer = figdata.context(df, [a for a in figdata.AXES if a not in inner])
     df["panel"] = df.apply(lambda r: figdata.label(r, outer), axis=1)
-    df["bar"] = df.apply(lambda r: f"tp {r['tp']} x pp {r['pp']} x dp {r['dp']}", axis=1)
+    df["bar"] = df.apply(lambda r: f"tp {r['tp']} x pp {r['pp']} x dp {r['dp']}" + (
+        f"\nm {r['microbatches']}, {r['schedule']}" if r["pp"] > 1 and "microbatches" in r else ""), axis=1)
     figdata.one_per_cell(df, ["panel", "bar"])
     df = df.sort_values([*outer, "world_size", "pp", "tp"], kind="stable")
     return df[["config", "panel", "bar", "tp", "pp", "dp", *SEGMENTS, "step", "step_lo", "step_hi"]]
@@ -53,7 +62,7 @@ def draw(df: pd.DataFrame):
 
     colors = dict(zip(SEGMENTS, sns.color_palette("deep", len(SEGMENTS))))
     panels = list(dict.fromkeys(df["panel"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2, 1.1 * df.groupby("panel").size().max()) * len(panels), 3.4),
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2, 1.5 * df.groupby("panel").size().max()) * len(panels), 3.4),
                              squeeze=False, sharey=True)
     for ax, panel in zip(axes[0], panels):
         part = df[df["panel"] == panel]

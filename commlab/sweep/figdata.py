@@ -13,7 +13,7 @@ from commlab.runs import stats
 
 # The axes a sweep can vary, in the order a label names them.
 AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
-        "scaling", "optim", "stage", "prefetch", "reshard", "tp", "pp"]
+        "scaling", "optim", "stage", "prefetch", "reshard", "tp", "pp", "microbatches", "schedule"]
 # Settings that are not meant to vary within a figure; when a results directory holds two
 # configurations that differ only in these (say, a grid resumed with other --iters), they become
 # a series of their own rather than two points in one cell.
@@ -61,7 +61,7 @@ def label(row: pd.Series, columns: list[str]) -> str:
             parts.append("reshard" if _truthy(v) else "no reshard")
         elif c == "optim":
             parts.append({"sgd": "SGD", "adam": "Adam"}.get(str(v), str(v)))
-        elif c in ("accumulate", "groups", "prefetch", "tp", "pp", *SETTINGS):
+        elif c in ("accumulate", "groups", "prefetch", "tp", "pp", "microbatches", *SETTINGS):
             parts.append(f"{c} {v}")
         else:
             parts.append(str(v))

@@ -51,6 +51,10 @@ def check_grid(plan: Grid) -> None:
             built.add((cfg.model, cfg.model_args))
         if cfg.tp > 1:
             check_tensor_parallel(cfg)
+        if cfg.pp > 1:
+            from commlab.sweep.pipelined import check_pipeline
+
+            check_pipeline(cfg)
         if not cfg.zero_stage.ddp and cfg.algorithm not in SHARDED_ALGORITHMS:
             raise ValueError(f"--algorithm {cfg.algorithm} --stage {cfg.stage}: sharded stages need a reduce-scatter "
                              f"and an all-gather, which these provide: {', '.join(SHARDED_ALGORITHMS)}")

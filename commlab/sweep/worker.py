@@ -30,7 +30,7 @@ from commlab.runtime.metadata import thread_settings
 from commlab.runtime.threads import use_rank_threads
 from commlab.runtime.timer import WallClock, timed_steps
 from commlab.memtrack import live_bytes, track_peak
-from commlab.sweep import layout, wrap as sharding
+from commlab.sweep import layout, pipelined, wrap as sharding
 from commlab.runs.config import Config, optimizer_of
 from commlab.runs.optimizers import build_optimizer
 from commlab.tensor import gpt_plan, parallelize, record_timings, timings as tensor_timings
@@ -78,7 +78,7 @@ class Trainer:
         return {"accumulate_time": synced - start, "optimizer": end - backward_end, "step": end - start}
 
 
-def prepare(cfg: Config) -> Trainer:
+def prepare(cfg: Config) -> Trainer | pipelined.PipelineTrainer:
     """Build the workload, its wrapper and the configuration's optimizer (commlab/runs/optimizers.py)
     for ``cfg`` on this rank. With plain SGD (no state) stages 1-2 save only gradients; Adam's
     two moments are what stage 1 shards."""
@@ -92,6 +92,8 @@ def prepare(cfg: Config) -> Trainer:
     use_rank_threads(cfg.world_size, fixed=cfg.threads)
     torch.manual_seed(0)  # identical initial weights on every rank, as DDP (and the layers' slicing) expects
     workload = build_workload(cfg.model, **cfg.model_kwargs())
+    if cfg.pp > 1:
+        return pipelined.prepare(cfg, rt, workload)
     model = workload.model.to(rt.device)
     tp_group, dp_group, dp_index = layout.build_groups(cfg)
     split = None
@@ -113,10 +115,21 @@ def measure(cfg: Config) -> dict[str, Any]:
     accumulation without communication, the paper's section 3.2), then the optimizer. DDP
     records the synchronised micro-batch's breakdown (forward, backward compute, comm, exposed
     comm, per-bucket times); the optimizer, the no_sync micro-batches and the whole step are
-    timed here. The batch is generated once: data loading is not what a sweep measures.
+    timed here. The batch is generated once: data loading is not what a sweep measures. With
+    pipeline stages (pp > 1) a micro-batch is a pipeline step: commlab/sweep/pipelined.py.
     """
     trainer = prepare(cfg)
-    rt, ddp = trainer.rt, trainer.ddp
+    rt = trainer.rt
+    iterations, buckets, measures = (pipelined.measure_steps(trainer) if cfg.pp > 1 else _data_parallel_steps(trainer))
+    measures = {"peak_bytes": peak_step_bytes(trainer), **measures}
+    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+    return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
+            "iterations": iterations, "buckets": buckets, "measures": measures}
+
+
+def _data_parallel_steps(trainer: Trainer) -> tuple[list, list, dict[str, float]]:
+    """One stage: the timed steps' iteration and bucket rows, and the wrapper's measures."""
+    cfg, rt, ddp = trainer.cfg, trainer.rt, trainer.ddp
     steps: list[dict[str, float]] = []
     before = 0
 
@@ -143,11 +156,7 @@ def measure(cfg: Config) -> dict[str, Any]:
                   "launched": b.launched, "done": b.done} for b in timing.buckets]
                 if cfg.zero_stage.ddp else sharding.bucket_rows(timing, sizes))
         buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
-    measures = {"peak_bytes": peak_step_bytes(trainer),
-                **sharding.step_measures(ddp, cfg.zero_stage, cfg.dp, timings)}
-    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
-    return {"rank": rt.rank, "host": socket.gethostname(), "device": device, "threads": thread_settings(),
-            "iterations": iterations, "buckets": buckets, "measures": measures}
+    return iterations, buckets, sharding.step_measures(ddp, cfg.zero_stage, cfg.dp, timings)
 
 
 def peak_step_bytes(trainer: Trainer) -> int:

@@ -16,20 +16,24 @@ from typing import Any
 from commlab.runs.traffic import comm_bytes
 from commlab.runs.zero_stage import ZeroStage
 
+
 def wrap(cfg, model, process_group=None):
     """The configuration's wrapper around ``model`` over ``process_group`` (the data-parallel
     ranks; None: the world), inside the process group."""
     import commlab
 
     if cfg.zero_stage.ddp:
-        return commlab.DistributedDataParallel(
-            model, bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm, overlap=cfg.overlap,
-            round_robin_groups=cfg.groups, bucket_policy=cfg.bucket_policy, process_group=process_group,
-        )
+        return commlab.DistributedDataParallel(model, process_group=process_group, **ddp_options(cfg))
     return commlab.ShardedDataParallel(
         model, stage=cfg.stage, bucket_cap_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
         reshard_after_forward=cfg.reshard, algorithm=cfg.algorithm, process_group=process_group,
     )
+
+
+def ddp_options(cfg) -> dict[str, Any]:
+    """commlab DDP's keyword arguments for the configuration (a pipeline's stages take them too)."""
+    return dict(bucket_cap_mb=cfg.bucket_mb, algorithm=cfg.algorithm, overlap=cfg.overlap,
+                round_robin_groups=cfg.groups, bucket_policy=cfg.bucket_policy)
 
 
 def iteration_row(t) -> dict[str, float]:

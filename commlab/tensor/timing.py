@@ -140,3 +140,10 @@ def record_timings(module, enabled: bool = True) -> None:
 def timings(module) -> list[TensorIterationTiming]:
     """One entry per recorded iteration of a module ``parallelize`` returned (definitions above)."""
     return recorder_of(module).iterations()
+
+
+def start_iteration(module) -> None:
+    """Begin a recorded iteration now, for a driver that runs the model's parts but never the module
+    ``parallelize`` returned (a pipeline's stages), whose forward would begin it. Until the next one,
+    every collective counts as the ``forward`` phase: without the root's forward, the two are not told apart."""
+    recorder_of(module).forward_start()

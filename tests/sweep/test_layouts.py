@@ -44,7 +44,6 @@ def test_world_size_is_split_over_the_axes():
     ({"tp": 3}, "--world-size 2 is not a multiple of --tp 3 x --pp 1"),
     ({"tp": 2, "dp": 2, "world_size": 2}, "makes world size 4, not --world-size 2"),
     ({"tp": 0}, "--tp: '0' must be a positive integer"),
-    ({"pp": 2}, "not supported yet"),
     ({"tp": 2, "world_size": 4, "global_batch": 63}, "does not split evenly over 2 data-parallel"),
 ])
 def test_bad_layouts_are_value_errors(options, message):
@@ -90,13 +89,14 @@ def test_axis_seconds_sums_each_kind_over_a_steps_micro_batches():
     (step,) = axis_seconds(its, accumulate=2, steps=1)  # the warm-up forward is not the step's
     assert list(step) == AXIS_COLUMNS
     assert step == {"tp_all_reduce": 0.75, "tp_all_gather": 0.25, "tp_reduce_scatter": 0.125,
-                    "pp_send_recv": 0.0, "dp_reduce": 0.0}
+                    "pp_send_recv": 0.0, "pp_bubble": 0.0, "dp_reduce": 0.0}
     with pytest.raises(RuntimeError, match="recorded 3 forwards"):
         axis_seconds(its, accumulate=2, steps=2)
 
 
 def test_iteration_columns_name_each_axis():
-    assert AXIS_COLUMNS == ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_send_recv", "dp_reduce"]
+    assert AXIS_COLUMNS == ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_send_recv", "pp_bubble",
+                            "dp_reduce"]
     assert ITERATION_COLUMNS[-len(AXIS_COLUMNS):] == AXIS_COLUMNS
 
 
@@ -113,7 +113,7 @@ def _runs():
 def test_axis_figure_has_one_bar_per_layout_and_one_segment_per_axis():
     df = figaxes.axis_breakdown(_runs())
     assert list(df["bar"]) == ["tp 1 x pp 1 x dp 2", "tp 2 x pp 1 x dp 1"]
-    assert figaxes.SEGMENTS == ["tensor", "pipeline", "data", "optimizer", "compute"]
+    assert figaxes.SEGMENTS == ["tensor", "bubble", "pipeline", "data", "optimizer", "compute"]
     tp2 = df.iloc[1]
     assert math.isclose(tp2["tensor"], 0.006) and math.isclose(tp2["data"], 0.001)
     for _, row in df.iterrows():  # the segments add up to the median step

@@ -112,16 +112,7 @@ def spread_of(results: list[dict]) -> float:
     all-reduce size of each algorithm, and rank 0's forward + backward inside DDP)."""
     series = [s for r in results for per_size in r.get("collective_samples", {}).values() for s in per_size]
     series.append(results[0]["ddp"].get("step_samples", []))
-    series.append(results[0].get("corun", {}).get("together_samples", []))  # the co-run turns too
     return uncertainty.overall_spread(series)
-
-
-def corun_factor(corun: dict) -> float:
-    """The compute stretch when every rank computes at once (pure): the quickest turn together
-    over the quickest alone. Other jobs only add time, in bursts that hit some turns and not
-    others, so the minima are the ranks' own contention; the medians where no samples were kept."""
-    alone, together = corun.get("alone_samples") or [corun["alone_s"]], corun.get("together_samples") or [corun["together_s"]]
-    return min(together) / min(alone) if min(alone) > 0 else 1.0
 
 
 def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, key: dict) -> dict[str, Any]:
@@ -160,13 +151,10 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         sharded[collective] = {a: fit_table(spec["sizes"], [max(r["sharded"][collective][a][i] for r in results)
                                                              for i in range(len(spec["sizes"]))])
                                for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
-    corun = results[0]["corun"]
-    factor = corun_factor(corun) if len(results) > 1 else 1.0
-    # the optimizer's and the write-back's own stretches (memory-bound: commlab/costmodel/calibration/corun.py),
-    # where measured; an entry without them prices them as before (predict.system_from_entry)
-    memory = {f"corun_{part}": max(corun_factor(results[0][f"corun_{part}"]) if len(results) > 1 else 1.0, 1.0)
-              for part in ("optimizer", "copy") if f"corun_{part}" in results[0]}
-    memory.update({f"{name}_raw": results[0][name] for name in memory})
+    # Every rank ran its own DDP loop while rank 0 profiled (measure.py, step 1): the profile is
+    # already what a rank takes beside the others, so nothing is stretched again. The lowering keeps
+    # its co-run factors for costs from elsewhere (hardware presets, entries made before).
+    corun = {"corun": 1.0, "corun_optimizer": 1.0, "corun_copy": 1.0}
     return {
         "key": key,
         "created": time.time(),
@@ -176,12 +164,11 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
                    "rows": [s[0] if s else 1 for s in shapes]},
         "compute": {"forward_s": ddp["forward_s"], "ready_s": ddp["ready_s"], "optimizer_s": ddp["optimizer_s"],
                     "nosync_s": ddp["nosync_s"], "writeback_s_per_byte": ddp["writeback_s_per_byte"],
-                    "bucket_fixed_s": ddp["bucket_fixed_s"], "corun": max(factor, 1.0), "corun_raw": corun,
-                    **memory,
+                    "bucket_fixed_s": ddp["bucket_fixed_s"], **corun,
                     # pages first touched in the profiled forward+backward: a record (the
                     # gradients over glibc's mmap threshold, every step and every layout alike)
                     "profiled_fresh_bytes": ddp.get("fresh_bytes", 0),
-                    "profiled_at_world_size": 1, "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
+                    "profiled_at_world_size": 1, "profiled_beside_ranks": len(results), "ddp_runs": {"one_bucket_exposed_s": ddp["exposed_s"],
                                                               "many_buckets": ddp["small_run"]},
                     # where it was measured, and the CUDA caching allocator's state after (GPU only)
                     "device": results[0].get("device", "cpu"), "device_name": results[0].get("device_name", "cpu"),

@@ -2,21 +2,27 @@
 
 :func:`calibrate_rank` runs on every rank of one launch at the world size being calibrated:
 
-1. the DDP loop itself at world size 1 (a one-rank process group per rank, only rank 0 timed,
-   the others waiting): forward, each parameter's gradient-ready time in backward order (taken
-   after DDP's own hook has copied it into its bucket, so the copy-in is included), the no_sync
-   micro-batch, the optimizer (the configuration's: commlab/runs/optimizers.py), the write-back per byte (DDP's own write-back span), and, from
-   two bucket caps with overlap off, the reducer's fixed cost per bucket. The DDP loop profiles better than the bare model:
-   the gradients are copied from memory not in cache, and the allocator state is a DDP process's
-   (an early prototype: the bare model came out ~40% fast on overlap-on configurations);
+1. the DDP loop itself at world size 1, on every rank at once (each rank its own one-rank process
+   group, only rank 0's times kept): forward, each parameter's gradient-ready time in backward
+   order (taken after DDP's own hook has copied it into its bucket, so the copy-in is included),
+   the no_sync micro-batch, the optimizer (the configuration's: commlab/runs/optimizers.py), the
+   write-back per byte (DDP's own write-back span), and, from two bucket caps with overlap off, the
+   reducer's fixed cost per bucket. The DDP loop profiles better than the bare model: the
+   gradients are copied from memory not in cache, and the allocator state is a DDP process's (an
+   early prototype: the bare model came out ~40% fast on overlap-on configurations). Every rank
+   runs it because ranks on one host share its caches and memory bandwidth, and a DDP rank's
+   working set (parameters, gradients, buckets: three times the model) streams through them: with
+   the other rank idle, the held-out wide-head model's forward took 11-12.6 ms and its SGD step
+   5-7.7 ms, beside every rank's own DDP loop 14-18 ms and 9-10 ms, as in its two-rank DDP steps
+   (13-19 and 10-13 ms; docs/measurements.md, 2026-11-27). A factor from two ranks running the
+   bare model at once (co-run turns, used before) read 1.0-1.06: the bare model's working set is a
+   third of DDP's;
 2. the all-reduce of every algorithm over the given sizes: on the CPU each call from a barrier,
    on a GPU in batches queued back to back (devicetime.py's :func:`collective_timer`);
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
    the same duration, alone and started together (-> kc, km of the fluid model);
-4. the co-run factors: rank 0's forward+backward alone, then with every rank computing at once,
-   and so for the optimizer step and the write-back's copy (commlab/costmodel/calibration/corun.py);
-   and the same interference as step 3 for a memory copy (a bucket's write-back) against each
-   algorithm's all-reduce (commlab/costmodel/calibration/queueing.py);
+4. the same interference for a memory copy (a bucket's write-back) against each algorithm's
+   all-reduce (commlab/costmodel/calibration/queueing.py);
 5. on Gloo, the native all-reduce's queue: at every table size, about the model's bytes of
    buffers issued at once, as DDP hands its buckets over with overlap off (Gloo's process group
    runs two collectives at once on its two worker threads; commlab's p2p algorithms run one at
@@ -47,7 +53,6 @@ from commlab.costmodel.calibration.devicetime import (
     timed,
     to_device,
 )
-from commlab.costmodel.calibration.corun import copy_turns, optimizer_turns, turns
 from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
 from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
 from commlab.models import build_workload
@@ -69,8 +74,10 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     workload = build_workload(spec["model"], **spec["model_kwargs"])
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = to_device(workload.make_batch(spec["batch_per_rank"], gen), device)
+    dist.barrier()  # every rank starts its own one-rank DDP loop together (step 1)
+    profile = _profile_ddp(spec, workload.loss_fn, batch, solo[rank])
     if rank == 0:
-        out["ddp"] = _profile_ddp(spec, workload.loss_fn, batch, solo[0])
+        out["ddp"] = profile
     dist.barrier()
     times = {a: _time_collective(a, spec["sizes"], spec["iters"], device) for a in spec["algorithms"]}
     out["collectives"] = {a: medians for a, (medians, _) in times.items()}
@@ -89,15 +96,8 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     dist.broadcast_object_list(sizes, src=0)
     out["contention"] = {a: _contention(a, n, model, workload, batch, spec["reps"])
                          for a, n in zip(spec["algorithms"], sizes)}
-    # the co-run turns (commlab/costmodel/calibration/corun.py): the model's compute, its optimizer
-    # step (fresh gradients before each, untimed) and, on the CPU, the write-back's memory copy
-    clock = clock_for(device)
-    out["corun"] = turns(_forward_backward(model, workload, batch), clock, spec["reps"])
-    out["corun_optimizer"] = optimizer_turns(
-        model, lambda: workload.loss_fn(model(batch[0]), batch[1]).backward(), clock, spec["reps"], _optimizer(spec))
     # the write-back's copies against each algorithm's all-reduce, at the table size nearest 16 MiB
     if device.type == "cpu":  # (on a GPU the write-back is a device copy: not measured here)
-        out["corun_copy"] = copy_turns(total, clock, spec["reps"])
         copy_size = min(spec["sizes"], key=lambda n: abs(n - (16 << 20)))
         out["copy_contention"] = {a: copy_contention(copy_size, spec["reps"], a) for a in spec["algorithms"]}
     if dist.get_backend() == "gloo" and "native" in spec["algorithms"] and world > 1:
@@ -160,6 +160,10 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
     rows: list[dict[str, Any]] = []
 
     def step() -> None:
+        # Every rank profiles at once, in the lockstep a multi-rank step keeps: a step starts, and the
+        # optimizer steps, on every rank together (after the last all-reduce), so a memory-bound
+        # phase meets the same phase of the other ranks, not whatever they happen to run.
+        dist.barrier()
         stamps.clear()
         nosync = timed(clock, lambda: _nosync_step(ddp, loss_fn, inputs, target))
         stamps.clear()
@@ -168,6 +172,7 @@ def _ddp_run(spec: dict[str, Any], loss_fn, batch, group, bucket_mb: float) -> d
         loss_fn(ddp(inputs), target).backward()
         # host pages: on a GPU the gradients are the caching allocator's, never fresh pages
         fresh = (_minor_faults() - faults) * resource.getpagesize() if spec.get("device", "cpu") == "cpu" else 0
+        dist.barrier()
         opt = timed(clock, lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         timing = ddp.iteration_timings[-1]
         since = {i: clock.seconds(start, stamp) for i, stamp in stamps.items()}

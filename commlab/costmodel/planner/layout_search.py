@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from commlab.costmodel.lowering.pipeline import DataParallel
@@ -87,6 +87,12 @@ def split_profiles(name: str, sizes: Mapping, plan: Mapping[str, str], world: in
     from commlab.models import build_workload
     from commlab.runtime.threads import rank_threads
 
+    import torch.distributed as dist
+
+    from commlab.costmodel.planner.split import ddp_sync_seconds
+
+    # each rank's own one-rank group, for DDP's share of a data-parallel layout (every rank makes every group)
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())] if dist.is_initialized() else None
     out = {}
     with rank_threads(world):
         for lay in layouts(world, heads):
@@ -100,8 +106,12 @@ def split_profiles(name: str, sizes: Mapping, plan: Mapping[str, str], world: in
                     torch.manual_seed(0)
                     workload = build_workload(name, **sizes)
                     x, y = workload.make_batch(size, torch.Generator().manual_seed(0))
-                    out[(lay.tp, lay.dp, m, mode)] = profile_split(workload.model, plan, lay.tp, x, y, workload.loss_fn,
-                                                                   recompute=RECOMPUTE[mode], repeat=repeat)  # fmt: skip
+                    profile = profile_split(workload.model, plan, lay.tp, x, y, workload.loss_fn,
+                                            recompute=RECOMPUTE[mode], repeat=repeat)  # fmt: skip
+                    if lay.dp > 1 and solo is not None:
+                        sync = ddp_sync_seconds(workload.model, x, y, workload.loss_fn, solo[dist.get_rank()], repeat)
+                        profile = replace(profile, sync_s=sync)
+                    out[(lay.tp, lay.dp, m, mode)] = profile
     return out
 
 
@@ -112,7 +122,6 @@ def _profile_rank(args: dict[str, Any], _common: Any) -> dict:
 def co_profiles(ranks: int, timeout: float = 600.0, **args) -> dict:
     """:func:`split_profiles` on ``ranks`` ranks at once (tp_calibrate.py says why):
     per key, rank 0's profile with each layer's times the median over ranks."""
-    from dataclasses import replace
 
     from commlab.costmodel.calibration.run import run_calibration
 
@@ -123,7 +132,8 @@ def co_profiles(ranks: int, timeout: float = 600.0, **args) -> dict:
         med = [statistics.median(r[key].forward[l] for r in per_rank) for l in range(len(first.forward))]
         back = [statistics.median(r[key].backward[l] for r in per_rank) for l in range(len(first.backward))]
         out[key] = replace(first, forward=tuple(med), backward=tuple(back),
-                           saved_bytes=max(r[key].saved_bytes for r in per_rank))  # fmt: skip
+                           saved_bytes=max(r[key].saved_bytes for r in per_rank),
+                           sync_s=statistics.median(r[key].sync_s for r in per_rank))  # fmt: skip
     return out
 
 
@@ -187,7 +197,6 @@ def costs(profiles: Mapping[tuple, SplitProfile], echo: Callable[[str], None], s
     """``system`` with, per group size, the all-reduce tables the accumulating layouts need: DDP's
     (from a barrier, at bucket sizes) and the tensor-parallel one (between compute, at the sizes
     the operators issue)."""
-    from dataclasses import replace
 
     from commlab.costmodel.calibration.driver import table_sizes
     from commlab.costmodel.planner.calibrate import allreduce_table

@@ -10,7 +10,8 @@ of gradient accumulation onto the simulator core: per micro-batch, per layer, it
 then its forward collectives, and in reverse its backward compute then its backward
 collectives, all on the rank (a Gloo collective blocks the thread that calls it); with ``dp`` > 1
 the DDP buckets of the last micro-batch's backward follow, each once the layer holding its last
-gradient is done, on the rank's ``dp`` channel, priced by the calibrated all-reduce table. The
+gradient is done, on the rank's ``dp`` channel, priced by the calibrated all-reduce table, and
+DDP's own copies and hooks of that micro-batch after them (``SplitProfile.sync_s``). The
 collectives are priced by the calibrated table (:data:`BETWEEN`'s where measured; never here).
 
 Memory per rank (:func:`peak_bytes`): this rank's parameters times the copies they need
@@ -85,6 +86,10 @@ class SplitProfile:
     temporary_bytes: float
     tp: int = 1
     recompute: bool = False
+    # What DDP adds to the micro-batch that synchronises, beyond its all-reduces: the copy of every
+    # gradient into its bucket, the reduced one back into ``.grad``, the reducer's hooks (timed in
+    # a one-rank DDP beside the bare share: commlab/costmodel/planner/split.py's ddp_sync_seconds)
+    sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -147,7 +152,10 @@ def tp_tasks(profile: SplitProfile, microbatches: int, system: SystemCosts, dp: 
             if i == microbatches - 1:
                 done_by_layer[l] = last[0]
     if dp is not None and dp.world > 1:
-        out += _dp_buckets(profile, dp, system, done_by_layer, rank)
+        buckets = _dp_buckets(profile, dp, system, done_by_layer, rank)
+        # DDP's own work in the synchronising micro-batch, on the rank's thread; placed after the
+        # last bucket, where its write-back is (the copy-in, during backward, is the smaller part)
+        out += buckets + [Task("ddp_sync", f"rank{rank}", profile.sync_s, (last[0], buckets[-1].name), kind="ddp")]
     return out
 
 

@@ -178,3 +178,25 @@ def _param_sizes(model: nn.Module, blocks: nn.ModuleList, n: int) -> tuple[tuple
         seen_block |= layer is not None
         out[layer if layer is not None else (n - 1 if seen_block else 0)].append(p.numel() * p.element_size())
     return tuple(tuple(x) for x in out)
+
+
+def ddp_sync_seconds(model: nn.Module, sample: torch.Tensor, target: torch.Tensor, loss_fn: Callable, group,
+                     repeat: int = 7) -> float:  # fmt: skip
+    """What a synchronising micro-batch of commlab's DDP costs beyond the bare model's: forward +
+    backward of ``model`` bare, then wrapped in DDP on ``group`` (a one-rank process group: the
+    gradients' copies into and out of their buckets and the reducer's hooks, no peer to wait
+    for), medians of ``repeat``; the difference, never below 0. Wraps ``model`` for good."""
+    import commlab  # the DDP under test: loaded only when a data-parallel share is profiled
+
+    def seconds(run: Callable[[], torch.Tensor]) -> float:
+        run().backward()  # warm: buffers, and the DDP's rebuilt buckets
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            run().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    bare = seconds(lambda: loss_fn(model(sample), target))
+    ddp = commlab.DistributedDataParallel(model, process_group=group)
+    return max(seconds(lambda: loss_fn(ddp(sample), target)) - bare, 0.0)

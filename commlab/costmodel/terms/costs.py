@@ -121,7 +121,8 @@ class SystemCosts:
     ``collectives`` is keyed by (collective, algorithm, world size), e.g. ("allreduce", "ring", 4).
     ``corun``: how much a rank's compute stretches when every rank of the host computes at once;
     ``corun_optimizer`` and ``corun_copy``: the same for the optimizer step and the write-back's
-    memory copy (memory-bound: they share the host's bandwidth), None where not measured.
+    memory copy (memory-bound: they share the host's bandwidth), None where not stated. A
+    calibration sets all three to 1: its profile already ran beside every rank's own DDP loop.
     """
 
     collectives: Mapping[tuple[str, str, int], CollectiveCost] = field(default_factory=dict)

@@ -61,11 +61,11 @@ class PipelineExecutor:
     last stage (torchgpipe's default).
     After :meth:`step`: ``timeline`` (this rank's compute intervals, seconds from the step start;
     on CUDA exact only with ``measure=True``, which synchronises after every action),
-    ``peak_saved_bytes`` (per local stage: activation bytes held for backward at the peak) and
+    ``peak_saved_bytes`` (per local stage: activation bytes held for backward at the peak),
     ``memory`` (the rank's :class:`~commlab.pipeline.runtime.memory.Ledger`: stashed micro-batches,
-    receive buffers, sends in flight). ``track_memory=False`` turns the accounting and its
-    saved-tensor hooks off, for timing. ``timeout`` bounds every wait for a message, so a lost
-    peer raises instead of hanging.
+    receive buffers, sends in flight) and ``p2p_seconds`` (in sends and receives: ``run_lowered``).
+    ``track_memory=False`` turns the accounting and its saved-tensor hooks off, for timing.
+    ``timeout`` bounds every wait for a message, so a lost peer raises instead of hanging.
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class PipelineExecutor:
         self.timeline: list[Timed] = []
         self.peak_saved_bytes: dict[int, int] = {}
         self.memory: Ledger | None = None
-        self.started_at = 0.0
+        self.started_at = self.p2p_seconds = 0.0
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **kwargs) -> torch.Tensor | None:
@@ -167,7 +167,7 @@ class PipelineExecutor:
 
     def _run_ops(self, ops) -> None:
         self.started_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
-        run_lowered(ops, self._transport, self.timeout, self._run_action, self._finish)
+        self.p2p_seconds = run_lowered(ops, self._transport, self.timeout, self._run_action, self._finish)
 
     def _run_action(self, action: Action, message: Value | None) -> Value | None:
         st = self.stage

@@ -11,6 +11,7 @@ floating-point elements only. Neighbour stages on the same rank hand over withou
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -121,10 +122,16 @@ class Transport:
 
 def run_lowered(ops: Sequence, transport: Transport, timeout: datetime.timedelta,
                 compute: Callable[[Action, Value | None], Value | None],
-                sent: Callable[[Action, list], None]) -> None:  # fmt: skip
+                sent: Callable[[Action, list], None]) -> float:  # fmt: skip
     """Run one rank's lowered list: each run of SEND and RECV ops is one batch of point-to-point
     calls, a WAIT waits on an earlier send (``sent(action, works)``) or receive, and a compute
-    action runs as ``compute(action, its incoming message)``, which returns what it sends."""
+    action runs as ``compute(action, its incoming message)``, which returns what it sends.
+
+    Returns the seconds this rank spent issuing the batches and in the WAITs: its time in
+    point-to-point communication, host-side. A receive's wait also holds the time its peer had
+    not yet sent (the schedule's bubble); on CUDA a wait only orders the stream, so there it is
+    not the transfer's time."""
+    clock, p2p = time.perf_counter, 0.0
     sending = {op.message.sent_by for op in ops if isinstance(op, Comm) and op.kind == SEND}
     produced: dict[Action, Value | None] = {}  # what an action sends, until its SEND
     messages: dict[Action, Value | None] = {}  # received, until its consumer runs
@@ -135,19 +142,22 @@ def run_lowered(ops: Sequence, transport: Transport, timeout: datetime.timedelta
         if isinstance(op, Comm) and op.kind in (SEND, RECV):
             batch.append(op)
             continue
+        began = clock()
         if batch:
             posted = transport.post_ops(batch, produced)
             in_flight.update(posted.sending)
             received.update(posted.receiving)
             batch = []
         if op is None:
-            break
+            return p2p + clock() - began
         if isinstance(op, Comm):  # WAIT on an earlier send or receive
             if op.of == SEND:
                 sent(op.message.sent_by, in_flight.pop(op.message.sent_by, []))
             elif op.message.taken_by in received:
                 messages[op.message.taken_by] = received.pop(op.message.taken_by).wait(timeout)
+            p2p += clock() - began
             continue
+        p2p += clock() - began  # the batch issued before this compute action (nothing when none)
         out = compute(op, messages.pop(op, None))
         if op in sending:
             produced[op] = out

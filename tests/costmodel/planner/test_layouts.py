@@ -79,6 +79,32 @@ def test_ddp_buckets_follow_the_layer_that_holds_their_last_gradient():
     assert result.makespan == pytest.approx(2 * 12.0 + 0.3)  # the input layer's bucket after the last backward
 
 
+def test_ddps_own_work_follows_the_last_bucket_once_per_step():
+    one_each = DataParallel(2, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    synced = SplitProfile(**{**PROFILE.__dict__, "tp": 1, "sync_s": 0.25})
+    tasks = tp_tasks(synced, 2, SYSTEM, one_each)
+    assert [t.name for t in tasks if t.kind == "ddp"] == ["ddp_sync"]  # once, not per micro-batch
+    assert simulate(tasks).makespan == pytest.approx(2 * 12.0 + 0.3 + 0.25)
+    assert not [t for t in tp_tasks(synced, 2, SYSTEM) if t.kind == "ddp"]  # no data parallelism: none
+
+
+def test_ddp_sync_seconds_is_what_a_one_rank_ddp_adds_to_the_bare_model(tmp_path):
+    import torch.distributed as dist
+
+    from commlab.costmodel.planner.split import ddp_sync_seconds
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+        x, y = torch.randn(8, 256), torch.zeros(8, dtype=torch.long)
+        sync = ddp_sync_seconds(model, x, y, torch.nn.functional.cross_entropy, dist.group.WORLD, repeat=3)
+        assert 0.0 <= sync < 1.0
+        assert type(model).__name__ == "Sequential" and model[0].weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_memory_per_rank_is_the_share_its_copies_and_one_micro_batch():
     assert peak_bytes(PROFILE) == pytest.approx(2 * 1000 + 1000 + 50)
     assert peak_bytes(PROFILE, dp=2, optimizer="adam") == pytest.approx(param_copies(2, "adam") * 1000 + 1050)
