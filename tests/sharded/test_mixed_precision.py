@@ -1,7 +1,7 @@
 """Mixed precision (commlab/sharded/precision.py) against torch's fully_shard with the same
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): an MLP (uneven rows, so padded
-buffers) and a GPT with tied embeddings, 5 steps of SGD with momentum at stages 1-3, world size 2
-(tests/support/sharded_mp_cases.py).
+buffers; Gloo's collectives) and a GPT with tied embeddings (commlab's ring), 5 steps of SGD with
+momentum at stages 1-3, world size 2 (tests/support/sharded_mp_cases.py).
 
 Tolerance: none, losses and every rank's fp32 rows are compared for equality. Both sides cast
 the same fp32 master rows to bf16, compute the same bf16 operations, cast the same bf16 gradients
