@@ -29,7 +29,8 @@ _PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 @dataclass(frozen=True)
 class ShardedMemory:
     """Bytes on this rank. ``parameters`` is what holds parameter values: stages 1-2 the replica
-    (the shards are views into it), stage 3 the shards plus any gathered bucket."""
+    (the shards are views into it; under mixed precision the master shards beside a 16-bit
+    replica), stage 3 the shards plus any gathered bucket."""
 
     parameter_shards: int
     gathered: int
