@@ -13,9 +13,10 @@ the rank-major layout, so it is the all-gather's input as it stands), and frees 
 resizing its storage to zero bytes: the parameter views keep their shapes (and autograd its
 saved references) while holding no memory, and the copy-out after the next all-gather fills the
 same storage again. Under mixed precision (commlab/sharded/precision.py) ``full`` and the
-collectives' buffers hold the computation's and the reduction's dtypes, and every stage keeps its
-master rows in ``shard``. Parameters keep their own version counters (``.data`` assignment does not
-share the buffer's), so writing gathered values does not invalidate what autograd saved.
+collectives' buffers hold the computation's and the reduction's dtypes, and where the
+computation's differs from the parameters' every stage keeps its master rows in ``shard``.
+Parameters keep their own version counters (``.data`` assignment does not share the buffer's),
+so writing gathered values does not invalidate what autograd saved.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class FlatBucket:
             for p, whole in zip(params, self._wholes()):
                 whole.copy_(p.detach())
                 p.data = whole
-            if stage == 3 or self.dtypes.mixed:
+            # A master of its own where the compute replica holds another dtype (a reduction-only
+            # policy keeps the shards as views of the replica, as without one).
+            if stage == 3 or self.dtypes.compute != self.dtypes.master:
                 self.shard = torch.zeros(self.layout.shard_size, dtype=self.dtypes.master, device=first.device)
                 for i, value in enumerate(values):
                     copies.in_shard(self.shard, self.layout, i, rank).copy_(self._local_rows(value.contiguous(), i))

@@ -90,8 +90,8 @@ def mixed_precision_memory(
     master = num_params * m / n
     if zero.parameters:
         params = master
-    else:  # the compute replica beside the master rows
-        params = num_params * param_bytes + master
+    else:  # the compute replica, beside the master rows where its dtype is another
+        params = num_params * param_bytes + (master if param_bytes != m else 0)
     if zero.gradients:
         grads = master
     else:

@@ -75,6 +75,8 @@ def test_mixed_precision_memory_against_the_papers_k12():
     assert ours[1].gradients == 2 * psi + 4 * psi / n and ours[1].parameters == 2 * psi + 4 * psi / n
     # fp32 reductions: stage 1 keeps the full reduced gradient in fp32, and gives views of it.
     assert mixed_precision_memory(psi, n, 1, 8, reduce_bytes=4).gradients == 4 * psi
+    # A reduction-only policy on fp32 parameters: the replica is the master, no second copy.
+    assert mixed_precision_memory(psi, n, 2, 8, param_bytes=4, reduce_bytes=2).parameters == 4 * psi
     with pytest.raises(ValueError):
         mixed_precision_memory(psi, n, 0)
 
@@ -107,6 +109,11 @@ def test_bf16_params_fp32_reductions_equal_fully_shard(results):
                 assert r["state_dict_is_master"], where
                 # load_state_dict writes the fp32 masters, and the compute copies are their bf16 casts.
                 assert r["load"] == {"rows": True, "output": True}, (where, r["load"])
+        # An fp32 model with bf16 reductions only: fully_shard's results, stages 1-2 without a
+        # second fp32 copy (stage 3 keeps its shards as always).
+        for stage, r in result["reduction_only"].items():
+            assert r["exact"] and r["losses"], (rank, stage)
+            assert r["own_master"] == (stage == 3), (rank, stage)
         # What memory(opt) reads from the live tensors is the mixed-precision memory model's.
         for key, m in result["memory"].items():
             assert m["measured"] == m["model"], (rank, key, m)

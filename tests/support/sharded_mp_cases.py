@@ -67,13 +67,13 @@ def _train(model: nn.Module, base: nn.Module) -> dict:
     }
 
 
-def _fully_shard(make, reduce_dtype: torch.dtype) -> nn.Module:
+def _fully_shard(make, reduce_dtype: torch.dtype, param_dtype: torch.dtype | None = BF16) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = make()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in _units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -144,6 +144,25 @@ def _compare(make, policy, algorithm: str) -> dict:
     return out
 
 
+def _reduction_only() -> dict:
+    """An fp32 model with bf16 reductions only (``param_dtype`` None), each stage against
+    fully_shard with the same policy: are this rank's rows equal, and do stages 1-2 keep the
+    shards as views of the replica (no master of their own)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(reduce_dtype=BF16)
+    theirs = _train(_fully_shard(_mlp, BF16, param_dtype=None), _mlp())
+    out = {}
+    for stage in (1, 2, 3):
+        base = _mlp()
+        ours = ShardedDataParallel(base, stage=stage, mixed_precision=policy, bucket_cap_mb=0.002)
+        mine = _train(ours, base)
+        out[stage] = {"exact": all(torch.equal(mine["local"][n], t) for n, t in theirs["local"].items()),
+                      "losses": mine["losses"] == theirs["losses"],
+                      "own_master": any(b.shard is not None for b in ours.buckets)}
+    return out
+
+
 def _memory() -> dict:
     """Bytes held after a step of Adam (memory(opt)), each stage, on a model of even rows (no
     padding), against commlab's mixed-precision memory model, fp32 and bf16 reductions."""
@@ -175,4 +194,5 @@ def run() -> dict:
     # The MLP through commlab's own policy on Gloo's collectives, the GPT through torch's object
     # on commlab's ring: both policies are accepted, both kinds of collective cast alike.
     return {"mlp": _compare(_mlp, MixedPrecision(param_dtype=BF16, reduce_dtype=FP32), "native"),
-            "gpt": _compare(_gpt, policy_torch, "ring"), "memory": _memory()}
+            "gpt": _compare(_gpt, policy_torch, "ring"), "memory": _memory(),
+            "reduction_only": _reduction_only()}
