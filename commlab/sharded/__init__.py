@@ -7,7 +7,7 @@ ZeRO memory model, pure), ``buckets`` (which parameters share a bucket), ``flat_
 bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks, gathers, frees,
 reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (full
 module state dicts), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
-optimizer checks), ``distributed`` (the public wrapper).
+optimizer checks), ``precision`` (mixed precision), ``distributed`` (the public wrapper).
 
 The parameters are torch's ``fully_shard`` (FSDP2) parameters: each a DTensor ``Shard(0)``
 holding the rank's rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so optimizers,
@@ -19,16 +19,19 @@ buckets may follow a size cap, which fully_shard's units cannot.
 
 from commlab.sharded.distributed import ShardedDataParallel
 from commlab.sharded.memory import ShardedMemory, track_memory
-from commlab.sharded.memory_model import StageMemory, bucket_memory, zero_memory
+from commlab.sharded.memory_model import StageMemory, bucket_memory, mixed_precision_memory, zero_memory
+from commlab.sharded.precision import MixedPrecision
 from commlab.sharded.timing import CollectiveTiming, ShardedIterationTiming
 
 __all__ = [
     "CollectiveTiming",
+    "MixedPrecision",
     "ShardedDataParallel",
     "ShardedIterationTiming",
     "ShardedMemory",
     "StageMemory",
     "bucket_memory",
+    "mixed_precision_memory",
     "track_memory",
     "zero_memory",
 ]

@@ -36,6 +36,9 @@ Contract, and what is not supported:
 - ``bucket_policy``: DDP's (commlab/ddp/policy.py; a registered name or a BucketPolicy, built with
   ``bucket_cap_mb``) decides which parameters share a bucket unless ``units`` is given
   (commlab/sharded/buckets.py says which of the policy's questions it asks).
+- ``mixed_precision``: a MixedPrecision or torch's MixedPrecisionPolicy (its ``output_dtype``
+  refused): fp32 shards as the master the optimizer steps, gathers and computation in
+  ``param_dtype``, reductions in ``reduce_dtype``, at every stage (commlab/sharded/precision.py).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
-from commlab.sharded import arguments, comm, state
+from commlab.sharded import arguments, comm, precision, state
 from commlab.sharded.buckets import plan_buckets, trainable
 from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
@@ -83,9 +86,11 @@ class ShardedDataParallel(nn.Module):
         algorithm: str = comm.AUTO,
         process_group: dist.ProcessGroup | None = None,
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
+        mixed_precision: precision.MixedPrecision | Any = None,
     ):
         super().__init__()
         stage = arguments.check_arguments(module, stage, bucket_cap_mb, prefetch, reshard_after_forward).stage
+        self.mixed_precision = precision.resolve(mixed_precision)
         comm.check_algorithm(algorithm)
         policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb)
         plan = plan_buckets(module, policy, units)  # unit and policy errors, still before any collective
@@ -108,7 +113,8 @@ class ShardedDataParallel(nn.Module):
         self._bucket_params = plan.buckets
         self.mesh = mesh_of(process_group, device_type)
         buckets = [
-            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh)
+            FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh,
+                       precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype))
             for i, idx in enumerate(plan.buckets)
         ]
         sharded = {id(p) for p in params}
@@ -142,6 +148,7 @@ class ShardedDataParallel(nn.Module):
             # a parameter frozen since would go on training, one unfrozen would stay as it was.
             raise ValueError(f"requires_grad changed after wrapping for {changed}: ShardedDataParallel fixes the "
                              "trainable parameters when it is built; set requires_grad before wrapping (or wrap again)")
+        args, kwargs = precision.cast_inputs(self.mixed_precision, args, kwargs)
         self._engine.before_forward()
         try:
             return self.module(*args, **kwargs)

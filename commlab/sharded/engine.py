@@ -242,7 +242,7 @@ class ShardedEngine:
                     kind = "all_reduce" if self.stage == 1 else "reduce_scatter"
                     if self.stage >= 2:
                         self._retire_reductions()
-                    entry = self.recorder.launched(bucket.index, kind, bucket.full_nbytes, ready)
+                    entry = self.recorder.launched(bucket.index, kind, bucket.reduce_nbytes, ready)
                     self.reductions.append((bucket, bucket.launch_reduction(), entry))
                 if self.stage == 3 and bucket.gathered:
                     self._wait_gather(bucket.index)  # never free under a gather still writing

@@ -12,8 +12,11 @@ its block of a rank-major buffer and, when waited for, copies every rank's piece
 the rank-major layout, so it is the all-gather's input as it stands), and frees ``full`` by
 resizing its storage to zero bytes: the parameter views keep their shapes (and autograd its
 saved references) while holding no memory, and the copy-out after the next all-gather fills the
-same storage again. Parameters keep their own version counters (``.data`` assignment does not
-share the buffer's), so writing gathered values does not invalidate what autograd saved.
+same storage again. Under mixed precision (commlab/sharded/precision.py) ``full`` and the
+collectives' buffers hold the computation's and the reduction's dtypes, and where the
+computation's differs from the parameters' every stage keeps its master rows in ``shard``.
+Parameters keep their own version counters (``.data`` assignment does not share the buffer's),
+so writing gathered values does not invalidate what autograd saved.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from commlab.sharded import comm, copies
 from commlab.sharded.dparams import as_dtensor
 from commlab.sharded.layout import shard_layout
+from commlab.sharded.precision import BucketDtypes
 
 
 class FlatBucket:
@@ -31,25 +35,29 @@ class FlatBucket:
 
     def __init__(
         self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group,
-        algorithm: str, mesh,
+        algorithm: str, mesh, dtypes: BucketDtypes | None = None,
     ):
         self.index, self.params, self.rank, self.stage, self.group = index, params, rank, stage, group
         self.algorithm, self.mesh = algorithm, mesh  # the collectives' (commlab/sharded/comm.py)
         self.world_size = world_size
         self.layout = shard_layout([tuple(p.shape) for p in params], world_size)
         self.lo, self.hi = self.layout.shard_range(rank)
-        self.element_size = params[0].element_size()
         first = params[0]
-        self.full = torch.zeros(self.layout.total, dtype=first.dtype, device=first.device)
+        self.dtypes = dtypes if dtypes is not None else BucketDtypes(first.dtype, first.dtype, first.dtype)
+        self.full = torch.zeros(self.layout.total, dtype=self.dtypes.compute, device=first.device)
+        self.element_size = self.full.element_size()  # of the parameters the collectives move
         self.shard: torch.Tensor | None = None
+        values = [p.detach() for p in params]  # the master values, before any cast
         with torch.no_grad():
             for p, whole in zip(params, self._wholes()):
                 whole.copy_(p.detach())
                 p.data = whole
-            if stage == 3:
-                self.shard = torch.zeros(self.layout.shard_size, dtype=first.dtype, device=first.device)
-                for i, whole in enumerate(self._wholes()):
-                    copies.in_shard(self.shard, self.layout, i, rank).copy_(self._local_rows(whole, i))
+            # A master of its own where the compute replica holds another dtype (a reduction-only
+            # policy keeps the shards as views of the replica, as without one).
+            if stage == 3 or self.dtypes.compute != self.dtypes.master:
+                self.shard = torch.zeros(self.layout.shard_size, dtype=self.dtypes.master, device=first.device)
+                for i, value in enumerate(values):
+                    copies.in_shard(self.shard, self.layout, i, rank).copy_(self._local_rows(value.contiguous(), i))
         self.sharded = [nn.Parameter(as_dtensor(self.local(i), mesh, p)) for i, p in enumerate(params)]
         self.gather_buffer: torch.Tensor | None = None  # rank-major, while an all-gather is in flight
         self.grad_buffer: torch.Tensor | None = None
@@ -64,7 +72,8 @@ class FlatBucket:
         return copies.local_rows(whole, self.layout, i, self.rank)
 
     def local(self, i: int) -> torch.Tensor:
-        """This rank's rows of parameter i: in ``shard`` (stage 3) or in the replica (stages 1-2)."""
+        """This rank's rows of parameter i: in ``shard`` (stage 3, or the master under mixed
+        precision) or in the replica (stages 1-2)."""
         if self.shard is not None:
             return copies.in_shard(self.shard, self.layout, i, self.rank)
         o = self.layout.offsets[i]
@@ -74,6 +83,11 @@ class FlatBucket:
     def full_nbytes(self) -> int:
         """Bytes of the rank-major buffer each collective moves."""
         return self.layout.padded * self.element_size
+
+    @property
+    def reduce_nbytes(self) -> int:
+        """Bytes of the buffer a reduction moves (in the reduction's dtype)."""
+        return self.layout.padded * self.dtypes.reduce.itemsize
 
     # --- parameters -----------------------------------------------------------------------
     def free(self) -> None:
@@ -86,8 +100,8 @@ class FlatBucket:
         """All-gather every rank's pieces into a rank-major buffer; ``finish_gather`` copies out."""
         self.gathered = True
         buffer = torch.empty(self.layout.padded, dtype=self.full.dtype, device=self.full.device)
-        if self.shard is not None:
-            source = self.shard
+        if self.shard is not None:  # cast before the gather: the wire carries the compute dtype
+            source = self.shard.to(buffer.dtype)
         else:  # stages 1-2: the rank's rows, copied in from the replica
             own = buffer[self.lo : self.hi]
             own.zero_()
@@ -121,13 +135,14 @@ class FlatBucket:
         order the reduce-scatter needs, and drop the parameter's own."""
         if self.grad_buffer is None:  # every element is written below before the reduction reads it
             size = self.layout.total if self.stage == 1 else self.layout.padded
-            self.grad_buffer = torch.empty(size, dtype=self.full.dtype, device=self.full.device)
+            self.grad_buffer = torch.empty(size, dtype=self.dtypes.reduce, device=self.full.device)
         p = self.params[slot]
         if self.stage == 1:
             o = self.layout.offsets[slot]
             view = self.grad_buffer[o : o + p.numel()].view(p.shape)
             torch.mul(p.grad, 1.0 / self.world_size, out=view)
-            p.grad = view
+            # Mixed precision: the reduced gradient's dtype is not the compute parameter's.
+            p.grad = view if view.dtype == p.dtype else None
         else:
             copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.world_size)
             p.grad = None
@@ -137,7 +152,7 @@ class FlatBucket:
         assert self.grad_buffer is not None
         if self.stage == 1:
             return comm.all_reduce(self.grad_buffer, self.group, self.algorithm)
-        self.reduced = torch.empty(self.layout.shard_size, dtype=self.full.dtype, device=self.full.device)
+        self.reduced = torch.empty(self.layout.shard_size, dtype=self.dtypes.reduce, device=self.full.device)
         return comm.reduce_scatter(self.reduced, self.grad_buffer, self.group, self.algorithm)
 
     def finish_reduction(self) -> None:
@@ -151,6 +166,7 @@ class FlatBucket:
                     piece = self._local_rows(self.grad_buffer[o : o + p.numel()], i)
                 else:
                     piece = copies.in_shard(self.reduced, self.layout, i, self.rank)
+                piece = piece.to(self.dtypes.master)  # a view when the reduction ran in it
                 if dp.grad is None:
                     dp.grad = as_dtensor(piece, self.mesh, p)
                 else:

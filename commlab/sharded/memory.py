@@ -29,7 +29,8 @@ _PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 @dataclass(frozen=True)
 class ShardedMemory:
     """Bytes on this rank. ``parameters`` is what holds parameter values: stages 1-2 the replica
-    (the shards are views into it), stage 3 the shards plus any gathered bucket."""
+    (the shards are views into it; under mixed precision the master shards beside a 16-bit
+    replica), stage 3 the shards plus any gathered bucket."""
 
     parameter_shards: int
     gathered: int
@@ -71,7 +72,7 @@ def measure(engine: ShardedEngine, frozen: list[torch.Tensor], optimizer=None) -
         for dp in sharded:
             state.extend(_local(v) for v in optimizer.state.get(dp, {}).values() if isinstance(v, torch.Tensor))
     return ShardedMemory(
-        parameter_shards=sum(b.layout.shard_size * b.element_size for b in buckets),
+        parameter_shards=sum(b.layout.shard_size * b.dtypes.master.itemsize for b in buckets),
         gathered=storage_bytes(fulls),
         parameters=storage_bytes([*shards, *fulls]),
         gradients=storage_bytes(grads),

@@ -70,6 +70,35 @@ def zero_memory(
     )
 
 
+def mixed_precision_memory(
+    num_params: float, world_size: int, stage: int, optimizer_bytes: float = 8, param_bytes: int = 2,
+    reduce_bytes: int = 4, master_bytes: int = 4,
+) -> StageMemory:
+    """What a rank holds under ``mixed_precision`` (commlab/sharded/precision.py, torch's
+    ``fully_shard`` likewise), by the dtypes' sizes: ``param_bytes`` (the computation's),
+    ``reduce_bytes`` (the reduction's), ``master_bytes`` (the shards the optimizer steps, with
+    ``optimizer_bytes`` of state beside them). The paper's mixed-precision K = 12 is
+    ``master_bytes + optimizer_bytes`` for Adam; unlike the paper, no 16-bit copy of the
+    parameters is kept at stage 3 (the master shard is cast for each gather) and the gradient
+    shard is in the master's dtype, so stage 3 holds the paper's 16 Psi / N for Adam, stage 2
+    (reduce_bytes - 2) Psi / N more, and stage 1 keeps the reduced full gradient in the
+    reduction's dtype (plus a master-dtype copy of its rows when the two differ)."""
+    zero = parse_stage(stage)
+    if zero.ddp:
+        raise ValueError("mixed_precision_memory is for stages 1-3 (ShardedDataParallel's)")
+    n, m = world_size, master_bytes
+    master = num_params * m / n
+    if zero.parameters:
+        params = master
+    else:  # the compute replica, beside the master rows where its dtype is another
+        params = num_params * param_bytes + (master if param_bytes != m else 0)
+    if zero.gradients:
+        grads = master
+    else:
+        grads = num_params * reduce_bytes + (master if reduce_bytes != m else 0)
+    return StageMemory(params, grads, num_params * optimizer_bytes / n)
+
+
 @dataclass(frozen=True)
 class BucketMemory:
     """The transient terms of a concrete bucket layout, bytes per rank.
