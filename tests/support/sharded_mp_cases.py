@@ -124,7 +124,7 @@ def _compare(make, policy, algorithm: str) -> dict:
         kw = {"units": _units(base)} if stage == 3 else {"bucket_cap_mb": 0.002}
         ours = ShardedDataParallel(base, stage=stage, mixed_precision=policy, algorithm=algorithm, **kw)
         mine = _train(ours, base)
-        full = ours.state_dict()
+        full = ours.full_state_dict()
         rank, world = dist.get_rank(), dist.get_world_size()
         out["stages"][stage] = {
             **{k: mine[k] for k in ("losses", "optimizer_dtypes", "grad_dtypes", "momentum_dtypes", "out_dtypes")},
