@@ -72,6 +72,8 @@ def summarise(runs: pd.DataFrame, iterations: pd.DataFrame) -> pd.DataFrame:
     # commlab redraw with the statistic the console prints now.
     runs = runs.drop(columns=[c for c in runs if c in _SUMMARY])
     rows = slowest_ranks(iterations)
+    # numbers even when no configuration finished (an empty CSV reads as text columns)
+    rows = rows.astype({c: float for c in rows if c in ("step", *PHASES)})
     per_rep = rows.groupby(["config", *_rep(rows)])["step"].median().groupby("config")
     pooled = rows.groupby("config")["step"]
     stats = pd.DataFrame({

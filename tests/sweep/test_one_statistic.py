@@ -120,3 +120,19 @@ def test_old_results_redraw_with_todays_statistic(tmp_path):
     old = runs.drop(columns=["step_q1", "step_q3", "other_median"]).assign(exposed_comm_median=1.0)
     again = summarise(old, iterations)
     pd.testing.assert_frame_equal(again[runs.columns], runs, check_dtype=False)
+
+
+def test_a_sweep_whose_every_configuration_failed_is_summarised_and_drawn_as_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from commlab.cli import main
+
+    def failing(_cfg, _plan):
+        raise RuntimeError("rank 0 failed")
+
+    plan = build_grid(merge({}, {"bucket_mb": "1,25", "iters": 4}))
+    runner.run(plan, tmp_path, resume=False, echo=lambda _l: None, measure=failing)
+    iterations, _, runs = store.read_tables(tmp_path)
+    assert iterations.empty and (summarise(runs, iterations)["iterations"] == 0).all()
+    result = CliRunner().invoke(main, ["figures", str(tmp_path)])
+    assert result.exit_code == 0 and "no successful configuration" in result.output
