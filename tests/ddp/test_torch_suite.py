@@ -10,12 +10,11 @@ driving DDP through torch.distributed.autograd, which commlab refuses (commlab/d
 those must fail on the refusal, not on a wrong value or a timeout.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.support.suite_runs import run_runner
 
 # slow too: `-m "not slow"` replaces addopts' `-m "not torch_suite"` and must still leave these out
 pytestmark = [pytest.mark.torch_suite, pytest.mark.slow]
@@ -43,11 +42,7 @@ def _run(ddp: str, folder) -> dict:
     pytest.importorskip("expecttest", reason="torch's test utilities import expecttest (pip install expecttest)")
     out = folder / f"{ddp}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "torch_suite")]))
-    with open(folder / f"{ddp}.log", "w") as log:
-        subprocess.run([sys.executable, os.path.join(HERE, "torch_suite", "run.py"), "--ddp", ddp, "--out", str(out)],
-                       env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600, check=True)  # fmt: skip
-    with open(out) as f:
-        return json.load(f)
+    return run_runner(os.path.join(HERE, "torch_suite", "run.py"), ["--ddp", ddp], env, folder / f"{ddp}.log", out)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,11 @@ passes, except those in KNOWN, which must fail for the reason given there (the R
 docs/measurements.md list them), never on a timeout.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.support.suite_runs import run_runner
 
 pytestmark = [pytest.mark.torch_suite, pytest.mark.slow]
 
@@ -73,13 +72,11 @@ def _run(impl: str, folder) -> dict:
     pytest.importorskip("expecttest", reason="torch's test utilities import expecttest (pip install expecttest)")
     out = folder / f"{impl}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+    results: dict = {}
     for name in FILES:  # one file per launch, so a hang costs one file's timeout at most
-        with open(folder / f"{impl}-{name}.log", "w") as log:
-            subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--impl", impl, "--files", name,
-                            "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600,
-                           check=True)  # fmt: skip
-    with open(out) as f:
-        return json.load(f)
+        results = run_runner(os.path.join(HERE, "run.py"), ["--impl", impl, "--files", name], env,
+                             folder / f"{impl}-{name}.log", out)  # fmt: skip
+    return results
 
 
 @pytest.fixture(scope="module")

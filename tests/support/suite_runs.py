@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import unittest
 from typing import Any
@@ -46,3 +48,13 @@ def write_results(path: str, results: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
     os.replace(tmp, path)
+
+
+def run_runner(script: str, args: list[str], env: dict[str, str], log_path, out_path) -> dict[str, Any]:
+    """A suite's runner script in its own process (stdout and stderr to ``log_path``; a hang costs
+    an hour at most), then the outcomes it wrote to ``out_path`` (runners merge into that file)."""
+    with open(log_path, "w") as log:
+        subprocess.run([sys.executable, script, *args, "--out", str(out_path)], env=env, stdout=log,
+                       stderr=subprocess.STDOUT, timeout=3600, check=True)  # fmt: skip
+    with open(out_path) as f:
+        return json.load(f)
