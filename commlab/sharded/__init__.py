@@ -5,8 +5,8 @@ Package map: ``layout`` (each parameter's rows per rank and a bucket's rank-majo
 parameters as DTensor shards, swapped for whole tensors around a forward), ``memory_model`` (the
 ZeRO memory model, pure), ``buckets`` (which parameters share a bucket), ``flat_bucket`` (one
 bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks, gathers, frees,
-reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (full
-module state dicts), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
+reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (a full
+module state dict loaded), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
 optimizer checks), ``precision`` (mixed precision), ``distributed`` (the public wrapper).
 
 The parameters are torch's ``fully_shard`` (FSDP2) parameters: each a DTensor ``Shard(0)``

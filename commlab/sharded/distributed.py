@@ -184,7 +184,7 @@ class ShardedDataParallel(nn.Module):
 
     @contextmanager
     def _whole(self) -> Iterator[None]:
-        """The module's slots hold the whole tensors inside (state dicts read and write them)."""
+        """The module's slots hold the whole tensors inside (a full state dict loads into them)."""
         self._swap.to_whole()
         try:
             yield

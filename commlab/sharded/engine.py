@@ -128,15 +128,6 @@ class ShardedEngine:
                 self._launch_gather(j)
         self._wait_gather(b)
 
-    def gather_all(self) -> list[int]:
-        """Every bucket gathered and current (state dicts); returns those to free again."""
-        freed = [b for b, bucket in enumerate(self.buckets) if not bucket.gathered]
-        self._refresh()
-        for b in freed:
-            self._launch_gather(b)
-        self.settle(drain=True)
-        return freed
-
     def free(self, bs: Sequence[int]) -> None:
         for b in bs:
             if b in self.gathers:  # prefetched for a module that did not run (a unit called on its own)

@@ -47,7 +47,7 @@ KNOWN: dict[str, str] = {
     "TestFullyShardAutograd.test_unused_forward_output": 'RuntimeError: buckets [1] did not receive every gradient in this backwar',
     "TestFullyShardCustomForwardMethod.test_register_fsdp_forward_method": "NotImplementedError: commlab's fully_shard shim: FSDPModule._get_fsdp_st",
     "TestFullyShardFrozen.test_multi_forward_mixed_requires_grad": 'ValueError: units[1] (CommlabFSDPLinear) holds no trainable parameters',
-    "TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups": 'ValueError: this optimizer holds the whole tensors a forward computes on',
+    "TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups": 'ValueError: requires_grad changed after wrapping',
     "TestFullyShardFrozen.test_train_mixed_requires_grad_per_group": 'AssertionError: Parameter containing:',
     "TestFullyShardGradientAccumulation.test_1f1b_microbatching": "NotImplementedError: commlab's fully_shard shim: FSDPModule.set_reshard_",
     "TestFullyShardGradientAccumulation.test_gradient_accumulation": 'AssertionError: Scalars are not equal!',
@@ -60,7 +60,7 @@ KNOWN: dict[str, str] = {
     "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error": 'ValueError: units[0] and units[1] overlap: they share parameter 0',
     "TestFullyShardSharedParams.test_train_shared_params_uneven_shard": "NotImplementedError: commlab's fully_shard shim: FSDPModule.unshard has ",
     "TestFullyShardStateDictMultiProcess.test_2d_state_dict_correctness": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
-    "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": 'AssertionError: False is not true',
+    "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": "NotImplementedError: commlab's fully_shard shim: shard_placement_fn",
     "TestFullyShardStateDictMultiProcess.test_dp_tp_state_dict_save_load": 'NotImplementedError: Operator c10d.broadcast_.default does not have a sh',
 }
 

@@ -15,8 +15,7 @@
    the other rank idle, the held-out wide-head model's forward took 11-12.6 ms and its SGD step
    5-7.7 ms, beside every rank's own DDP loop 14-18 ms and 9-10 ms, as in its two-rank DDP steps
    (13-19 and 10-13 ms; docs/measurements.md, 2026-11-27). A factor from two ranks running the
-   bare model at once (co-run turns, used before) read 1.0-1.06: the bare model's working set is a
-   third of DDP's;
+   bare model at once read 1.0-1.06 there: the bare model's working set is a third of DDP's;
 2. the all-reduce of every algorithm over the given sizes: on the CPU each call from a barrier,
    on a GPU in batches queued back to back (devicetime.py's :func:`collective_timer`);
 3. compute/communication interference: the model's forward+backward and one all-reduce of about
