@@ -28,9 +28,10 @@ order the real engine (commlab/sharded/engine.py) does things:
 Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "all_gather",
 algorithm, world) tables (hybrid: at the shard group's size, the cross-replica all-reduce at the
 replicas'), and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
-faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
-shards. Not modelled: buckets the root module uses itself (the engine keeps
-them gathered), the copy-out of the parameters after each all-gather, the gathers of no_sync
+faulted on first write), paid by every gather's buffer, stage 3's parameters, each step's
+gradient buckets and the reduced shards; the copies around the collectives (copy-out after a
+gather, the rows' copy-in after a step) are priced as DDP's write-back per byte. Not modelled:
+buckets the root module uses itself (the engine keeps them gathered), the gathers of no_sync
 micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
 """
 
@@ -108,16 +109,26 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
             deps: tuple[str, ...] = ()  # launched by the optimizer step
         else:
             deps = (f"fwd{hook - 1}",) if hook else before_forward
-        fresh = costs.alloc(full[j]) if stage == 3 else 0.0  # stage 3 gathers into storage allocated again
-        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + fresh, deps, j)
+        # every gather receives into a rank-major buffer allocated for it (commlab/sharded/flat_bucket.py),
+        # whose other ranks' blocks fault as they arrive (stages 1-2 copy their own block in first)
+        received = costs.alloc(full[j]) * ((costs.world_size - 1) / costs.world_size if stage < 3 else 1.0)
+        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + received, deps, j)
+
+    def copy_out(b: int) -> float:
+        """The training thread's copy of a gathered bucket into its parameters, a memory copy priced
+        as DDP's write-back per byte; stage 3 writes storage allocated again (fresh pages)."""
+        return sc.writeback_s_per_byte * full[b] + (costs.alloc(full[b]) if stage == 3 else 0.0)
+
     for b in range(n):
-        compute(f"fwd{b}", sc.forward_s * share[b], "forward", (f"gather{b}",), bucket=b, waits_gather=True)
+        compute(f"fwd{b}", sc.forward_s * share[b] + copy_out(b), "forward", (f"gather{b}",), bucket=b,
+                waits_gather=True)
     regather = stage == 3 and setting.reshard
     if regather:  # issued by the pre-backward hook of the first bucket (in backward) whose window holds b
         for b in range(n):
             at = min(first[h] for h in range(b, min(b + setting.prefetch, n - 1) + 1))
             deps = (f"grad{sc.ready_order[at - 1]}",) if at else (f"fwd{n - 1}",)
             comm((1, at, 0, -b), f"regather{b}", ALLGATHER, costs.all_gather(full[b]) + costs.alloc(full[b]), deps, b)
+    regathered = {b: copy_out(b) if regather else 0.0 for b in range(n)}
     reduce_kind, reduce_cost = ((ALLREDUCE, costs.all_reduce or sc.allreduce) if stage == 1
                                 else (REDUCESCATTER, costs.reduce_scatter))
     done = {b: f"replicate{b}" if costs.replicate else f"reduce{b}" for b in range(n)}  # what a wait waits for
@@ -132,7 +143,7 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
     for j, p in enumerate(sc.ready_order):
         deps = (f"regather{owner[p]}",) if regather and starts.get(j) == owner[p] else ()
         # a bucket's first gradient allocates its full gradient buffer (dropped every step)
-        alloc = costs.alloc(full[owner[p]]) if starts.get(j) == owner[p] else 0.0
+        alloc = costs.alloc(full[owner[p]]) + regathered[owner[p]] if starts.get(j) == owner[p] else 0.0
         compute(f"grad{p}", grad_s[j] + alloc, "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
         for b in launches:
             if when[b] == j:
@@ -142,7 +153,10 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
                 prev = (done[launches[k - 1]],) if stage >= 2 and k else ()
                 compute(f"launch{b}", sc.bucket_fixed_s, "launch", prev, stretched=False, bucket=b,
                         waits_reduce=bool(prev))
-    compute("optimizer", sc.optimizer_s / costs.world_size, "optimizer", tuple(done.values()))
+    # stages 1-2: the rank's new rows copied into the next gathers' (fresh) buffers, on the training
+    # thread (the step's post-hook launches the first; the forward's pre-hooks the rest)
+    copy_in = sum((sc.writeback_s_per_byte * f + costs.alloc(f)) / costs.world_size for f in full) if stage < 3 else 0.0
+    compute("optimizer", sc.optimizer_s / costs.world_size + copy_in, "optimizer", tuple(done.values()))
     return tasks + [t for _, t in sorted(chan, key=lambda kt: kt[0])]
 
 
