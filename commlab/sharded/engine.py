@@ -247,15 +247,19 @@ class ShardedEngine:
         fully_shard does the same with its default reduce_scatter_max_input_buffers=1,
         torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward); without it a
         rank holds the whole unsharded gradient at the end of backward, as DDP does."""
+        kept = []
         for bucket, work, entry in self.reductions:
             self.recorder.wait(work, entry)
-            bucket.finish_reduction()
-        self.reductions = []
+            follow = bucket.finish_reduction()
+            if follow is not None:  # HSDP: the all-reduce across replicas, waited for on the next call
+                kept.append((bucket, follow, follow.entry(self.recorder, bucket.index)))
+        self.reductions = kept
 
     def _finalize(self) -> None:
         backward_end = time.perf_counter()
         missing = [b.index for b in self.buckets if b.pending != 0]
-        self._retire_reductions()
+        while self.reductions:
+            self._retire_reductions()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self.backward_done.clear()
