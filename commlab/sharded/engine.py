@@ -15,10 +15,11 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    the module's outputs: in backward it fires before the module's backward runs and gathers b
    again, with the ``prefetch`` buckets before it (the backward order).
 4. A post-accumulate-grad hook on each parameter copies its gradient into b's flat gradient buffer
-   (pre-divided by the world size, as torch's DDP) and drops the parameter's own; the last one
+   (pre-divided by the data-parallel size, as torch's DDP) and drops the parameter's own; the last one
    launches b's reduction at once, overlapping the rest of backward: an all-reduce (stage 1, which
    keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
    (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
+   With replicas (HSDP), the result is then all-reduced across them (commlab/sharded/hybrid.py).
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
    the reduced buffer; accumulated if present).
