@@ -7,6 +7,13 @@ then all-reduces the result across replicas). All-gathers stay in the shard grou
 gradient is reduced in the shard group (stage 1 all-reduces the whole buffer, stages 2-3
 reduce-scatter it) and the result, the whole buffer or the rank's shard, is then all-reduced
 across the replicas (a :class:`Replication`), so every replica steps identical shards.
+
+Why stage 1 all-reduces twice rather than once over every data-parallel rank: the wrapper is given
+the two groups only (a group over all of them would be one more ``new_group``, collective over the
+world, which belongs to the topology), and one path serves every stage. It moves more bytes per
+rank: 2(s-1)/s + 2(r-1)/r buffers against one ring's 2(sr-1)/(sr) (2 against 1.5 at 2 x 2); a
+reduce-scatter, all-reduce of the shard and all-gather would match the ring's bytes at the cost of
+a third collective per bucket (not done).
 """
 
 from __future__ import annotations
@@ -58,10 +65,11 @@ class Replication:
     replicate group's own worker, so it overlaps backward and the shard group's next reduction, and
     each group's collectives keep one order on every rank. The backend's collectives (``native``)
     give no such callback for every collective (Gloo's reduce-scatter has no future), so there the
-    all-reduce is launched when ``first`` is waited for (:meth:`start`): the engine does that before
-    the next bucket's reduction, and the all-reduce is waited for before the one after, so it still
-    overlaps a bucket's backward. On NCCL a wait only orders streams, so launching there costs the
-    host nothing; on Gloo, "auto" picks the ring, which chains.
+    all-reduce is launched when ``first`` is waited for (:meth:`start`): at stages 2-3 the engine
+    does that before the next bucket's reduce-scatter and waits for the all-reduce before the one
+    after, so it overlaps a bucket's backward; stage 1 waits only at the end of backward, where its
+    native all-reduces across replicas are then exposed. On NCCL a wait only orders streams, so
+    launching there costs the host nothing; on Gloo, "auto" picks the ring, which chains.
     """
 
     def __init__(self, first, tensor: torch.Tensor, group: dist.ProcessGroup, algorithm: str):

@@ -24,8 +24,9 @@ BOUND = 1e-6
 
 
 @pytest.fixture(scope="module")
-def grid():
-    return commlab.launch(hsdp_cases.run, world_size=4, backend="gloo", timeout=300)
+def grid(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hsdp-ckpt"))
+    return commlab.launch(hsdp_cases.run, path, world_size=4, backend="gloo", timeout=300)
 
 
 @pytest.mark.slow
@@ -59,6 +60,8 @@ def test_hsdp_2x2(grid):
             assert k[first_level] == c["padded"]
             assert k["replicate_all_reduce"] == (c["totals"] if stage == 1 else c["shards"])
         assert result["fully_shard"] <= BOUND
+        # DCP saves the (Replicate(), Shard(0)) shards and loads them back, or into 4-way shards.
+        assert result["checkpoint"] == {"same": True, "resharded": True}
         # The wrong variants this bound must reject.
         assert result["wrong"]["no_replicas"] > 1e3 * BOUND and result["wrong"]["divided_by_2"] > 1e3 * BOUND
         for case in ("overlap", "same"):

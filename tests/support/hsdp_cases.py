@@ -7,6 +7,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -81,7 +82,25 @@ def _fully_shard() -> dict:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
-def run() -> dict:
+def _checkpoint(ours: ShardedDataParallel, saved: dict, path: str) -> dict:
+    """DCP round trip of HSDP's (Replicate(), Shard(0)) state dict: back into the same wrapper after
+    its shards changed, and resharded into a plain 4-way one."""
+    dcp.save(ours.state_dict(), checkpoint_id=path)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.to_local().add_(1.0)
+    state = ours.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    ours.load_state_dict(state)
+    plain = ShardedDataParallel(Net(), stage=3)  # Shard(0) over all 4 ranks
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state)
+    return {"same": _scaled(ours.full_state_dict(), saved) == 0.0,
+            "resharded": _scaled(plain.full_state_dict(), saved) == 0.0}
+
+
+def run(path: str) -> dict:
     rank = dist.get_rank()
     topo = Topology.build(dp=4, shard=2)
     plain = Topology.build(dp=4)
@@ -116,6 +135,8 @@ def run() -> dict:
             "model_parameters": zero_memory(psi, 4, 3, "fp32", shard=2).parameters,
             "same_shards_as_replica": _same_across(ours, topo.replicate_group),
         }
+        if stage == 3 and algorithm == "ring":
+            out["checkpoint"] = _checkpoint(ours, full, path)
     out["cases"] = cases
     # Wrong variants the bound must catch: no reduction across replicas (each shard group trains on
     # its own half of the data, dividing by 2) and DDP's sum divided by 2 instead of 4 (twice the lr
