@@ -92,7 +92,9 @@ def grid(pp: int, dp: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place in a tp x pp x dp mesh, with its tensor, pipeline and data-parallel groups."""
+    """This rank's place in a tp x pp x dp mesh, with its tensor, pipeline and data-parallel groups
+    (and, where ``shard`` < dp, its shard and replicate groups; else ``shard_group`` is the
+    data-parallel group and ``replicate_group`` None)."""
 
     pp: int
     dp: int

@@ -3,7 +3,6 @@ commlab's HSDP beside torch's DDP and torch's fully_shard HSDP, returning plain 
 
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.distributed as dist
