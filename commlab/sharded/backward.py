@@ -25,7 +25,7 @@ class BackwardPass:
         runs = [ordering.will_accumulate(node) for node in self.accumulators]
         # A gradient accumulated in no_sync() is reduced now, also without one in this backward.
         held = [self.sync and not self.synced_grads and b.params[s].grad is not None for b, s in self.slots]
-        counts = [1] * len(self.slots)
+        counts = [self.world] * len(self.slots)  # no_sync() at stages 1-2: nothing to agree on
         if self.sync or self.stage == 3:  # stage 3 gathers in backward, also inside no_sync()
             counts = ordering.agree([int(r or h) for r, h in zip(runs, held)], self.control)
         unused, partial = ordering.verdict(counts, self.world)

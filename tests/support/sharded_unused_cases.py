@@ -92,13 +92,13 @@ def against_fully_shard(stage: int) -> dict:
     }
 
 
-def partial(stage: int, kind: str) -> str:
+def partial(stage: int, kind: str, units: bool) -> str:
     """A parameter used on some ranks only: rank 0 skips ``mid`` (``kind="module"``) or its loss
     reads ``side`` (``kind="output"``). The error text of the first backward (every rank)."""
     torch.manual_seed(0)
     model = Branchy()
-    units = [model.a, model.mid, model.b, model.side, model.head] if stage == 3 else None
-    ours = ShardedDataParallel(model, stage=stage, units=units, bucket_cap_mb=200 / 2**20)
+    chosen = [model.a, model.mid, model.b, model.side, model.head] if units else None
+    ours = ShardedDataParallel(model, stage=stage, units=chosen, bucket_cap_mb=200 / 2**20)
     first = dist.get_rank() == 0
     skip_at = (0,) if kind == "module" and first else ()
     return error_of(lambda: _train(ours, _sgd(ours.parameters()), skip_at, 1, kind == "output" and first))
@@ -143,7 +143,10 @@ def run() -> dict:
     result = {"partial": {}, "fully_shard": {}, "join": {}}
     for stage in (1, 2, 3):  # first: a hang here would show as the launch's timeout
         for kind in ("module", "output"):
-            result["partial"][f"s{stage}-{kind}"] = partial(stage, kind)
+            result["partial"][f"s{stage}-{kind}"] = partial(stage, kind, False)  # 200-byte buckets
+        if stage == 3:
+            for kind in ("module", "output"):
+                result["partial"][f"s3-units-{kind}"] = partial(stage, kind, True)
     for stage in (1, 2, 3):
         result["fully_shard"][stage] = against_fully_shard(stage)
         result["join"][f"s{stage}-even"] = joined(stage, None)
