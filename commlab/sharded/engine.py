@@ -9,24 +9,24 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    parameters) waits for b's all-gather, then copies the gathered rank-major buffer out into
    the parameters (commlab/sharded/copies.py). Stage 3 first launches the all-gathers of b and of
    the ``prefetch`` buckets after it not gathered, and of every earlier bucket not gathered in this
-   forward (the end of forward gathers the rest): a module skipped on one rank leaves its sequence of
-   all-gathers the others'; the copy-out fills storage allocated again.
+   forward (the end of forward gathers the rest), so that a module skipped on one rank leaves its
+   all-gathers in the others' order; the copy-out fills storage allocated again.
 3. Stage 3 with ``reshard_after_forward``: a forward post-hook frees b (storage resized to 0)
-   once every module using it has run (the end of forward frees the others), except buckets the root
-   module uses itself (needed again at once, as torch's fully_shard keeps its root unsharded). The same hook puts a gradient hook on
-   the module's outputs: in backward it fires before the module's backward runs and gathers b
-   again, with the ``prefetch`` buckets before it (the backward order).
+   once every module using it has run (the end of forward frees the others), except buckets the
+   root module uses itself (needed again at once, as torch's fully_shard keeps its root unsharded).
+   The same hook puts a gradient hook on the module's outputs: in backward it fires before the
+   module's backward runs and gathers b again, with the ``prefetch`` buckets before it.
 4. The first hook of a backward agrees with the other ranks on who used which parameter
    (commlab/sharded/ordering.py): used nowhere, no gradient; used on some ranks only, a RuntimeError
    on every rank. A post-accumulate-grad hook on each parameter copies its gradient into b's flat
    gradient buffer (pre-divided by the world size, as torch's DDP) and drops the parameter's own; the
-   last one launches b's reduction, once every later bucket's has launched (descending order),
-   overlapping the rest of backward: an all-reduce (stage 1, which
-   keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
-   (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
+   last one launches b's reduction once every later bucket's has launched (descending order),
+   overlapping the rest of backward: an all-reduce (stage 1, which keeps the full reduced gradient
+   as the parameters' .grad) or a reduce-scatter into a new shard (stages 2-3, which then drop the
+   full buffer). Stage 3 frees b's gathered parameters here. (Steps 4-5: backward.py.)
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
-   the reduced buffer; accumulated if present).
+   the reduced buffer; accumulated if present; none for a parameter no rank used).
 6. The user's optimizer steps the shards. Stages 1-2: a step post-hook of an optimizer that holds
    every shard queues every bucket's all-gather and launches the first ``1 + prefetch`` of them,
    so that they overlap whatever the training loop does before the next forward (zero_grad, the
