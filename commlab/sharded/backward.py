@@ -100,10 +100,13 @@ class BackwardPass:
         fully_shard does the same with its default reduce_scatter_max_input_buffers=1,
         torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward); without it a
         rank holds the whole unsharded gradient at the end of backward, as DDP does."""
+        kept = []
         for bucket, work, entry in self.reductions:
             self.recorder.wait(work, entry)
-            bucket.finish_reduction()
-        self.reductions = []
+            follow = bucket.finish_reduction()
+            if follow is not None:  # HSDP: the all-reduce across replicas, waited for on the next call
+                kept.append((bucket, follow, follow.entry(self.recorder, bucket.index)))
+        self.reductions = kept
 
     def _end_backward(self) -> None:
         """Every bucket back to its state before a backward (stage 3: nothing gathered)."""
@@ -130,7 +133,8 @@ class BackwardPass:
                     bucket.pending = 0
                     self.ready_at[bucket.index] = backward_end
             self._launch_in_order()
-        self._retire_reductions()
+        while self.reductions:
+            self._retire_reductions()
         self._end_backward()
         self.last_peak_gathered = self.peak_gathered
         if self.sync:

@@ -11,29 +11,25 @@ Usage (every rank)::
 
 Contract, and what is not supported:
 
-- Build the optimizer over ``sharded.parameters()`` (the module's own parameters, names and
-  shapes, each a DTensor ``Shard(0)`` of this rank's rows whose ``.grad`` is its rows of the averaged
-  gradient: dparams.py); parameter groups, ``clip_grad_norm_``, ``GradScaler`` work on them. Torch's
-  element-wise optimizers; others need ``optimizer.elementwise = True`` (arguments.py), LBFGS and
-  SparseAdam are refused.
+- Build the optimizer over ``sharded.parameters()``: the module's own parameters (names, shapes),
+  each a DTensor ``Shard(0)`` of this rank's rows, ``.grad`` its rows of the averaged gradient
+  (dparams.py); parameter groups, ``clip_grad_norm_``, ``GradScaler`` work. Torch's element-wise
+  optimizers; others need ``optimizer.elementwise = True`` (arguments.py); LBFGS, SparseAdam refused.
 - In each backward a trainable parameter gets a gradient on every rank or on none: one no rank used
   (an output the loss does not read, a module skipped everywhere) keeps ``.grad`` None, as under
-  ``fully_shard``; one some ranks only used is a RuntimeError naming it on every rank, at the start
+  ``fully_shard``; one some ranks only used is a RuntimeError naming it on every rank at the start
   of that backward (ordering.py; stage 3 gathers a module skipped here too, so no hang comes first).
-  The trainable parameters are fixed at construction (requires_grad changed later: a ValueError at
-  the next forward). Stage 3 needs each parameter used inside the forward of a module holding it,
-  of its unit or of a module holding another parameter of its bucket (else a RuntimeError naming
-  the fix: nn.MultiheadAttention reads its out_proj's weight itself).
+  Trainable parameters are fixed at construction (requires_grad changed later: a ValueError). Stage
+  3 needs each parameter used inside the forward of a module holding it, of its unit or of a module
+  holding another of its bucket (else a RuntimeError naming the fix, units=[...]).
 - Uneven inputs: inside ``with sharded.join():`` a rank out of batches while others run a forward is
   a ValueError on every rank at that iteration (join.py: why no shadowing, as DDP's join does).
-- Buffers are not broadcast after construction (nor by fully_shard). ``no_sync()`` accumulates full
-  gradients on every rank (DDP's memory) until the next synchronised backward reduces them.
-- ``algorithm``: "auto" (the default: the ring on Gloo, where the backend's reduce-scatter is an
-  all-reduce of the whole buffer, else "native"; ``.algorithm`` says which runs), "native" or a p2p
-  algorithm of commlab.collectives with a reduce-scatter and an all-gather ("ring", or
-  "halving_doubling" on a power-of-two world size); others: a ValueError before any collective.
-- ``bucket_policy``: DDP's (commlab/ddp/policy.py; a name or a BucketPolicy, with ``bucket_cap_mb``)
-  makes the buckets unless ``units`` is given (buckets.py).
+- Buffers are not broadcast after construction (nor by fully_shard). ``no_sync()``: full gradients.
+- ``algorithm``: "auto" (the default: the ring on Gloo, whose reduce-scatter is an all-reduce, else
+  "native"; ``.algorithm`` says which runs), "native" or a p2p algorithm of commlab.collectives with
+  a reduce-scatter and an all-gather ("ring"; "halving_doubling" on powers of two), else ValueError.
+- ``replicate_group`` (HSDP, hybrid.py; ``Topology.build(..., shard=k)``): replicas of the shards.
+- ``bucket_policy``: DDP's (a name or a BucketPolicy, with ``bucket_cap_mb``) unless ``units``.
 - ``mixed_precision``: a MixedPrecision or torch's MixedPrecisionPolicy (not ``output_dtype``): fp32
   master shards, gathers and computation in ``param_dtype``, reductions in ``reduce_dtype`` (precision.py).
 """
@@ -53,7 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
-from commlab.sharded import arguments, comm, ordering, precision, state
+from commlab.sharded import arguments, comm, hybrid, ordering, precision, state
 from commlab.sharded.buckets import plan_buckets, trainable
 from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
@@ -83,6 +79,7 @@ class ShardedDataParallel(nn.Module):
         reshard_after_forward: bool = True,
         algorithm: str = comm.AUTO,
         process_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
         mixed_precision: precision.MixedPrecision | Any = None,
     ):
@@ -95,24 +92,30 @@ class ShardedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs an initialised process group (commlab.launch or torchrun)")
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
-        self.process_group = process_group
+        self.process_group, self.replicate_group = process_group, replicate_group
+        replicas = hybrid.check_groups(process_group, replicate_group)
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         device_type = next((p.device.type for p in module.parameters()), "cpu")  # one device: plan_buckets
         algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group), device_type)
-        comm.check_algorithm(algorithm, world)  # the world size's limits, before the first collective
+        for size in (world, replicas):  # the groups' sizes' limits, before the first collective
+            comm.check_algorithm(algorithm, size)
         self.algorithm, self.bucket_policy = algorithm, policy  # the algorithm that runs, "auto" resolved
-        # Every rank starts from group rank 0's values, as DDP's construction broadcast.
+        # Every rank starts from group rank 0's values, as DDP's construction broadcast: with
+        # replicas, the shard group's first, then its replica 0's (so every rank (0, 0)'s).
         entries = module.state_dict(keep_vars=True)
         names, tensors = list(entries), list(entries.values())
-        verify_param_shapes(names, tensors, process_group)
-        broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], process_group)
+        for group in [process_group] + ([replicate_group] if replicas > 1 else []):
+            verify_param_shapes(names, tensors, group)
+            broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], group)
         params = [p for _, p in trainable(module)]
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
-        self.mesh = mesh_of(process_group, device_type)
+        self.mesh = (hybrid.hybrid_mesh(process_group, replicate_group, device_type) if replicas > 1
+                     else mesh_of(process_group, device_type))
         buckets = [
             FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh,
-                       precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype))
+                       precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype),
+                       replicate_group if replicas > 1 else None)
             for i, idx in enumerate(plan.buckets)
         ]
         sharded = {id(p) for p in params}
@@ -120,7 +123,7 @@ class ShardedDataParallel(nn.Module):
         # The module is no submodule of the wrapper: named_parameters() below gives its names
         # unprefixed, as state_dict() gives its keys.
         object.__setattr__(self, "module", module)
-        self._control = ordering.control_group(process_group)
+        self._control = ordering.control_groups(process_group, replicate_group if replicas > 1 else None)
         self._engine = ShardedEngine(module, buckets, plan.owners, stage, prefetch, reshard_after_forward,
                                      [[self.param_names[j] for j in idx] for idx in plan.buckets], self._control)
         self._join: UnevenInputs | None = None
@@ -205,10 +208,7 @@ class ShardedDataParallel(nn.Module):
         finally:
             self._engine.sync = previous
 
-    def join(self) -> Iterator[None]:
-        """``with sharded.join(): for batch in data: ...``: a rank out of batches while others run a
-        forward is a ValueError on every rank at that iteration (commlab/sharded/join.py)."""
-        return joined(self)
+    join = joined  # ``with sharded.join(): for batch in data: ...`` (commlab/sharded/join.py)
 
     def train(self, mode: bool = True) -> ShardedDataParallel:
         super().train(mode)

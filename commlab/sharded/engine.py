@@ -19,11 +19,12 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
 4. The first hook of a backward agrees with the other ranks on who used which parameter
    (commlab/sharded/ordering.py): used nowhere, no gradient; used on some ranks only, a RuntimeError
    on every rank. A post-accumulate-grad hook on each parameter copies its gradient into b's flat
-   gradient buffer (pre-divided by the world size, as torch's DDP) and drops the parameter's own; the
+   gradient buffer (pre-divided by the data-parallel size, as torch's DDP) and drops the parameter's own; the
    last one launches b's reduction once every later bucket's has launched (descending order),
    overlapping the rest of backward: an all-reduce (stage 1, which keeps the full reduced gradient
    as the parameters' .grad) or a reduce-scatter into a new shard (stages 2-3, which then drop the
-   full buffer). Stage 3 frees b's gathered parameters here. (Steps 4-5: backward.py.)
+   full buffer). Stage 3 frees b's gathered parameters here. With replicas (HSDP), the result is
+   then all-reduced across them (commlab/sharded/hybrid.py). (Steps 4-5: backward.py.)
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
    the reduced buffer; accumulated if present; none for a parameter no rank used).
@@ -72,7 +73,7 @@ class ShardedEngine(BackwardPass):
         self.names = [n for ns in names for n in ns]  # of each bucket's parameters, buckets in order
         self.slots = [(b, s) for b in buckets for s in range(len(b.params))]
         self.accumulators = [ordering.accumulator(b.params[s]) for b, s in self.slots]
-        self.control, self.world = control, buckets[0].world_size  # the group agreements run on
+        self.control, self.world = control, ordering.data_parallel_size(control)  # the agreements' groups
         self.planned = False  # this backward's usage agreed (ordering.py)
         self.next_reduce = len(buckets) - 1  # the highest bucket whose reduction has not launched
         self.reduced: set[int] = set()  # buckets some rank has a gradient of, in this backward

@@ -1,6 +1,6 @@
 """Uneven inputs under ``ShardedDataParallel.join()``: detected, on every rank, before they hang.
 
-Inside ``join()`` each forward first all-reduces one int per rank (1: this rank runs a forward),
+Inside ``join()`` each forward first all-reduces an int per rank (1: this rank runs a forward),
 and a rank leaving the context all-reduces zeros; while every rank runs (all ones) or every rank
 has left (all zeros) nothing happens. Otherwise some rank ran out of batches while others went
 on: each rank, the leavers in their exit and the others in their forward, gets the same sum and
@@ -16,7 +16,7 @@ iteration is what a training loop can act on (equal batch counts, ``drop_last=Tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -24,12 +24,13 @@ import torch.distributed as dist
 from commlab.sharded.ordering import agree
 
 
-def uneven_message(active: Sequence[int], iteration: int) -> str | None:
-    """None while every rank runs or every rank has left; else the error (pure)."""
-    if all(active) or not any(active):
+def uneven_message(active: dict[int, int], iteration: int) -> str | None:
+    """From each data-parallel rank's flag (global rank -> 1: runs a forward): None while every rank
+    runs or every rank has left; else the error (pure)."""
+    if all(active.values()) or not any(active.values()):
         return None
-    done = [r for r, a in enumerate(active) if not a]
-    running = [r for r, a in enumerate(active) if a]
+    done = sorted(r for r, a in active.items() if not a)
+    running = sorted(r for r, a in active.items() if a)
     return (
         f"uneven inputs inside ShardedDataParallel.join(): at iteration {iteration} (counted from 0 inside "
         f"join()) ranks {done} had no more batches while ranks {running} ran a forward. Sharded data "
@@ -39,16 +40,20 @@ def uneven_message(active: Sequence[int], iteration: int) -> str | None:
 
 
 class UnevenInputs:
-    """One ``join()`` context: the forwards counted, each one agreed on."""
+    """One ``join()`` context: the forwards counted, each one agreed on over ``groups`` (the shard
+    group and the replicas')."""
 
-    def __init__(self, group, rank: int, world: int):
-        self.group, self.rank, self.world = group, rank, world
+    def __init__(self, groups):
+        self.groups = groups
         self.iteration = 0
 
     def _agree(self, here: int) -> None:
-        flags = [0] * self.world
-        flags[self.rank] = here
-        message = uneven_message(agree(flags, self.group), self.iteration)
+        # Two ints per global rank: a member of the data-parallel grid, and running a forward.
+        flags = [0] * (2 * dist.get_world_size())
+        flags[2 * dist.get_rank()], flags[2 * dist.get_rank() + 1] = 1, here
+        summed = agree(flags, self.groups)
+        active = {r: summed[2 * r + 1] for r in range(len(summed) // 2) if summed[2 * r]}
+        message = uneven_message(active, self.iteration)
         if message is not None:
             raise ValueError(message)
 
@@ -67,11 +72,11 @@ class UnevenInputs:
 
 @contextmanager
 def joined(wrapper) -> Iterator[None]:
-    """ShardedDataParallel.join(): the wrapper's forwards agreed on inside (its ``_join``)."""
+    """ShardedDataParallel.join(): inside, a rank out of batches while others run a forward is a
+    ValueError on every rank at that iteration (this module's docstring)."""
     if wrapper._join is not None:
         raise RuntimeError("ShardedDataParallel.join() is already active")
-    group = wrapper.process_group
-    wrapper._join = UnevenInputs(wrapper._control, dist.get_rank(group), dist.get_world_size(group))
+    wrapper._join = UnevenInputs(wrapper._control)
     try:
         yield
         wrapper._join.leave(wrapper._engine)

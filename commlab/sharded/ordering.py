@@ -19,6 +19,7 @@ sequences rank-independent (docs/design.md, the sharded section, says why these 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -78,8 +79,20 @@ def control_group(group):
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
 
-def agree(flags: Sequence[int], group) -> list[int]:
-    """Every rank's ``flags`` summed (a blocking all-reduce of one int each)."""
+def control_groups(shard_group, replicate_group) -> list:
+    """The groups of the agreements, which sum over every data-parallel rank: the shard group's,
+    and the replicas' (HSDP) when given."""
+    return [control_group(shard_group)] + ([control_group(replicate_group)] if replicate_group is not None else [])
+
+
+def agree(flags: Sequence[int], groups: Sequence) -> list[int]:
+    """Every data-parallel rank's ``flags`` summed: a blocking all-reduce of one int each in each of
+    ``groups`` (the shard group, then the replicas', whose grid holds each rank once)."""
     t = torch.tensor(list(flags), dtype=torch.int32)
-    dist.all_reduce(t, group=group)
+    for group in groups:
+        dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def data_parallel_size(groups: Sequence) -> int:
+    return math.prod(dist.get_world_size(g) for g in groups)

@@ -81,7 +81,7 @@ def test_usage_counts_split_into_unused_and_partial():
 
 
 def test_uneven_message_names_the_ranks_and_the_iteration():
-    assert uneven_message([1, 1, 1], 4) is None  # every rank runs
-    assert uneven_message([0, 0], 4) is None  # every rank left
-    message = uneven_message([1, 0, 1, 0], 7)
+    assert uneven_message({0: 1, 1: 1, 2: 1}, 4) is None  # every rank runs
+    assert uneven_message({4: 0, 6: 0}, 4) is None  # every rank left
+    message = uneven_message({0: 1, 1: 0, 2: 1, 3: 0}, 7)
     assert "iteration 7" in message and "ranks [1, 3] had no more batches while ranks [0, 2]" in message
