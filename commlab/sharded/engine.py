@@ -19,11 +19,11 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
 4. The first hook of a backward agrees with the other ranks on who used which parameter
    (commlab/sharded/ordering.py): used nowhere, no gradient; used on some ranks only, a RuntimeError
    on every rank. A post-accumulate-grad hook on each parameter copies its gradient into b's flat
-   gradient buffer (pre-divided by the data-parallel size, as torch's DDP) and drops the parameter's own; the
-   last one launches b's reduction once every later bucket's has launched (descending order),
-   overlapping the rest of backward: an all-reduce (stage 1, which keeps the full reduced gradient
-   as the parameters' .grad) or a reduce-scatter into a new shard (stages 2-3, which then drop the
-   full buffer). Stage 3 frees b's gathered parameters here. With replicas (HSDP), the result is
+   gradient buffer (pre-divided by the data-parallel size, as torch's DDP) and drops the
+   parameter's own; the last one launches b's reduction once every later bucket's has launched
+   (descending order), overlapping the rest of backward: an all-reduce (stage 1, which keeps the
+   full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard (stages 2-3,
+   which then drop the full buffer). Stage 3 frees b's gathered parameters here. With replicas (HSDP), the result is
    then all-reduced across them (commlab/sharded/hybrid.py). (Steps 4-5: backward.py.)
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into

@@ -61,7 +61,8 @@ def _train(model, opt, skip_at=SKIPPED_AT, steps=STEPS, loss_reads_side=False) -
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
 def against_fully_shard(stage: int) -> dict:
