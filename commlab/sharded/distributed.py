@@ -11,35 +11,27 @@ Usage (every rank)::
 
 Contract, and what is not supported:
 
-- Build the optimizer over ``sharded.parameters()`` (or ``sharded.module.parameters()``, the
-  same objects): the module's own parameters in their names and shapes, each a DTensor ``Shard(0)``
-  holding this rank's rows, whose ``.grad`` is this rank's rows of the averaged gradient
-  (commlab/sharded/dparams.py); parameter groups, ``clip_grad_norm_`` and ``GradScaler`` work on
-  them. Optimizers: torch's element-wise ones; any other class must declare
-  ``optimizer.elementwise = True`` (commlab/sharded/arguments.py says why), LBFGS and SparseAdam
-  are refused.
-- Every trainable parameter must receive a gradient in every backward (else a RuntimeError at
-  the end of backward); which parameters train is fixed at construction (requires_grad changed
-  later: a ValueError at the next forward), and stage 3 needs each parameter used inside the forward of a module
-  that holds it, of its unit, or of a module holding another parameter of its bucket (else a
-  RuntimeError naming the fix: nn.MultiheadAttention reads its out_proj's weight itself, so a
-  bucket size that separates them needs units).
-- The module's buffers are not broadcast after construction (torch's fully_shard does not either).
-- ``no_sync()`` accumulates the full gradients of the whole model on every rank (the memory of
-  unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
-- ``algorithm``: "auto" (the default: the ring on Gloo, where the backend's reduce-scatter is an
-  all-reduce of the whole buffer, else "native"; ``.algorithm`` says which runs), "native" (the
-  backend's reduce-scatter, all-gather and all-reduce) or a p2p algorithm of commlab.collectives that
-  provides a reduce-scatter and an all-gather ("ring", or "halving_doubling" on a power-of-two world
-  size); others are refused with a ValueError naming those that do (commlab/sharded/comm.py).
-- ``replicate_group`` (HSDP, commlab/sharded/hybrid.py): shards within ``process_group``, replicated
-  across this group (``Topology.build(..., shard=k)``'s ``shard_group`` and ``replicate_group``).
-- ``bucket_policy``: DDP's (commlab/ddp/policy.py; a registered name or a BucketPolicy, built with
-  ``bucket_cap_mb``) decides which parameters share a bucket unless ``units`` is given
-  (commlab/sharded/buckets.py says which of the policy's questions it asks).
-- ``mixed_precision``: a MixedPrecision or torch's MixedPrecisionPolicy (its ``output_dtype``
-  refused): fp32 shards as the master the optimizer steps, gathers and computation in
-  ``param_dtype``, reductions in ``reduce_dtype``, at every stage (commlab/sharded/precision.py).
+- Build the optimizer over ``sharded.parameters()``: the module's own parameters (names, shapes),
+  each a DTensor ``Shard(0)`` of this rank's rows, ``.grad`` its rows of the averaged gradient
+  (dparams.py); parameter groups, ``clip_grad_norm_``, ``GradScaler`` work. Torch's element-wise
+  optimizers; others need ``optimizer.elementwise = True`` (arguments.py); LBFGS, SparseAdam refused.
+- In each backward a trainable parameter gets a gradient on every rank or on none: one no rank used
+  (an output the loss does not read, a module skipped everywhere) keeps ``.grad`` None, as under
+  ``fully_shard``; one some ranks only used is a RuntimeError naming it on every rank at the start
+  of that backward (ordering.py; stage 3 gathers a module skipped here too, so no hang comes first).
+  Trainable parameters are fixed at construction (requires_grad changed later: a ValueError). Stage
+  3 needs each parameter used inside the forward of a module holding it, of its unit or of a module
+  holding another of its bucket (else a RuntimeError naming the fix, units=[...]).
+- Uneven inputs: inside ``with sharded.join():`` a rank out of batches while others run a forward is
+  a ValueError on every rank at that iteration (join.py: why no shadowing, as DDP's join does).
+- Buffers are not broadcast after construction (nor by fully_shard). ``no_sync()``: full gradients.
+- ``algorithm``: "auto" (the default: the ring on Gloo, whose reduce-scatter is an all-reduce, else
+  "native"; ``.algorithm`` says which runs), "native" or a p2p algorithm of commlab.collectives with
+  a reduce-scatter and an all-gather ("ring"; "halving_doubling" on powers of two), else ValueError.
+- ``replicate_group`` (HSDP, hybrid.py; ``Topology.build(..., shard=k)``): replicas of the shards.
+- ``bucket_policy``: DDP's (a name or a BucketPolicy, with ``bucket_cap_mb``) unless ``units``.
+- ``mixed_precision``: a MixedPrecision or torch's MixedPrecisionPolicy (not ``output_dtype``): fp32
+  master shards, gathers and computation in ``param_dtype``, reductions in ``reduce_dtype`` (precision.py).
 """
 
 from __future__ import annotations
@@ -57,11 +49,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
-from commlab.sharded import arguments, comm, hybrid, precision, state
+from commlab.sharded import arguments, comm, hybrid, ordering, precision, state
 from commlab.sharded.buckets import plan_buckets, trainable
 from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
 from commlab.sharded.flat_bucket import FlatBucket
+from commlab.sharded.join import UnevenInputs, joined
 from commlab.sharded.layout import ShardLayout
 from commlab.sharded.memory import ShardedMemory, measure
 from commlab.sharded.optim_state import full_optimizer_state_dict
@@ -130,7 +123,10 @@ class ShardedDataParallel(nn.Module):
         # The module is no submodule of the wrapper: named_parameters() below gives its names
         # unprefixed, as state_dict() gives its keys.
         object.__setattr__(self, "module", module)
-        self._engine = ShardedEngine(module, buckets, plan.owners, stage, prefetch, reshard_after_forward)
+        self._control = ordering.control_groups(process_group, replicate_group if replicas > 1 else None)
+        self._engine = ShardedEngine(module, buckets, plan.owners, stage, prefetch, reshard_after_forward,
+                                     [[self.param_names[j] for j in idx] for idx in plan.buckets], self._control)
+        self._join: UnevenInputs | None = None
         if stage == 3:
             self._engine.free(range(len(buckets)))
             self._engine.peak_gathered = self._engine.last_peak_gathered = 0
@@ -156,6 +152,8 @@ class ShardedDataParallel(nn.Module):
             # a parameter frozen since would go on training, one unfrozen would stay as it was.
             raise ValueError(f"requires_grad changed after wrapping for {changed}: ShardedDataParallel fixes the "
                              "trainable parameters when it is built; set requires_grad before wrapping (or wrap again)")
+        if self._join is not None:
+            self._join.arrive(self._engine)
         args, kwargs = precision.cast_inputs(self.mixed_precision, args, kwargs)
         self._engine.before_forward()
         try:
@@ -209,6 +207,8 @@ class ShardedDataParallel(nn.Module):
             yield
         finally:
             self._engine.sync = previous
+
+    join = joined  # ``with sharded.join(): for batch in data: ...`` (commlab/sharded/join.py)
 
     def train(self, mode: bool = True) -> ShardedDataParallel:
         super().train(mode)

@@ -8,21 +8,26 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
 2. A forward pre-hook on each module that uses bucket b (its unit, or the modules holding its
    parameters) waits for b's all-gather, then copies the gathered rank-major buffer out into
    the parameters (commlab/sharded/copies.py). Stage 3 first launches the all-gathers of b and of
-   the ``prefetch`` buckets after it not gathered; the copy-out fills storage allocated again.
+   the ``prefetch`` buckets after it not gathered, and of every earlier bucket not gathered in this
+   forward (the end of forward gathers the rest), so that a module skipped on one rank leaves its
+   all-gathers in the others' order; the copy-out fills storage allocated again.
 3. Stage 3 with ``reshard_after_forward``: a forward post-hook frees b (storage resized to 0)
-   once every module using it has run, except buckets the root module uses itself (needed again
-   at once, as torch's fully_shard keeps its root unsharded). The same hook puts a gradient hook on
-   the module's outputs: in backward it fires before the module's backward runs and gathers b
-   again, with the ``prefetch`` buckets before it (the backward order).
-4. A post-accumulate-grad hook on each parameter copies its gradient into b's flat gradient buffer
-   (pre-divided by the data-parallel size, as torch's DDP) and drops the parameter's own; the last one
-   launches b's reduction at once, overlapping the rest of backward: an all-reduce (stage 1, which
-   keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
-   (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
-   With replicas (HSDP), the result is then all-reduced across them (commlab/sharded/hybrid.py).
+   once every module using it has run (the end of forward frees the others), except buckets the
+   root module uses itself (needed again at once, as torch's fully_shard keeps its root unsharded).
+   The same hook puts a gradient hook on the module's outputs: in backward it fires before the
+   module's backward runs and gathers b again, with the ``prefetch`` buckets before it.
+4. The first hook of a backward agrees with the other ranks on who used which parameter
+   (commlab/sharded/ordering.py): used nowhere, no gradient; used on some ranks only, a RuntimeError
+   on every rank. A post-accumulate-grad hook on each parameter copies its gradient into b's flat
+   gradient buffer (pre-divided by the data-parallel size, as torch's DDP) and drops the
+   parameter's own; the last one launches b's reduction once every later bucket's has launched
+   (descending order), overlapping the rest of backward: an all-reduce (stage 1, which keeps the
+   full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard (stages 2-3,
+   which then drop the full buffer). Stage 3 frees b's gathered parameters here. With replicas (HSDP), the result is
+   then all-reduced across them (commlab/sharded/hybrid.py). (Steps 4-5: backward.py.)
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
-   the reduced buffer; accumulated if present).
+   the reduced buffer; accumulated if present; none for a parameter no rank used).
 6. The user's optimizer steps the shards. Stages 1-2: a step post-hook of an optimizer that holds
    every shard queues every bucket's all-gather and launches the first ``1 + prefetch`` of them,
    so that they overlap whatever the training loop does before the next forward (zero_grad, the
@@ -41,15 +46,17 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from commlab.sharded import ordering
+from commlab.sharded.backward import BackwardPass
 from commlab.sharded.flat_bucket import FlatBucket
 from commlab.sharded.timing import Recorder
 
 
-class ShardedEngine:
-    """The hooks and the state of the iteration in progress (this module's docstring)."""
+class ShardedEngine(BackwardPass):
+    """The hooks and the state of the iteration in progress (this module's docstring; its backward
+    half in commlab/sharded/backward.py)."""
 
     def __init__(
         self,
@@ -59,8 +66,20 @@ class ShardedEngine:
         stage: int,
         prefetch: int,
         reshard_after_forward: bool,
+        names: list[list[str]],
+        control,
     ):
         self.buckets, self.stage, self.prefetch = buckets, stage, prefetch
+        self.names = [n for ns in names for n in ns]  # of each bucket's parameters, buckets in order
+        self.slots = [(b, s) for b in buckets for s in range(len(b.params))]
+        self.accumulators = [ordering.accumulator(b.params[s]) for b, s in self.slots]
+        self.control, self.world = control, ordering.data_parallel_size(control)  # the agreements' groups
+        self.planned = False  # this backward's usage agreed (ordering.py)
+        self.next_reduce = len(buckets) - 1  # the highest bucket whose reduction has not launched
+        self.reduced: set[int] = set()  # buckets some rank has a gradient of, in this backward
+        self.arrived: set[tuple[int, int]] = set()  # (bucket, slot) settled in this backward
+        self.ready_at: dict[int, float] = {}
+        self.forward_next = 0  # stage 3: buckets below were gathered (or launched) in this forward
         self.recorder = Recorder()
         self.sync = True
         self.stale = False  # stages 1-2: the shards may have been stepped since the last gather
@@ -106,9 +125,8 @@ class ShardedEngine:
         self._count()
 
     def _wait_gather(self, b: int) -> None:
-        if b in self.queued:  # stages 1-2: needed before its turn in the window
-            self.queued.remove(b)
-            self._launch_gather(b)
+        while b in self.queued:  # stages 1-2: needed before its turn; the queue's order kept (ordering.py)
+            self._launch_gather(self.queued.pop(0))
         if b in self.gathers:
             work, entry = self.gathers.pop(b)
             self.recorder.wait(work, entry)
@@ -129,6 +147,19 @@ class ShardedEngine:
                 self._launch_gather(j)
         self._wait_gather(b)
 
+    def _gather_forward(self, b: int) -> None:
+        """Stage 3 in forward: launch, in ascending order, every bucket up to b's ``prefetch`` window
+        not gathered in this forward (a bucket a skipped module holds too: the others gather it), or
+        b alone if it was freed since (a module run again); wait b."""
+        last = min(b + self.prefetch, len(self.buckets) - 1)
+        for j in range(self.forward_next, last + 1):
+            if not self.buckets[j].gathered:
+                self._launch_gather(j)
+        self.forward_next = max(self.forward_next, last + 1)
+        if not self.buckets[b].gathered:
+            self._launch_gather(b)
+        self._wait_gather(b)
+
     def free(self, bs: Sequence[int]) -> None:
         for b in bs:
             if b in self.gathers:  # prefetched for a module that did not run (a unit called on its own)
@@ -147,6 +178,7 @@ class ShardedEngine:
         self.peak_gathered = self.gathered_bytes()
         self._refresh()
         self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
+        self.forward_next = 0
 
     def after_step(self) -> None:
         """Stages 1-2, an optimizer holding every shard has stepped: gather the new values now."""
@@ -176,15 +208,22 @@ class ShardedEngine:
 
     def after_forward(self) -> None:
         self.recorder.forward_end = time.perf_counter()
+        if self.stage == 3:  # the rest in order: a module skipped here may have run elsewhere
+            for j in range(self.forward_next, len(self.buckets)):
+                if not self.buckets[j].gathered:
+                    self._launch_gather(j)
+            self.forward_next = len(self.buckets)
         self.settle(drain=True)  # a bucket no module waited for is current too
-        if self.stage == 3 and not torch.is_grad_enabled():
-            self.free(range(len(self.buckets)))  # no backward follows: nothing stays gathered
+        if self.stage == 3:
+            # No backward follows: nothing stays gathered. Else every resharded bucket goes, also one
+            # whose modules did not all run, so that what backward gathers again is every rank's.
+            self.free([b for b in range(len(self.buckets)) if self.reshard[b] or not torch.is_grad_enabled()])
 
     def _forward_pre_hook(self, bs: list[int]):
         def hook(module, args):
             for b in bs:
                 if self.stage == 3:
-                    self._gather_stage3(b, range(b + 1, min(b + 1 + self.prefetch, len(self.buckets))))
+                    self._gather_forward(b)
                 else:
                     self._refresh()  # the module called without the wrapper still gets fresh values
                     self._wait_gather(b)
@@ -208,78 +247,6 @@ class ShardedEngine:
                         t.register_hook(self._pre_backward_hook(bs))
 
         return hook
-
-    # --- backward --------------------------------------------------------------------------
-    def _pre_backward_hook(self, bs: list[int]):
-        def hook(grad):
-            for b in bs:
-                if b not in self.backward_done:
-                    self._gather_stage3(b, range(b - 1, max(b - 1 - self.prefetch, -1), -1))
-            return None
-
-        return hook
-
-    def _grad_hook(self, bucket: FlatBucket, slot: int):
-        def hook(param):
-            if not self.callback_queued:
-                self.callback_queued = True
-                Variable._execution_engine.queue_callback(self._finalize)
-            if self.sync:
-                bucket.add_gradient(slot)
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                ready = time.perf_counter()
-                self.backward_done.add(bucket.index)
-                if self.sync:
-                    kind = "all_reduce" if self.stage == 1 else "reduce_scatter"
-                    if self.stage >= 2:
-                        self._retire_reductions()
-                    entry = self.recorder.launched(bucket.index, kind, bucket.reduce_nbytes, ready)
-                    self.reductions.append((bucket, bucket.launch_reduction(), entry))
-                if self.stage == 3 and bucket.gathered:
-                    self._wait_gather(bucket.index)  # never free under a gather still writing
-                    bucket.free()
-
-        return hook
-
-    def _retire_reductions(self) -> None:
-        """Stages 2-3, before the next reduce-scatter: wait for the earlier ones and drop their full
-        gradient buffers, so that at most one bucket's unsharded gradient is in flight (torch's
-        fully_shard does the same with its default reduce_scatter_max_input_buffers=1,
-        torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward); without it a
-        rank holds the whole unsharded gradient at the end of backward, as DDP does."""
-        kept = []
-        for bucket, work, entry in self.reductions:
-            self.recorder.wait(work, entry)
-            follow = bucket.finish_reduction()
-            if follow is not None:  # HSDP: the all-reduce across replicas, waited for on the next call
-                kept.append((bucket, follow, follow.entry(self.recorder, bucket.index)))
-        self.reductions = kept
-
-    def _finalize(self) -> None:
-        backward_end = time.perf_counter()
-        missing = [b.index for b in self.buckets if b.pending != 0]
-        while self.reductions:
-            self._retire_reductions()
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
-        self.backward_done.clear()
-        self.callback_queued = False
-        if self.stage == 3:
-            self.free(range(len(self.buckets)))
-        self.last_peak_gathered = self.peak_gathered
-        if missing:
-            for b in missing:  # a half-filled gradient buffer must not leak into the next backward
-                self.buckets[b].drop_full_gradients()
-            raise RuntimeError(
-                f"buckets {missing} did not receive every gradient in this backward: every trainable "
-                "parameter must get a gradient in every backward (unused parameters are not supported); "
-                "freeze it (requires_grad=False) to keep it out of the shards"
-            )
-        if self.sync:
-            self.stale = self.stage < 3
-            self.synced_grads = True
-            self.recorder.end(backward_end)
 
 
 def gather_after_step_hook(owner_ref, shards: set[int]):

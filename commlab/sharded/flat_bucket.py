@@ -70,6 +70,7 @@ class FlatBucket:
         self.reduced: torch.Tensor | None = None  # where the reduction writes the rank's shard
         self.gathered = True
         self.pending = len(params)  # gradients still to arrive in this backward
+        self.no_gradient: set[int] = set()  # slots no rank has a gradient of in this backward
 
     def _wholes(self) -> list[torch.Tensor]:
         return [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.layout.offsets)]
@@ -139,9 +140,7 @@ class FlatBucket:
         which needs no rank-major order: its buffer is in parameter order and the full reduced
         gradient stays as the parameters' .grad (ZeRO-1); stages 2-3 copy into the rank-major
         order the reduce-scatter needs, and drop the parameter's own."""
-        if self.grad_buffer is None:  # every element is written below before the reduction reads it
-            size = self.layout.total if self.stage == 1 else self.layout.padded
-            self.grad_buffer = torch.empty(size, dtype=self.dtypes.reduce, device=self.full.device)
+        self._ensure_grad_buffer()
         p = self.params[slot]
         if self.stage == 1:
             o = self.layout.offsets[slot]
@@ -152,6 +151,22 @@ class FlatBucket:
         else:
             copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.divisor)
             p.grad = None
+
+    def _ensure_grad_buffer(self) -> None:
+        if self.grad_buffer is None:  # every element is written (a gradient or zeros) before the reduction reads it
+            size = self.layout.total if self.stage == 1 else self.layout.padded
+            self.grad_buffer = torch.empty(size, dtype=self.dtypes.reduce, device=self.full.device)
+
+    def add_zero_gradient(self, slot: int) -> None:
+        """Zeros in parameter ``slot``'s place in the gradient buffer (no gradient of it here): the
+        parameter's own .grad is left as it is."""
+        self._ensure_grad_buffer()
+        p = self.params[slot]
+        if self.stage == 1:
+            o = self.layout.offsets[slot]
+            self.grad_buffer[o : o + p.numel()].zero_()
+        else:
+            copies.copy_in(self.grad_buffer, self.layout, slot, torch.zeros((), dtype=p.dtype).expand(p.shape))
 
     def launch_reduction(self):
         """Stage 1 all-reduces the whole buffer; stages 2-3 reduce-scatter it into a new shard;
@@ -179,6 +194,8 @@ class FlatBucket:
             return follow
         with torch.no_grad():
             for i, (p, dp) in enumerate(zip(self.params, self.sharded)):
+                if i in self.no_gradient:  # no rank had one: its .grad stays, as under fully_shard
+                    continue
                 if self.stage == 1:
                     o = self.layout.offsets[i]
                     piece = self._local_rows(self.grad_buffer[o : o + p.numel()], i)

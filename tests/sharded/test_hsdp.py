@@ -69,3 +69,6 @@ def test_hsdp_2x2(grid):
         assert result["wrong"]["no_replicas"] > 1e3 * BOUND and result["wrong"]["divided_by_2"] > 1e3 * BOUND
         for case in ("overlap", "same"):
             assert result["refused"][case].startswith("ValueError: the shard group and the replicate group share"), case
+        # A parameter unused on one rank of the grid: refused on every rank, counted over both groups.
+        assert result["partial_replica"].startswith("RuntimeError: parameters used in this backward on some ranks")
+        assert "mid.weight (3 of 4)" in result["partial_replica"]

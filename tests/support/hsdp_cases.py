@@ -147,8 +147,21 @@ def run(path: str) -> dict:
         "same": error_of(lambda: ShardedDataParallel(Net(), process_group=topo.shard_group,
                                                      replicate_group=topo.shard_group)),
     }
+    out["partial_replica"] = _partial_on_one_replica(topo)
     out["rank"] = rank
     return out
+
+
+def _partial_on_one_replica(topo: Topology) -> str:
+    """Rank 2 alone (its shard group's other rank and the other replica use it) skips a module: the
+    agreement sums over both groups, so every rank of the grid refuses, none hangs."""
+    from tests.support.sharded_unused_cases import Branchy
+
+    model = Branchy()
+    ours = ShardedDataParallel(model, stage=3, process_group=topo.shard_group, replicate_group=topo.replicate_group,
+                               units=[model.a, model.mid, model.b, model.side, model.head])
+    x, y = _data(0)
+    return error_of(lambda: nn.functional.mse_loss(ours(x, dist.get_rank() == 2)[0], y).backward())
 
 
 def _same_across(ours: ShardedDataParallel, group) -> bool:

@@ -206,10 +206,10 @@ def misuse() -> dict:
         "unsharded": error_of(wrong.step),
         "adafactor": error_of(factored.step) if factored is not None else "ValueError: not element-wise (absent)",
         "unrelated": error_of(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1).step),
-        # Every rank leaves the same parameter unused: each raises instead of waiting forever.
+        # Every rank leaves the same parameter unused: it gets no gradient, the rest trains.
         "unused": error_of(lambda: nn.functional.mse_loss(ShardedDataParallel(WithUnused(), stage=3)(x), y).backward()),
         # A unit run on its own at stage 3 prefetches the next unit's bucket, which no module then
-        # waits for: the end of backward waits for it before freeing, then refuses as above.
+        # waits for: the end of backward waits for it before freeing; the other units get no gradient.
         "unit_alone": error_of(lambda: _unit_alone(x)),
         "gathered_after_no_grad_forward": _no_grad_forward_gathered(),
         # One parameter per bucket: attention's out_proj weight is read by its parent's forward.

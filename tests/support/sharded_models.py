@@ -42,7 +42,7 @@ def bn_net(frozen: bool = False) -> nn.Module:
 
 
 class WithUnused(Net):
-    """``unused`` gets no gradient: stage 3 must say so rather than wait for it."""
+    """``unused`` gets no gradient on any rank: it keeps none, the rest trains."""
 
     def __init__(self):
         super().__init__()
