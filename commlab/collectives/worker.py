@@ -140,7 +140,7 @@ class CommWorker:
             # then frees the collective's tensors once it is done with them, where the loop's
             # variables would keep the last job's (a whole bucket) until the next job arrives,
             # and free them on this thread, out of sight of the caller's memory profiler
-            # (commlab/memtrack.py; measured, docs/measurements.md 2026-11-27 15:20 UTC).
+            # (commlab/memtrack.py; measured, docs/measurements.md, 2026-11-27 14:48-15:20 UTC).
             item = None
             with self._running:
                 with self._idle:

@@ -169,9 +169,9 @@ def bucket_memory(
 # (commlab/runs/optimizers.py's K), on torch's single-tensor path (its default for CPU tensors):
 # Adam and AdamW (8) hold 3 of the largest tensor, the square root of the second moment, its
 # quotient by the bias correction and one more inside the update (torch/optim/adam.py's
-# _single_tensor_adam; measured with commlab.memtrack, docs/measurements.md 2026-11-27 15:20 UTC,
-# plain tensors and DTensor shards alike); SGD with or without momentum (4, 0) updates in place.
-# Other implementations (foreach, fused): commlab/sharded/peak_model.py.
+# _single_tensor_adam; measured with commlab.memtrack on plain tensors and DTensor shards alike,
+# docs/measurements.md, 2026-11-27 14:48-15:20 UTC); SGD with or without momentum (4, 0) updates
+# in place. Other implementations (foreach, fused): commlab/sharded/peak_model.py.
 STEP_TEMPORARIES = {0: 0, 4: 0, 8: 3}
 
 

@@ -33,7 +33,7 @@ from commlab.sharded.memory_model import bucket_memory, mixed_precision_memory, 
 
 # Tensors of a parameter's (here: a master shard's) size that Adam's step holds at once, by
 # implementation, measured with commlab.memtrack on torch 2.13 CPU (docs/measurements.md,
-# 2026-11-27 15:20 UTC), the same for plain tensors and DTensor shards:
+# 2026-11-27 14:48-15:20 UTC), the same for plain tensors and DTensor shards:
 # - "for_loop" (torch's single-tensor path, its default for CPU tensors): ``step_temporaries(8)``
 #   of the largest tensor (commlab/sharded/memory_model.py says which).
 # - "foreach" (the multi-tensor path, torch's default for CUDA tensors): one temporary for every
