@@ -166,9 +166,45 @@ def _sharded_on_gpu() -> dict:
             reference = state
             continue
         out[f"diff{stage}"] = max((state[k] - reference[k]).abs().max().item() for k in reference)
-        out[f"on_gpu{stage}"] = all(b.shard.device == device for b in model.buckets)
+        # the optimizer's DTensor rows and the gathered replica live on the GPU
+        out[f"on_gpu{stage}"] = all(p.to_local().device == device for p in model.parameters()) and all(
+            b.full.device == device for b in model.buckets)
         out[f"peak{stage}"] = model.memory(opt).peak
+        if dist.get_backend() == "nccl":
+            out[f"mixed{stage}"] = _mixed_precision_against_fully_shard(base, stage, device)
     return out
+
+
+def _mixed_precision_against_fully_shard(base: nn.Module, stage: int, device) -> dict:
+    """bf16 compute, fp32 reductions and master rows: commlab against torch's fully_shard with the
+    same MixedPrecisionPolicy (world size 1 on NCCL: the same kernels on both sides)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from commlab.sharded import ShardedDataParallel
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = ShardedDataParallel(copy.deepcopy(base), stage=stage, bucket_cap_mb=0.1, mixed_precision=policy)
+    ref = copy.deepcopy(base)
+    for layer in ref:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(ref, mp_policy=policy)
+    dtypes = set()
+    for model in (ours, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+            opt.zero_grad()
+            out = model(x)
+            dtypes.add(str(out.dtype))
+            nn.functional.mse_loss(out.float(), y).backward()
+            opt.step()
+    mine = {k: v.full_tensor() for k, v in ours.state_dict().items()}
+    theirs = {k: v.full_tensor() for k, v in ref.state_dict().items()}
+    scale = max(v.abs().max().item() for v in theirs.values())
+    return {"diff": max((mine[k] - theirs[k]).abs().max().item() for k in theirs) / scale, "out_dtypes": sorted(dtypes),
+            "master": sorted({str(v.dtype) for v in mine.values()})}
 
 
 @pytest.mark.gpu
@@ -179,6 +215,11 @@ def test_sharded_stages_on_cuda_match_torch_ddp_on_nccl_and_on_gloo():
             assert all(out[f"diff{s}"] <= 1e-5 for s in (1, 2, 3)), (backend, out)
             assert all(out[f"on_gpu{s}"] for s in (1, 2, 3)), (backend, out)
             assert all(out[f"peak{s}"] and out[f"peak{s}"] > 0 for s in (1, 2, 3)), (backend, out)
+            if backend == "nccl":  # bf16 compute on both sides, fp32 masters: equal to bf16's resolution
+                for s in (1, 2, 3):
+                    m = out[f"mixed{s}"]
+                    assert m["out_dtypes"] == ["torch.bfloat16"] and m["master"] == ["torch.float32"], (s, m)
+                    assert m["diff"] <= 1e-2, (s, m)
 
 
 def _queued_collective_timing() -> dict:

@@ -47,6 +47,8 @@ _LIST = "comma-separated list"
 @click.option("--stage", help=f"{_LIST}: 0 = commlab DDP, 1-3 = ShardedDataParallel's ZeRO stage [0]")
 @click.option("--prefetch", help=f"{_LIST}: stage 3's all-gathers ahead of use [1]")
 @click.option("--reshard", type=click.Choice(["on", "off", "both"]), help="stage 3: free gathered parameters after forward [on]")
+@click.option("--shard-group", help=f"{_LIST}: stages 1-3, ranks per shard group, replicated across groups "
+              "(hybrid sharding, HSDP); 0 = every data-parallel rank [0]")
 @click.option("--optimizer", help=f"{_LIST}: sgd (plain, no state), adam [adam when --stage has 1-3, whose "
               "saving is the optimizer state; sgd for DDP alone, as DDP results before this option]")
 @click.option("--scaling", type=click.Choice(SCALINGS), help="strong: split --global-batch; weak: --batch-per-rank [strong]")

@@ -38,7 +38,10 @@ def sharded_text(r: dict) -> str:
     kw = ", ".join(f"{n}={v!r}" for n, v in r["kwargs"].items())
     wrapper = parse_stage(r["stage"]).wrapper
     limit = "no memory limit" if r["memory_limit_bytes"] is None else f"fits {gib(r['memory_limit_bytes'])}"
-    lines = [f"  sharded ({limit}; {r['searched']} candidates): {wrapper}(model, {kw})  "
+    # hybrid sharding: the groups come from a Topology (shard groups of that size, replicas across)
+    groups = (f", process_group=topo.shard_group, replicate_group=topo.replicate_group) with topo = "
+              f"commlab.Topology.build(shard={r['shard_group']}" if r.get("shard_group") else "")
+    lines = [f"  sharded ({limit}; {r['searched']} candidates): {wrapper}(model, {kw}{groups})  "
              f"step {r['predicted_step_s'] * 1e3:.1f} ms, peak {gib(r['predicted_peak_bytes'])} per rank"]
     if r.get("chosen_by") == "default":
         lines.append("    UNSTEADY calibration: the machine's load bent the predicted times, so this is the lowest "
@@ -51,6 +54,7 @@ def sharded_text(r: dict) -> str:
         if s in r["by_stage"]:
             b = r["by_stage"][s]
             what = "fastest that fits" if b["fits"] else "smallest peak, does not fit"
+            what += f", shard groups of {b['shard_group']}" if b.get("shard_group") else ""
             lines.append(f"    stage {s}: step {b['predicted_step_s'] * 1e3:.1f} ms, peak "
                          f"{gib(b['predicted_peak_bytes'])} ({what})")
     return "\n".join(lines)

@@ -66,12 +66,15 @@ DEFAULTS: dict[str, Any] = {
     # and the schedule (commlab.pipeline's registry); both mean something with pp > 1 only.
     "microbatches": None,
     "schedule": "1f1b",
+    # Hybrid sharding (stages 1-3): ranks per shard group, replicas across the groups; 0, the
+    # default, shards over the whole data-parallel group.
+    "shard_group": "0",
 }
 # The configuration fields added after results existed, with the value every older record holds;
 # left out of the id at that value, so older results keep their ids (and --resume them).
 LATER_FIELDS: dict[str, Any] = {"bucket_policy": DEFAULTS["bucket_policy"], "stage": 0, "prefetch": 1, "reshard": True,
                                 "optim": DEFAULT_OPTIMIZER, "tp": 1, "pp": 1,
-                                "microbatches": 1, "schedule": "1f1b"}
+                                "microbatches": 1, "schedule": "1f1b", "shard_group": 0}
 LAUNCHERS = ("local", "torchrun")
 SCALINGS = ("strong", "weak")
 
@@ -106,11 +109,23 @@ class Config:
     pp: int = 1  # pipeline stages
     microbatches: int = 1  # pipeline micro-batches per step (1 with one stage)
     schedule: str = "1f1b"  # the pipeline's schedule (a name of commlab.pipeline's registry)
+    shard_group: int = 0  # stages 1-3: ranks per shard group (hybrid sharding); 0: the whole dp group
 
     @property
     def dp(self) -> int:
         """The data-parallel size: the ranks that hold the same model part (tp * pp * dp = world size)."""
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def shard(self) -> int:
+        """Ranks a parameter is sharded over: the shard group (hybrid sharding), else every
+        data-parallel rank."""
+        return self.shard_group or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same shards (1 without hybrid sharding)."""
+        return self.dp // self.shard
 
     @property
     def zero_stage(self) -> ZeroStage:
@@ -132,6 +147,7 @@ class Config:
         optimizer = "" if "optim" not in settings else f"-{self.optim}"
         layout = "" if self.tp == self.pp == 1 else f"-tp{self.tp}-pp{self.pp}-dp{self.dp}"
         layout += f"-m{self.microbatches}-{self.schedule}" if self.pp > 1 else ""
+        layout += f"-hs{self.shard_group}" if self.shard_group else ""
         return (
             f"{model}-{self.backend}-w{self.world_size}-b{self.bucket_mb:g}-{self.algorithm}-"
             f"{overlap}-a{self.accumulate}-g{self.groups}-t{self.threads}{policy}{sharded}{optimizer}{layout}-{digest}"

@@ -100,6 +100,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
     # None: 2 x pp micro-batches, chosen per layout below.
     microbatches = [None] if o.get("microbatches") is None else parse_list(o["microbatches"], positive_int, "microbatches")
     schedules = parse_list(o.get("schedule") or DEFAULTS["schedule"], lambda t, _: t.lower(), "schedule")
+    shard_groups = parse_list(o.get("shard_group") or DEFAULTS["shard_group"], non_negative_int, "shard_group")
+    if all(parse_stage(s).ddp for s in stages) and any(shard_groups):
+        raise ValueError("--shard-group needs a --stage of 1-3: stage 0 (DDP) shards nothing")
     if not all(parse_stage(s).ddp for s in stages) and policies != [DEFAULTS["bucket_policy"]]:
         raise ValueError("--bucket-policy applies to stage 0 (DDP) only; ShardedDataParallel sizes its own buckets")
     if nnodes > 1 and launcher != "torchrun":
@@ -111,10 +114,9 @@ def build_grid(options: dict[str, Any]) -> Grid:
     # Overlap innermost, bucket size next: the pairs a figure compares run back to back, so that
     # a drift in machine load between them stays small. The sharded axes go outside them.
     for (model, backend, (world, tp, pp, dp), micro, schedule, thread, algo, group, acc, policy, optimizer, stage,
-         prefetch, reshard, bucket, overlap) in itertools.product(models, backends, layouts, microbatches, schedules,
-                                                                  threads, algorithms, groups, accumulates, policies,
-                                                                  optimizers, stages, prefetches, reshards, buckets,
-                                                                  overlaps):
+         prefetch, reshard, shard, bucket, overlap) in itertools.product(
+            models, backends, layouts, microbatches, schedules, threads, algorithms, groups, accumulates, policies,
+            optimizers, stages, prefetches, reshards, shard_groups, buckets, overlaps):
         if pp == 1:  # no pipeline: one micro-batch, no schedule
             micro, schedule = LATER_FIELDS["microbatches"], LATER_FIELDS["schedule"]
         elif micro is None:
@@ -127,6 +129,7 @@ def build_grid(options: dict[str, Any]) -> Grid:
             prefetch, reshard = LATER_FIELDS["prefetch"], LATER_FIELDS["reshard"]
         if not parse_stage(stage).ddp:  # ShardedDataParallel always overlaps, on one process group
             overlap, group = True, 1
+        shard = shard_group_of(shard, stage, dp)
         if world % nnodes:
             raise ValueError(f"--world-size {world} is not a multiple of --nnodes {nnodes}")
         if scaling == "strong":
@@ -147,9 +150,22 @@ def build_grid(options: dict[str, Any]) -> Grid:
                              f"data-parallel replica (--pp {pp}, {dp} replica(s)): pick a divisor")
         configs[Config(model, model_args, backend, world, bucket, algo, overlap, acc, group, thread,
                        scaling, global_batch, per_rank, iters, warmup, policy, stage, prefetch, reshard,
-                       optimizer, tp, pp, micro, schedule)] = None
+                       optimizer, tp, pp, micro, schedule, shard)] = None
     return Grid(tuple(configs), str(o["out"]), o.get("name"), launcher, timeout, nnodes,
                 o.get("rdzv_endpoint"), repeat)
+
+
+def shard_group_of(shard: int, stage: int, dp: int) -> int:
+    """The configuration's shard group: 0 (the whole data-parallel group) for DDP and for a size
+    equal to dp; ValueError for one that does not divide dp (a hybrid layout is replicas x groups)."""
+    if shard in (0, dp):
+        return 0
+    if parse_stage(stage).ddp:  # DDP shards nothing: the axis collapses (as prefetch does off stage 3)
+        return 0
+    if dp % shard:
+        raise ValueError(f"--shard-group {shard} does not divide the {dp} data-parallel rank(s): hybrid sharding "
+                         f"is replicas x shard groups of equal size")
+    return shard
 
 
 def layout_sizes(world_size, tps: list[int], pps: list[int], dp) -> list[tuple[int, int, int, int]]:

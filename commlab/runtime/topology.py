@@ -9,11 +9,16 @@ tensor rank, and a data-parallel group the ``dp`` replicas of one stage's block.
 between links but never changes what is computed. (Before 3D layouts, pp x dp laid dp innermost;
 the call forms ``Topology.build(pp, dp)`` and ``grid(pp, dp)`` are kept, in the new order.)
 
-The mesh is pure (:func:`mesh`, :func:`coordinates`, :func:`check_dims`) and validated without
-processes; :meth:`Topology.build` creates the process groups. ``dist.new_group`` is collective
-over the whole world, so every rank creates every group, in the same order (tensor, pipeline,
-data parallel), and keeps the three it belongs to. The object is passed explicitly; commlab keeps
-no process group in a global.
+Hybrid sharding (``shard``, default dp: plain sharding) splits each data-parallel group into
+``dp / shard`` shard groups of ``shard`` consecutive dp ranks (shard innermost, as torch's
+``init_device_mesh((replicate, shard))`` lays them, so the all-gathers and reduce-scatters stay
+on close ranks) and ``shard`` replicate groups, every ``shard``-th dp rank (:func:`hybrid_groups`).
+
+The mesh is pure (:func:`mesh`, :func:`coordinates`, :func:`check_dims`, :func:`check_shard`) and
+validated without processes; :meth:`Topology.build` creates the process groups. ``dist.new_group``
+is collective over the whole world, so every rank creates every group, in the same order (tensor,
+pipeline, data parallel, shard, replicate), and keeps those it belongs to. The object is passed
+explicitly; commlab keeps no process group in a global.
 """
 
 from __future__ import annotations
@@ -44,6 +49,27 @@ def check_dims(world_size: int | None = None, *, tp: int = 1, pp: int = 1, dp: i
     return tp, pp, dp
 
 
+def check_shard(dp: int, shard: int | None) -> int:
+    """The shard group's size, ``dp`` when None; ValueError unless it is a positive integer that
+    divides ``dp`` (dp = replicate x shard)."""
+    if shard is None:
+        return dp
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1:
+        raise ValueError(f"shard must be a positive integer, got {shard!r}")
+    if dp % shard:
+        raise ValueError(f"shard = {shard} does not divide dp = {dp} (dp = replicate x shard)")
+    return shard
+
+
+def hybrid_groups(dp_ranks: list[int], shard: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(shard_groups, replicate_groups)`` of one data-parallel group (its global ranks, replica 0
+    first): ``dp_ranks`` viewed as (replicate, shard); shard groups are its rows (consecutive
+    runs), replicate groups its columns (every ``shard``-th rank)."""
+    shard = check_shard(len(dp_ranks), shard)
+    rows = [dp_ranks[i : i + shard] for i in range(0, len(dp_ranks), shard)]
+    return rows, [list(column) for column in zip(*rows)]
+
+
 def mesh(tp: int, pp: int, dp: int) -> list[list[list[int]]]:
     """``mesh[replica][stage][tp_rank]`` = global rank, i.e. ``arange(dp * pp * tp).view(dp, pp, tp)``."""
     check_dims(tp=tp, pp=pp, dp=dp)
@@ -66,7 +92,9 @@ def grid(pp: int, dp: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place in a tp x pp x dp mesh, with its tensor, pipeline and data-parallel groups."""
+    """This rank's place in a tp x pp x dp mesh, with its tensor, pipeline and data-parallel groups
+    (and, where ``shard`` < dp, its shard and replicate groups; else ``shard_group`` is the
+    data-parallel group and ``replicate_group`` None)."""
 
     pp: int
     dp: int
@@ -75,9 +103,28 @@ class Topology:
     pp_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     dp_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     tp_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    shard: int | None = None  # the shard group's size; None: dp (plain sharding, no replicas)
+    shard_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    replicate_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         coordinates(self.rank, self.tp, self.pp, self.dp)
+        object.__setattr__(self, "shard", check_shard(self.dp, self.shard))
+
+    @property
+    def replicate(self) -> int:
+        """How many replicas of each shard there are (dp / shard)."""
+        return self.dp // self.shard
+
+    @property
+    def shard_ranks(self) -> list[int]:
+        """Global ranks of this rank's shard group (consecutive dp ranks), shard 0 first."""
+        return next(g for g in hybrid_groups(self.dp_ranks, self.shard)[0] if self.rank in g)
+
+    @property
+    def replicate_ranks(self) -> list[int]:
+        """Global ranks holding the same shard as this rank, replica 0 first."""
+        return next(g for g in hybrid_groups(self.dp_ranks, self.shard)[1] if self.rank in g)
 
     @property
     def world_size(self) -> int:
@@ -114,16 +161,21 @@ class Topology:
         return [replica[self.stage][self.tp_rank] for replica in mesh(self.tp, self.pp, self.dp)]
 
     @classmethod
-    def build(cls, pp: int = 1, dp: int | None = None, *, tp: int = 1, timeout: float = 300.0) -> Topology:
+    def build(
+        cls, pp: int = 1, dp: int | None = None, *, tp: int = 1, shard: int | None = None, timeout: float = 300.0
+    ) -> Topology:
         """Create every group of the mesh (collective: all ranks call it) and return this rank's view.
 
-        ``dp`` defaults to the world size over ``tp * pp``. Validation happens before the first
-        collective, so a wrong shape raises ValueError on every rank instead of leaving some ranks
-        waiting inside ``new_group``.
+        ``dp`` defaults to the world size over ``tp * pp``; ``shard`` to dp, where ``shard_group``
+        is the data-parallel group and ``replicate_group`` None (no replicas); otherwise both are
+        created (:func:`hybrid_groups`). Validation happens before the first collective, so a
+        wrong shape raises ValueError on every rank instead of leaving some ranks waiting inside
+        ``new_group``.
         """
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs an initialised process group (use commlab.launch)")
         tp, pp, dp = check_dims(dist.get_world_size(), tp=tp, pp=pp, dp=dp)
+        shard = check_shard(dp, shard)
         rank = dist.get_rank()
         layout = mesh(tp, pp, dp)
         wait = datetime.timedelta(seconds=timeout)
@@ -132,10 +184,15 @@ class Topology:
             "pp": [[layout[r][s][t] for s in range(pp)] for r in range(dp) for t in range(tp)],
             "dp": [[layout[r][s][t] for r in range(dp)] for s in range(pp) for t in range(tp)],
         }
+        if shard != dp:
+            splits = [hybrid_groups(ranks, shard) for ranks in lists["dp"]]
+            lists["shard"] = [g for rows, _ in splits for g in rows]
+            lists["replicate"] = [g for _, columns in splits for g in columns]
         mine = {}
         for axis, groups in lists.items():  # the same order on every rank: new_group is collective
             for ranks in groups:
                 group = dist.new_group(ranks, timeout=wait)
                 if rank in ranks:
                     mine[axis] = group
-        return cls(pp, dp, rank, tp, mine["pp"], mine["dp"], mine["tp"])
+        return cls(pp, dp, rank, tp, mine["pp"], mine["dp"], mine["tp"], shard,
+                   mine.get("shard", mine["dp"]), mine.get("replicate"))

@@ -7,7 +7,8 @@ ZeRO memory model, pure), ``buckets`` (which parameters share a bucket), ``flat_
 bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks, gathers, frees,
 reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (a full
 module state dict loaded), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
-optimizer checks), ``precision`` (mixed precision), ``distributed`` (the public wrapper).
+optimizer checks), ``precision`` (mixed precision), ``hybrid`` (HSDP: the reduction across
+replicas), ``distributed`` (the public wrapper).
 
 The parameters are torch's ``fully_shard`` (FSDP2) parameters: each a DTensor ``Shard(0)``
 holding the rank's rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so optimizers,

@@ -29,10 +29,11 @@ Contract, and what is not supported:
   unsharded gradients, as DDP holds) until the next synchronised backward reduces them.
 - ``algorithm``: "auto" (the default: the ring on Gloo, where the backend's reduce-scatter is an
   all-reduce of the whole buffer, else "native"; ``.algorithm`` says which runs), "native" (the
-  backend's reduce-scatter, all-gather and all-reduce) or a p2p
-  algorithm of commlab.collectives that provides a reduce-scatter and an all-gather ("ring", or
-  "halving_doubling" on a power-of-two world size); others are refused with a ValueError naming
-  those that do (commlab/sharded/comm.py), before any collective.
+  backend's reduce-scatter, all-gather and all-reduce) or a p2p algorithm of commlab.collectives that
+  provides a reduce-scatter and an all-gather ("ring", or "halving_doubling" on a power-of-two world
+  size); others are refused with a ValueError naming those that do (commlab/sharded/comm.py).
+- ``replicate_group`` (HSDP, commlab/sharded/hybrid.py): shards within ``process_group``, replicated
+  across this group (``Topology.build(..., shard=k)``'s ``shard_group`` and ``replicate_group``).
 - ``bucket_policy``: DDP's (commlab/ddp/policy.py; a registered name or a BucketPolicy, built with
   ``bucket_cap_mb``) decides which parameters share a bucket unless ``units`` is given
   (commlab/sharded/buckets.py says which of the policy's questions it asks).
@@ -56,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
-from commlab.sharded import arguments, comm, precision, state
+from commlab.sharded import arguments, comm, hybrid, precision, state
 from commlab.sharded.buckets import plan_buckets, trainable
 from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
@@ -85,6 +86,7 @@ class ShardedDataParallel(nn.Module):
         reshard_after_forward: bool = True,
         algorithm: str = comm.AUTO,
         process_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         bucket_policy: str | BucketPolicy = DEFAULT_POLICY,
         mixed_precision: precision.MixedPrecision | Any = None,
     ):
@@ -97,24 +99,30 @@ class ShardedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs an initialised process group (commlab.launch or torchrun)")
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
-        self.process_group = process_group
+        self.process_group, self.replicate_group = process_group, replicate_group
+        replicas = hybrid.check_groups(process_group, replicate_group)
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         device_type = next((p.device.type for p in module.parameters()), "cpu")  # one device: plan_buckets
         algorithm = comm.resolve_algorithm(algorithm, dist.get_backend(process_group), device_type)
-        comm.check_algorithm(algorithm, world)  # the world size's limits, before the first collective
+        for size in (world, replicas):  # the groups' sizes' limits, before the first collective
+            comm.check_algorithm(algorithm, size)
         self.algorithm, self.bucket_policy = algorithm, policy  # the algorithm that runs, "auto" resolved
-        # Every rank starts from group rank 0's values, as DDP's construction broadcast.
+        # Every rank starts from group rank 0's values, as DDP's construction broadcast: with
+        # replicas, the shard group's first, then its replica 0's (so every rank (0, 0)'s).
         entries = module.state_dict(keep_vars=True)
         names, tensors = list(entries), list(entries.values())
-        verify_param_shapes(names, tensors, process_group)
-        broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], process_group)
+        for group in [process_group] + ([replicate_group] if replicas > 1 else []):
+            verify_param_shapes(names, tensors, group)
+            broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], group)
         params = [p for _, p in trainable(module)]
         self.param_names = [name for name, _ in trainable(module)]
         self._bucket_params = plan.buckets
-        self.mesh = mesh_of(process_group, device_type)
+        self.mesh = (hybrid.hybrid_mesh(process_group, replicate_group, device_type) if replicas > 1
+                     else mesh_of(process_group, device_type))
         buckets = [
             FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh,
-                       precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype))
+                       precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype),
+                       replicate_group if replicas > 1 else None)
             for i, idx in enumerate(plan.buckets)
         ]
         sharded = {id(p) for p in params}

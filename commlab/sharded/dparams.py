@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def mesh_of(group: dist.ProcessGroup | None, device_type: str) -> DeviceMesh:
@@ -32,9 +32,11 @@ def mesh_of(group: dist.ProcessGroup | None, device_type: str) -> DeviceMesh:
 
 
 def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor) -> DTensor:
-    """``local`` (this rank's rows) as the Shard(0) piece of a tensor shaped as ``like``; shape
-    and stride given, so no collective checks them."""
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=like.shape, stride=like.stride())
+    """``local`` (this rank's rows) as the Shard(0) piece of a tensor shaped as ``like``, replicated
+    over a 2-D mesh's first (replicate) dimension (commlab/sharded/hybrid.py); shape and stride
+    given, so no collective checks them."""
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 def slots_of(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -15,10 +15,11 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    the module's outputs: in backward it fires before the module's backward runs and gathers b
    again, with the ``prefetch`` buckets before it (the backward order).
 4. A post-accumulate-grad hook on each parameter copies its gradient into b's flat gradient buffer
-   (pre-divided by the world size, as torch's DDP) and drops the parameter's own; the last one
+   (pre-divided by the data-parallel size, as torch's DDP) and drops the parameter's own; the last one
    launches b's reduction at once, overlapping the rest of backward: an all-reduce (stage 1, which
    keeps the full reduced gradient as the parameters' .grad) or a reduce-scatter into a new shard
    (stages 2-3, which then drop the full buffer). Stage 3 frees b's gathered parameters here.
+   With replicas (HSDP), the result is then all-reduced across them (commlab/sharded/hybrid.py).
 5. End of backward (a callback queued on the autograd engine, as DDP's reducer does): wait for
    every reduction, then give each DTensor parameter its gradient (this rank's rows, a view into
    the reduced buffer; accumulated if present).
@@ -247,15 +248,19 @@ class ShardedEngine:
         fully_shard does the same with its default reduce_scatter_max_input_buffers=1,
         torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward); without it a
         rank holds the whole unsharded gradient at the end of backward, as DDP does."""
+        kept = []
         for bucket, work, entry in self.reductions:
             self.recorder.wait(work, entry)
-            bucket.finish_reduction()
-        self.reductions = []
+            follow = bucket.finish_reduction()
+            if follow is not None:  # HSDP: the all-reduce across replicas, waited for on the next call
+                kept.append((bucket, follow, follow.entry(self.recorder, bucket.index)))
+        self.reductions = kept
 
     def _finalize(self) -> None:
         backward_end = time.perf_counter()
         missing = [b.index for b in self.buckets if b.pending != 0]
-        self._retire_reductions()
+        while self.reductions:
+            self._retire_reductions()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self.backward_done.clear()

@@ -22,10 +22,12 @@ so writing gathered values does not invalidate what autograd saved.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from commlab.sharded import comm, copies
 from commlab.sharded.dparams import as_dtensor
+from commlab.sharded.hybrid import Replication
 from commlab.sharded.layout import shard_layout
 from commlab.sharded.precision import BucketDtypes
 
@@ -35,11 +37,15 @@ class FlatBucket:
 
     def __init__(
         self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group,
-        algorithm: str, mesh, dtypes: BucketDtypes | None = None,
+        algorithm: str, mesh, dtypes: BucketDtypes | None = None, replicate_group=None,
     ):
         self.index, self.params, self.rank, self.stage, self.group = index, params, rank, stage, group
         self.algorithm, self.mesh = algorithm, mesh  # the collectives' (commlab/sharded/comm.py)
-        self.world_size = world_size
+        self.world_size = world_size  # the shard group's: the layout's ranks
+        self.replicate_group = replicate_group  # HSDP's (commlab/sharded/hybrid.py), or None
+        self.replication: Replication | None = None  # launched after the shard group's reduction
+        # Gradients are averaged over every data-parallel rank: shard group x replicas.
+        self.divisor = world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
         self.layout = shard_layout([tuple(p.shape) for p in params], world_size)
         self.lo, self.hi = self.layout.shard_range(rank)
         first = params[0]
@@ -127,8 +133,8 @@ class FlatBucket:
 
     # --- gradients -----------------------------------------------------------------------
     def add_gradient(self, slot: int) -> None:
-        """Copy parameter ``slot``'s accumulated gradient into the bucket, pre-divided by the world
-        size as torch's DDP does it (a multiplication by 1/N while copying: reducer.cpp's
+        """Copy parameter ``slot``'s accumulated gradient into the bucket, pre-divided by the
+        data-parallel size (``divisor``) as torch's DDP does it (a multiplication by 1/N while copying: reducer.cpp's
         copy_grad_to_bucket), so that the sums are the same numbers DDP's are. Stage 1 all-reduces,
         which needs no rank-major order: its buffer is in parameter order and the full reduced
         gradient stays as the parameters' .grad (ZeRO-1); stages 2-3 copy into the rank-major
@@ -140,25 +146,37 @@ class FlatBucket:
         if self.stage == 1:
             o = self.layout.offsets[slot]
             view = self.grad_buffer[o : o + p.numel()].view(p.shape)
-            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+            torch.mul(p.grad, 1.0 / self.divisor, out=view)
             # Mixed precision: the reduced gradient's dtype is not the compute parameter's.
             p.grad = view if view.dtype == p.dtype else None
         else:
-            copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.world_size)
+            copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.divisor)
             p.grad = None
 
     def launch_reduction(self):
-        """Stage 1 all-reduces the whole buffer; stages 2-3 reduce-scatter it into a new shard."""
+        """Stage 1 all-reduces the whole buffer; stages 2-3 reduce-scatter it into a new shard;
+        with a replicate group, the result's all-reduce across replicas follows (a Replication)."""
         assert self.grad_buffer is not None
         if self.stage == 1:
-            return comm.all_reduce(self.grad_buffer, self.group, self.algorithm)
-        self.reduced = torch.empty(self.layout.shard_size, dtype=self.dtypes.reduce, device=self.full.device)
-        return comm.reduce_scatter(self.reduced, self.grad_buffer, self.group, self.algorithm)
+            target, work = self.grad_buffer, comm.all_reduce(self.grad_buffer, self.group, self.algorithm)
+        else:
+            target = self.reduced = torch.empty(self.layout.shard_size, dtype=self.dtypes.reduce, device=self.full.device)
+            work = comm.reduce_scatter(self.reduced, self.grad_buffer, self.group, self.algorithm)
+        if self.replicate_group is not None:
+            self.replication = Replication(work, target, self.replicate_group, self.algorithm)
+        return work
 
-    def finish_reduction(self) -> None:
+    def finish_reduction(self) -> Replication | None:
         """After the reduction's wait: each DTensor's gradient, this rank's rows of the averaged
         gradient (accumulated into one already there, as torch's .grad is); stages 2-3 drop the
-        full gradient buffer."""
+        full gradient buffer. With a replicate group, the first call (after the shard group's
+        reduction) drops the full buffer (stages 2-3) and returns the Replication it started,
+        whose wait the second call follows."""
+        if self.replication is not None:
+            follow, self.replication = self.replication.start(), None
+            if self.stage != 1:
+                self.grad_buffer = None  # only the reduced shard travels on
+            return follow
         with torch.no_grad():
             for i, (p, dp) in enumerate(zip(self.params, self.sharded)):
                 if self.stage == 1:
@@ -180,13 +198,14 @@ class FlatBucket:
         self.reduced = None
         if self.stage != 1:
             self.grad_buffer = None
+        return None
 
     def drop_full_gradients(self) -> None:
         """The module's full gradients go (the shards' stay): stage 1 at the next forward, any
         stage after a backward that left the bucket incomplete."""
         for p in self.params:
             p.grad = None
-        self.grad_buffer = None
+        self.grad_buffer = self.replication = None
 
     # --- state ---------------------------------------------------------------------------
     def write_full(self, values: list[torch.Tensor]) -> None:

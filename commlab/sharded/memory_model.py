@@ -45,16 +45,29 @@ class StageMemory:
         return self.parameters + self.gradients + self.optimizer
 
 
+def sharded_over(world_size: int, shard: int | None) -> int:
+    """The N that divides the sharded terms: the shard group's size under hybrid sharding (HSDP,
+    commlab/sharded/hybrid.py: shards of 1/shard, replicated across world_size / shard replicas),
+    else the world size."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if shard is None:
+        return world_size
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or world_size % shard:
+        raise ValueError(f"shard must be a positive divisor of world_size {world_size}, got {shard!r}")
+    return shard
+
+
 def zero_memory(
-    num_params: float, world_size: int, stage: int, precision: str = "mixed", optimizer_bytes: float | None = None
+    num_params: float, world_size: int, stage: int, precision: str = "mixed", optimizer_bytes: float | None = None,
+    shard: int | None = None,
 ) -> StageMemory:
     """The ZeRO model for one rank (this module's docstring); ``optimizer_bytes`` overrides K
-    (e.g. 4 for SGD with momentum in fp32, 0 for plain SGD)."""
+    (e.g. 4 for SGD with momentum in fp32, 0 for plain SGD); ``shard``: HSDP's shard group size."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     zero = parse_stage(stage)
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+    n = sharded_over(world_size, shard)
     if num_params < 0:
         raise ValueError(f"num_params must not be negative, got {num_params}")
     p, g, k = PRECISIONS[precision]
@@ -62,7 +75,6 @@ def zero_memory(
         if optimizer_bytes < 0:
             raise ValueError(f"optimizer_bytes must not be negative, got {optimizer_bytes}")
         k = optimizer_bytes
-    n = world_size
     return StageMemory(
         parameters=num_params * p / (n if zero.parameters else 1),
         gradients=num_params * g / (n if zero.gradients else 1),
@@ -72,7 +84,7 @@ def zero_memory(
 
 def mixed_precision_memory(
     num_params: float, world_size: int, stage: int, optimizer_bytes: float = 8, param_bytes: int = 2,
-    reduce_bytes: int = 4, master_bytes: int = 4,
+    reduce_bytes: int = 4, master_bytes: int = 4, shard: int | None = None,
 ) -> StageMemory:
     """What a rank holds under ``mixed_precision`` (commlab/sharded/precision.py, torch's
     ``fully_shard`` likewise), by the dtypes' sizes: ``param_bytes`` (the computation's),
@@ -86,7 +98,7 @@ def mixed_precision_memory(
     zero = parse_stage(stage)
     if zero.ddp:
         raise ValueError("mixed_precision_memory is for stages 1-3 (ShardedDataParallel's)")
-    n, m = world_size, master_bytes
+    n, m = sharded_over(world_size, shard), master_bytes
     master = num_params * m / n
     if zero.parameters:
         params = master
@@ -139,8 +151,11 @@ def bucket_memory(
     unpadded_numels: Sequence[int] | None = None,
     input_copy: bool = True,
     staged: bool = False,
+    shard: int | None = None,
 ) -> BucketMemory:
-    """Transient and padding bytes for buckets of these padded sizes (see :class:`BucketMemory`)."""
+    """Transient and padding bytes for buckets of these padded sizes (see :class:`BucketMemory`);
+    ``shard``: HSDP's shard group size, over which the buckets are padded and sharded."""
+    world_size = sharded_over(world_size, shard)
     if prefetch < 0:
         raise ValueError(f"prefetch must not be negative, got {prefetch}")
     zero = parse_stage(stage)

@@ -5,7 +5,9 @@ taken on the host: right for CPU (Gloo); on CUDA they would time the issue of wo
 execution (DDP's CUDA events are not carried over yet).
 Per collective (one all-gather or reduction of one bucket):
 
-- ``kind``: "all_gather", "reduce_scatter" (stages 2-3) or "all_reduce" (stage 1);
+- ``kind``: "all_gather", "reduce_scatter" (stages 2-3) or "all_reduce" (stage 1), in the shard
+  group, and with replicas (commlab/sharded/hybrid.py) "replicate_all_reduce", the reduced
+  result's all-reduce across them, whose ``ready`` is its ``launched`` (its input was there);
 - ``ready``: a reduction's bucket got its last gradient; for an all-gather, when it was asked for
   (its use, a prefetch ahead of it, or, stages 1-2, the optimizer step before the forward, whose
   stamps are then negative);

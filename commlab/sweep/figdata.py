@@ -13,7 +13,7 @@ from commlab.runs import stats
 
 # The axes a sweep can vary, in the order a label names them.
 AXES = ["model", "model_args", "backend", "world_size", "algorithm", "bucket_mb", "overlap", "accumulate", "groups", "threads",
-        "scaling", "optim", "stage", "prefetch", "reshard", "tp", "pp", "microbatches", "schedule"]
+        "scaling", "optim", "stage", "prefetch", "reshard", "tp", "pp", "microbatches", "schedule", "shard_group"]
 # Settings that are not meant to vary within a figure; when a results directory holds two
 # configurations that differ only in these (say, a grid resumed with other --iters), they become
 # a series of their own rather than two points in one cell.
@@ -57,6 +57,9 @@ def label(row: pd.Series, columns: list[str]) -> str:
             parts.append(f"{v} thread{'s' if int(v) != 1 else ''}/rank")
         elif c == "stage":
             parts.append("DDP" if int(v) == 0 else f"stage {v}")
+        elif c == "shard_group":
+            if int(v):  # hybrid sharding (HSDP) over groups of v ranks; 0: sharded over every rank
+                parts.append(f"HSDP {v}")
         elif c == "reshard":
             parts.append("reshard" if _truthy(v) else "no reshard")
         elif c == "optim":
@@ -167,10 +170,12 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     df = ok(runs)
     if df.empty or "stage" not in df or df["stage"].nunique() < 2 or "peak_bytes" not in df:
         return df.iloc[0:0]
-    ddp, s3 = df[df["stage"] == 0], df[df["stage"] == 3]
-    per_stage = {0: varying(ddp, ["overlap"]), 3: varying(s3, ["prefetch", "reshard"])}
+    # each stage's own knobs where they vary: DDP's overlap, stage 3's prefetch and reshard, the
+    # sharded stages' shard group (hybrid sharding)
+    knobs = {0: ["overlap"], 1: ["shard_group"], 2: ["shard_group"], 3: ["prefetch", "reshard", "shard_group"]}
+    per_stage = {s: varying(df[df["stage"] == s], names) for s, names in knobs.items()}
     df["series"] = df.apply(lambda r: label(r, ["stage", *per_stage.get(int(r["stage"]), [])]), axis=1)
-    inner = ["stage", "overlap", "prefetch", "reshard", "groups", "bucket_mb"]
+    inner = ["stage", "overlap", "prefetch", "reshard", "shard_group", "groups", "bucket_mb"]
     panels = context(df, [a for a in AXES if a not in inner])
     df["panel"] = df.apply(lambda r: label(r, panels), axis=1)
     df = df[df.groupby("panel")["series"].transform("nunique") > 1].copy()
@@ -178,7 +183,8 @@ def sharded(runs: pd.DataFrame) -> pd.DataFrame:
     # all-reduce; commlab/sweep/wrap.py), so the median step's is the reductions' bar.
     df["exposed_reduction"] = df["exposed_comm_median"]
     one_per_cell(df, ["panel", "series", "bucket_mb"])
-    rising = {"stage": True, "overlap": False, "prefetch": True, "reshard": False}  # overlap, reshard: on first
+    rising = {"stage": True, "overlap": False, "prefetch": True, "reshard": False,  # overlap, reshard: on first
+              "shard_group": True}
     order = [c for c in rising if c in df]
     df = df.sort_values([*panels, *order, "bucket_mb"], ascending=[True] * len(panels) + [rising[c] for c in order] + [True],
                         kind="stable")

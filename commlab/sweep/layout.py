@@ -26,18 +26,24 @@ def rank_groups(world_size: int, tp: int) -> tuple[list[list[int]], list[list[in
     return replicas, [list(column) for column in zip(*replicas)]
 
 
-def build_groups(cfg) -> tuple[Any, Any, int]:
-    """(tensor-parallel group, data-parallel group, data-parallel index) of this rank, from the
-    tp x pp x dp :class:`commlab.Topology`; the world (None) and the rank alone when tp is one, so
-    that data-parallel configurations create no groups. Collective: every rank calls it."""
+def build_groups(cfg) -> tuple[Any, Any, int, Any]:
+    """(tensor-parallel group, data-parallel group, data-parallel index, replicate group) of this
+    rank, from the tp x pp x dp :class:`commlab.Topology`. With hybrid sharding (a shard group
+    smaller than dp) the data-parallel group is this rank's shard group and the replicate group
+    links the ranks holding the same shard; otherwise the replicate group is None. The world
+    (None) and the rank alone when there is one axis, so that data-parallel configurations create
+    no groups. Collective: every rank calls it."""
     import torch.distributed as dist
 
     from commlab.runtime.topology import Topology
 
-    if cfg.tp == 1 and cfg.pp == 1:
-        return None, None, dist.get_rank()
+    if cfg.tp == 1 and cfg.pp == 1 and not cfg.shard_group:
+        return None, None, dist.get_rank(), None
+    if cfg.shard_group:
+        topology = Topology.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, shard=cfg.shard_group)
+        return topology.tp_group, topology.shard_group, topology.replica, topology.replicate_group
     topology = Topology.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-    return topology.tp_group, topology.dp_group, topology.replica
+    return topology.tp_group, topology.dp_group, topology.replica, None
 
 
 def axis_seconds(tensor_iterations: list, accumulate: int, steps: int) -> list[dict[str, float]]:

@@ -228,7 +228,7 @@ def measure_steps(trainer: PipelineTrainer) -> tuple[list, list, dict[str, float
         buckets += [{"rank": trainer.rt.rank, "iteration": i, "bucket": b.index, "nbytes": b.nbytes,
                      "num_params": b.num_params, "ready": b.ready, "launched": b.launched, "done": b.done}
                     for b in (timing.buckets if timing is not None else [])]
-    return iterations, buckets, step_measures(ddp, cfg.zero_stage, cfg.dp, [t for t in timings if t is not None])
+    return iterations, buckets, step_measures(ddp, cfg, [t for t in timings if t is not None])
 
 
 def replayed_idle(trainer: PipelineTrainer) -> list[float]:

@@ -95,12 +95,12 @@ def prepare(cfg: Config) -> Trainer | pipelined.PipelineTrainer:
     if cfg.pp > 1:
         return pipelined.prepare(cfg, rt, workload)
     model = workload.model.to(rt.device)
-    tp_group, dp_group, dp_index = layout.build_groups(cfg)
+    tp_group, dp_group, dp_index, replicate_group = layout.build_groups(cfg)
     split = None
     if cfg.tp > 1:
         split = parallelize(model, gpt_plan(), group=tp_group, algorithm=cfg.algorithm)
         record_timings(split)
-    ddp = sharding.wrap(cfg, model, dp_group)
+    ddp = sharding.wrap(cfg, model, dp_group, replicate_group)
     optimizer = build_optimizer(optimizer_of(cfg), ddp.parameters())
     # One batch per data-parallel replica: the ranks of a tensor-parallel group share it.
     gen = torch.Generator().manual_seed(1000 + dp_index)
@@ -156,7 +156,7 @@ def _data_parallel_steps(trainer: Trainer) -> tuple[list, list, dict[str, float]
                   "launched": b.launched, "done": b.done} for b in timing.buckets]
                 if cfg.zero_stage.ddp else sharding.bucket_rows(timing, sizes))
         buckets += [{"rank": rt.rank, "iteration": i, **r} for r in rows]
-    return iterations, buckets, sharding.step_measures(ddp, cfg.zero_stage, cfg.dp, timings)
+    return iterations, buckets, sharding.step_measures(ddp, cfg, timings)
 
 
 def peak_step_bytes(trainer: Trainer) -> int:

@@ -14,12 +14,12 @@ from statistics import median
 from typing import Any
 
 from commlab.runs.traffic import comm_bytes
-from commlab.runs.zero_stage import ZeroStage
 
 
-def wrap(cfg, model, process_group=None):
+def wrap(cfg, model, process_group=None, replicate_group=None):
     """The configuration's wrapper around ``model`` over ``process_group`` (the data-parallel
-    ranks; None: the world), inside the process group."""
+    ranks, or with hybrid sharding the shard group; None: the world) and ``replicate_group`` (the
+    ranks holding the same shards, hybrid sharding only), inside the process group."""
     import commlab
 
     if cfg.zero_stage.ddp:
@@ -27,6 +27,7 @@ def wrap(cfg, model, process_group=None):
     return commlab.ShardedDataParallel(
         model, stage=cfg.stage, bucket_cap_mb=cfg.bucket_mb, prefetch=cfg.prefetch,
         reshard_after_forward=cfg.reshard, algorithm=cfg.algorithm, process_group=process_group,
+        **({"replicate_group": replicate_group} if replicate_group is not None else {}),
     )
 
 
@@ -53,15 +54,28 @@ def bucket_rows(t, num_params: list[int]) -> list[dict[str, Any]]:
              "launched": c.launched, "done": c.done} for c in t.collectives if c.kind != "all_gather"]
 
 
-def step_measures(wrapper, zero_stage: ZeroStage, world_size: int, timings: list) -> dict[str, float]:
+# The sharded wrapper's collective kinds -> the ranks each runs over: the shard group, or the
+# replicas of a hybrid layout (commlab/sharded: the all-reduce of reduced shards across them).
+REPLICATE_KIND = "replicate_all_reduce"
+
+
+def sent_bytes(kinds_nbytes, shard: int, replicas: int) -> float:
+    """Bytes one rank sends for a sharded step's (kind, buffer bytes) collectives: the shard
+    group's at its size, the replicas' all-reduces at theirs."""
+    kinds_nbytes = list(kinds_nbytes)
+    own = comm_bytes(((k, n) for k, n in kinds_nbytes if k != REPLICATE_KIND), shard)
+    return own + comm_bytes((("all_reduce", n) for k, n in kinds_nbytes if k == REPLICATE_KIND), replicas)
+
+
+def step_measures(wrapper, cfg, timings: list) -> dict[str, float]:
     """comm_bytes and the exposed all-gather / reduction seconds of one rank: medians over its
     measured iterations (DDP: the all-reduced buckets, nothing exposed by gathers)."""
     if not timings:
         return {"comm_bytes": 0.0, "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
-    if zero_stage.ddp:
-        sent = [comm_bytes((("all_reduce", b.nbytes) for b in t.buckets), world_size) for t in timings]
+    if cfg.zero_stage.ddp:
+        sent = [comm_bytes((("all_reduce", b.nbytes) for b in t.buckets), cfg.dp) for t in timings]
         return {"comm_bytes": median(sent), "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
-    sent = [comm_bytes(((c.kind, c.nbytes) for c in t.collectives), world_size) for t in timings]
+    sent = [sent_bytes(((c.kind, c.nbytes) for c in t.collectives), cfg.shard, cfg.replicas) for t in timings]
     return {"comm_bytes": median(sent), "exposed_allgather": median(t.exposed_all_gather for t in timings),
             "exposed_reducescatter": median(t.exposed_reduction for t in timings)}
 

@@ -167,3 +167,20 @@ def test_resuming_compares_grids():
     assert "--repeat 3 where the run has 1" in grid_change(old, grid_signature(plan(bucket_mb="1,5", overlap="on", repeat=3)))
     both = grid_union(old, wider)
     assert both["configs"] == wider["configs"] and grid_change(both, old) is None
+
+
+def test_shard_group_axis_makes_hybrid_configurations_and_refuses_what_cannot_be_laid_out():
+    p = plan(world_size="4", stage="0,3", shard_group="0,2,4", bucket_mb="25", overlap="on")
+    got = {(c.stage, c.shard_group) for c in p.configs}
+    # DDP shards nothing (the axis collapses), and a shard group of every dp rank is plain sharding
+    assert got == {(0, 0), (3, 0), (3, 2)} and len(p.configs) == 3
+    hybrid = next(c for c in p.configs if c.shard_group)
+    assert (hybrid.shard, hybrid.replicas) == (2, 2) and "-hs2-" in hybrid.id
+    plain = next(c for c in p.configs if c.stage == 3 and not c.shard_group)
+    assert (plain.shard, plain.replicas) == (4, 1) and "-hs" not in plain.id
+    with pytest.raises(ValueError, match="does not divide the 4 data-parallel"):
+        plan(world_size="4", stage="2", shard_group="3")
+    with pytest.raises(ValueError, match="needs a --stage of 1-3"):
+        plan(world_size="4", stage="0", shard_group="2")
+    with pytest.raises(ValueError, match="shard_group|shard-group"):
+        plan(world_size="4", stage="2", shard_group="-1")

@@ -4,7 +4,7 @@ and tests/pipeline/test_three_d.py)."""
 import pytest
 
 import commlab
-from commlab.runtime.topology import Topology, check_dims, coordinates, grid, mesh
+from commlab.runtime.topology import Topology, check_dims, check_shard, coordinates, grid, hybrid_groups, mesh
 
 
 def test_mesh_is_arange_view_dp_pp_tp():
@@ -55,3 +55,35 @@ def test_bad_dimensions_are_value_errors():
         Topology.build(2, 2)
     with pytest.raises(RuntimeError, match="initialised process group"):
         Topology.build(tp=2, pp=2)
+
+
+def test_hybrid_groups_are_rows_and_columns_of_replicate_by_shard():
+    # dp ranks viewed as (replicate, shard), shard innermost: shard groups consecutive
+    assert hybrid_groups([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert hybrid_groups([0, 1, 2, 3, 4, 5], 3) == ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
+    assert hybrid_groups([1, 3, 5, 7], 4) == ([[1, 3, 5, 7]], [[1], [3], [5], [7]])  # plain sharding
+    assert hybrid_groups([1, 3, 5, 7], 1) == ([[1], [3], [5], [7]], [[1, 3, 5, 7]])  # plain replication
+
+
+def test_topology_shard_and_replicate_ranks():
+    t = Topology(pp=1, dp=4, rank=2, shard=2)
+    assert (t.shard, t.replicate, t.shard_ranks, t.replicate_ranks) == (2, 2, [2, 3], [0, 2])
+    t = Topology(pp=2, dp=4, rank=5, tp=2, shard=2)  # dp ranks of (stage 0, tp rank 1): 1, 5, 9, 13
+    assert t.dp_ranks == [1, 5, 9, 13] and t.shard_ranks == [1, 5] and t.replicate_ranks == [5, 13]
+    t = Topology(pp=1, dp=4, rank=3)  # default: one shard group, the data-parallel group
+    assert (t.shard, t.replicate, t.shard_ranks, t.replicate_ranks) == (4, 1, [0, 1, 2, 3], [3])
+    for rank in range(12):  # every dp rank in exactly one shard group and one replicate group
+        t = Topology(pp=1, dp=12, rank=rank, shard=3)
+        assert set(t.shard_ranks) & set(t.replicate_ranks) == {rank}
+        assert len(t.shard_ranks) * len(t.replicate_ranks) == 12
+
+
+def test_bad_shard_sizes_are_value_errors():
+    assert check_shard(6, None) == 6 and check_shard(6, 3) == 3
+    with pytest.raises(ValueError, match=r"shard = 4 does not divide dp = 6"):
+        check_shard(6, 4)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="shard must be a positive integer"):
+            Topology(pp=1, dp=4, rank=0, shard=bad)
+    with pytest.raises(ValueError, match="does not divide"):
+        hybrid_groups([0, 1, 2], 2)

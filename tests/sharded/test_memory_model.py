@@ -2,7 +2,7 @@
 
 import pytest
 
-from commlab.sharded.memory_model import bucket_memory, zero_memory
+from commlab.sharded.memory_model import bucket_memory, mixed_precision_memory, zero_memory
 
 
 def test_the_zero_papers_four_numbers():
@@ -55,3 +55,17 @@ def test_bad_arguments():
         zero_memory(10, 0, 1)
     with pytest.raises(ValueError, match="prefetch"):
         bucket_memory([4], 2, 3, prefetch=-1)
+
+
+def test_hybrid_sharding_divides_by_the_shard_group_not_the_world():
+    # 8 ranks as 4 replicas of 2-rank shard groups: each rank holds half of every sharded kind.
+    hybrid = zero_memory(1000, 8, 3, "fp32", shard=2)
+    assert (hybrid.parameters, hybrid.gradients, hybrid.optimizer) == (2000, 2000, 4000)
+    assert zero_memory(1000, 8, 2, "fp32", shard=8) == zero_memory(1000, 8, 2, "fp32")
+    assert mixed_precision_memory(1000, 8, 3, shard=4).parameters == 1000 * 4 / 4
+    # Buckets padded and sharded over the 2-rank shard group, as over a 2-rank world.
+    assert bucket_memory([6, 4, 10], 8, 3, prefetch=1, unpadded_numels=[5, 4, 9], shard=2) == bucket_memory(
+        [6, 4, 10], 2, 3, prefetch=1, unpadded_numels=[5, 4, 9])
+    for bad in (3, 0, 1.5, True):
+        with pytest.raises(ValueError, match="shard must be a positive divisor of world_size 8"):
+            zero_memory(1000, 8, 3, shard=bad)

@@ -151,6 +151,12 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         sharded[collective] = {a: fit_table(spec["sizes"], [max(r["sharded"][collective][a][i] for r in results)
                                                              for i in range(len(spec["sizes"]))])
                                for a in spec["sharded_algorithms"] if a in results[0]["sharded"][collective]}
+    # hybrid sharding's tables, per shard group size (each group's slowest rank: the max over all)
+    hybrid = {size: {kind: {a: fit_table(spec["sizes"], [max(r["hybrid"][size][kind][a][i] for r in results)
+                                                         for i in range(len(spec["sizes"]))])
+                            for a in by_algorithm}
+                     for kind, by_algorithm in kinds.items()}
+              for size, kinds in (results[0].get("hybrid") or {}).items()}
     # Every rank ran its own DDP loop while rank 0 profiled (measure.py, step 1): the profile is
     # already what a rank takes beside the others, so nothing is stretched again. The lowering keeps
     # its co-run factors for costs from elsewhere (hardware presets, entries made before).
@@ -183,6 +189,7 @@ def assemble(results: list[dict], spec: dict, nbytes: list[int], shapes: list, k
         "collectives": collectives,
         "concurrency": concurrency,
         **({"sharded_collectives": sharded} if sharded else {}),
+        **({"hybrid_collectives": hybrid} if hybrid else {}),
     }
 
 
@@ -192,6 +199,12 @@ def sharded_algorithms(world_size: int) -> list[str]:
     from commlab.sharded import comm  # lazy: it imports torch
 
     return list(comm.ALGORITHMS)
+
+
+def _hybrid_possible(world_size: int) -> bool:
+    from commlab.costmodel.calibration.sharded import shard_sizes  # lazy: it imports torch
+
+    return bool(shard_sizes(world_size))
 
 
 # Key fields a calibration is valid for besides the workload, in words (cache.make_key).
@@ -234,6 +247,8 @@ def calibration_for(workload: Workload, *, backend: str, world_size: int, thread
             missing = [a for a in algorithms if a not in entry["collectives"]]
             if sharded and "sharded_collectives" not in entry:
                 missing.append("reduce-scatter/all-gather tables")
+            elif sharded and "hybrid_collectives" not in entry and _hybrid_possible(world_size):
+                missing.append("hybrid-sharding tables")
             if not missing:
                 return entry
             echo(f"calibration {cache.key_id(key)} lacks {', '.join(missing)} (calibrated for {', '.join(entry['collectives'])}; "

@@ -53,7 +53,7 @@ from commlab.costmodel.calibration.devicetime import (
     to_device,
 )
 from commlab.costmodel.calibration.queueing import alone_and_together, copy_contention, queued
-from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_sharded
+from commlab.costmodel.calibration.sharded import activation_bytes, fresh_memory, time_hybrid, time_sharded
 from commlab.models import build_workload
 from commlab.runs.optimizers import DEFAULT as DEFAULT_OPTIMIZER, build_optimizer
 from commlab.runtime.timer import time_sizes, timed_steps
@@ -85,6 +85,7 @@ def calibrate_rank(spec: dict[str, Any]) -> dict[str, Any]:
     total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if spec.get("sharded_algorithms"):  # the sharded collectives' tables and the activations' bytes
         out["sharded"] = time_sharded(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
+        out["hybrid"] = time_hybrid(spec["sharded_algorithms"], spec["sizes"], spec["iters"], device)
         out["activation_bytes"] = activation_bytes(model, workload.loss_fn, batch)
     # allocating anew (fresh pages on CPU): sharded buffers, and DDP's gradients where they are fresh
     out["fresh_memory"] = fresh_memory(spec["sizes"], spec["iters"], device)

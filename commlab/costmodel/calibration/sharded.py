@@ -23,25 +23,55 @@ from commlab.sharded import comm
 
 
 def time_sharded(algorithms: list[str], sizes: list[int], iters: int,
-                 device: torch.device = torch.device("cpu")) -> dict[str, dict[str, list[float]]]:
-    """{"reduce_scatter": {algorithm: [median seconds per size]}, "all_gather": {...}} on this rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+                 device: torch.device = torch.device("cpu"), group=None,
+                 kinds: tuple[str, ...] = ("reduce_scatter", "all_gather")) -> dict[str, dict[str, list[float]]]:
+    """{"reduce_scatter": {algorithm: [median seconds per size]}, "all_gather": {...}} on this rank,
+    over ``group`` (None: the world; every group of the world runs at once, from one barrier);
+    ``kinds`` may add "all_reduce" (hybrid sharding's stage 1, within a shard group)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     clock = clock_for(device)
-    out: dict[str, dict[str, list[float]]] = {"reduce_scatter": {}, "all_gather": {}}
+    out: dict[str, dict[str, list[float]]] = {kind: {} for kind in kinds}
     for algorithm in algorithms:
         try:
-            rs, ag = [], []
+            tables: dict[str, list[float]] = {kind: [] for kind in kinds}
             for nbytes in sizes:
                 numel = -(-max(nbytes // 4, world) // world) * world
                 full = torch.ones(numel, dtype=torch.float32, device=device)
                 shard = torch.empty(numel // world, dtype=torch.float32, device=device)
                 own = full[rank * (numel // world):(rank + 1) * (numel // world)]
-                rs.append(_median(clock, iters, lambda: comm.reduce_scatter(shard, full, None, algorithm).wait(), device))
-                # stages 1-2 gather in place from the own block of the flat buffer (comm.all_gather)
-                ag.append(_median(clock, iters, lambda: comm.all_gather(full, own, None, algorithm).wait(), device))
+                calls = {"reduce_scatter": lambda: comm.reduce_scatter(shard, full, group, algorithm).wait(),
+                         # stages 1-2 gather in place from the own block of the flat buffer (comm.all_gather)
+                         "all_gather": lambda: comm.all_gather(full, own, group, algorithm).wait(),
+                         "all_reduce": lambda: comm.all_reduce(full, group, algorithm).wait()}
+                for kind in kinds:
+                    tables[kind].append(_median(clock, iters, calls[kind], device))
         except ValueError:
             continue
-        out["reduce_scatter"][algorithm], out["all_gather"][algorithm] = rs, ag
+        for kind in kinds:
+            out[kind][algorithm] = tables[kind]
+    return out
+
+
+def shard_sizes(world: int) -> list[int]:
+    """The shard group sizes hybrid sharding can use on ``world`` ranks: the divisors from 2 to world / 2."""
+    return [s for s in range(2, world // 2 + 1) if world % s == 0]
+
+
+def time_hybrid(algorithms: list[str], sizes: list[int], iters: int,
+                device: torch.device = torch.device("cpu")) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """For each shard group size (:func:`shard_sizes`), by str(size): the shard groups' reduce-scatter,
+    all-gather and all-reduce, and the all-reduce across the replicas ("replicate_all_reduce"), each
+    with every group of its kind running at once, as in a hybrid step (commlab.Topology's layout:
+    shard groups are consecutive ranks). Collective: every rank creates every group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for s in shard_sizes(world):
+        shard_groups = [dist.new_group(list(range(g * s, (g + 1) * s))) for g in range(world // s)]
+        replica_groups = [dist.new_group(list(range(j, world, s))) for j in range(s)]
+        mine = time_sharded(algorithms, sizes, iters, device, shard_groups[rank // s],
+                            ("reduce_scatter", "all_gather", "all_reduce"))
+        across = time_sharded(algorithms, sizes, iters, device, replica_groups[rank % s], ("all_reduce",))
+        out[str(s)] = {**mine, "replicate_all_reduce": across["all_reduce"]}
     return out
 
 

@@ -135,6 +135,21 @@ def full_nodes(network: Network, world_size: int) -> Group:
     return Group(world_size, min(world_size, network.gpus_per_node))
 
 
+def hybrid_groups(network: Network, world_size: int, shard: int) -> tuple[Group, Group]:
+    """Hybrid sharding's two communicators on ``world_size`` ranks packed on whole nodes: a shard
+    group of ``shard`` consecutive ranks (on one node when it fits), and a replica group of every
+    ``shard``-th rank (``gpus_per_node / shard`` of them on a node, the node's other replica groups
+    sharing its NICs), as torch's init_device_mesh((replicate, shard)) lays them out."""
+    if shard < 1 or world_size % shard:
+        raise ValueError(f"a shard group of {shard} does not divide a world of {world_size}")
+    gpn, replicas = network.gpus_per_node, world_size // shard
+    per_node = max(1, min(replicas, gpn // shard))
+    across = Group(replicas, per_node, sharing=max(1, gpn // per_node) if replicas > per_node else 1)
+    # a shard group larger than a node spans whole nodes alone; smaller ones share a node's NVSwitch,
+    # which gives each GPU its own links (no sharing to model)
+    return Group(shard, min(shard, gpn)), across
+
+
 @dataclass(frozen=True)
 class NCCLAllReduce:
     """bytes -> seconds of one all-reduce over ``world_size`` GPUs packed on whole nodes."""

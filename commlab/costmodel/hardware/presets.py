@@ -100,15 +100,23 @@ def compute_from_flops(preset: dict[str, Any], counted: flop_model.Flops) -> tup
     return flop_model.profile(counted, rate, optimizer_s=optimizer), Overheads(BUCKET_FIXED_S, 2.0 / hbm)
 
 
-def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, algorithm: str = "native") -> SystemCosts:
+def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, algorithm: str = "native",
+              shard: int | None = None) -> SystemCosts:
     """The machine's terms for one data-parallel world packed on whole nodes: its all-reduce,
     reduce-scatter and all-gather (keyed as the DDP and ZeRO lowerings read them), the device's
     overheads, and the preset's compute slowdown while NCCL's kernels share the SMs (``kc``;
-    communication ASSUMED not slowed by compute: ``km`` 0). No co-run stretch (one GPU per rank)."""
+    communication ASSUMED not slowed by compute: ``km`` 0). No co-run stretch (one GPU per rank).
+    With ``shard`` (hybrid sharding) also the shard groups' collectives and the replicas' all-reduce
+    (nccl.hybrid_groups)."""
     group = nccl.full_nodes(network(preset), world_size)
     collectives = {(key, algorithm, world_size): collective_cost(preset, op, group)
                    for key, op in (("allreduce", "all_reduce"), ("reduce_scatter", "reduce_scatter"),
                                    ("all_gather", "all_gather"))}
+    if shard and shard != world_size:
+        within, across = nccl.hybrid_groups(network(preset), world_size, shard)
+        collectives.update({(op, algorithm, shard): collective_cost(preset, op, within)
+                            for op in ("all_reduce", "reduce_scatter", "all_gather")})
+        collectives[("replicate_all_reduce", algorithm, world_size // shard)] = collective_cost(preset, "all_reduce", across)
     return SystemCosts(collectives=collectives, overheads=overheads,
                        contention={algorithm: Contention(kc=float(preset["overlap_slowdown"]))})
 

@@ -19,88 +19,40 @@ order the real engine (commlab/sharded/engine.py) does things:
 - each bucket's reduction (stage 1: all-reduce, stages 2-3: reduce-scatter) is launched (the
   reducer's fixed cost per bucket) once its last gradient is ready, behind backward; stages 2-3
   first wait for the previous reduce-scatter (one in flight, as torch's fully_shard);
+- hybrid sharding (HSDP: shards within a group of ``world_size`` ranks, ``replicas`` groups):
+  each reduction is followed, on the same channel, by the all-reduce of its result across the
+  replicas (stage 1: the bucket, stages 2-3: the rank's shard), and the wait for a reduction is a
+  wait for both (commlab/sharded runs them as one job);
 - the optimizer waits for every reduction and steps 1/world of the parameters.
 
 Costs: the world-size-1 profile DDP uses, and calibrated ("reduce_scatter" | "all_gather",
-algorithm, world) tables, and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
-faulted on first write), paid by stage 3's gathers, each step's gradient buckets and the reduced
-shards. Not modelled: buckets the root module uses itself (the engine keeps
-them gathered), the copy-out of the parameters after each all-gather, the gathers of no_sync
+algorithm, world) tables (hybrid: at the shard group's size, the cross-replica all-reduce at the
+replicas'), and the cost of allocating a buffer anew (``fresh``: fresh pages on CPU,
+faulted on first write), paid by every gather's buffer, stage 3's parameters, each step's
+gradient buckets and the reduced shards; the copies around the collectives (copy-out after a
+gather, the rows' copy-in after a step) are priced as DDP's write-back per byte. Not modelled:
+buckets the root module uses itself (the engine keeps them gathered), the gathers of no_sync
 micro-batches (accumulate > 1 adds only their compute), Gloo's second lane.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
-from commlab.costmodel.lowering.buckets import DEFAULT_POLICY, assign
-from commlab.costmodel.terms.costs import DDPProfile, SystemCosts
-from commlab.costmodel.lowering.ddp import StepCosts, contention_rate, step_costs
-from commlab.runs.zero_stage import ZeroStage, parse_stage
-from commlab.sim import SimResult, Task, simulate
+from commlab.costmodel.lowering.buckets import assign
+from commlab.costmodel.lowering.ddp import contention_rate
+from commlab.costmodel.lowering.zero_costs import REPLICATE, ShardedCosts, ShardedSetting, sharded_costs
 from commlab.runs.store import STEP_COLUMNS
+from commlab.sim import SimResult, Task, simulate
+
+__all__ = ["REPLICATE", "ShardedCosts", "ShardedSetting", "sharded_costs", "lower_sharded", "simulate_sharded",
+           "sharded_breakdown", "peak_bytes", "comm_bytes"]
 
 COMPUTE, CHANNEL, HOST = "compute", "chan0", "rank"
 ALLGATHER, REDUCESCATTER, ALLREDUCE = "allgather", "reducescatter", "allreduce"
 COMM_KINDS = (ALLREDUCE, ALLGATHER, REDUCESCATTER)
 ELEMENT = 4  # bytes per element: the profiled parameters are fp32
 SHARDED_COLUMNS = ("peak_bytes", "comm_bytes", "exposed_allgather", "exposed_reducescatter")
-
-
-@dataclass(frozen=True)
-class ShardedSetting:
-    """The knobs of one sharded configuration (ShardedDataParallel's keywords)."""
-
-    stage: int = 3
-    prefetch: int = 1
-    reshard: bool = True
-    bucket_cap_mb: float = 25.0  # ShardedDataParallel's default
-    accumulate: int = 1
-    policy: Any = DEFAULT_POLICY
-    optimizer_bytes: float = 0.0  # optimizer state per parameter: 0 for plain SGD (the sweep's), 8 for Adam
-
-    @property
-    def zero(self) -> ZeroStage:
-        return parse_stage(self.stage)  # ValueError for a stage outside 0-3
-
-    def __post_init__(self) -> None:
-        if self.zero.ddp:
-            raise ValueError("a sharded setting has stage 1, 2 or 3 (stage 0, DDP, is a DDPSetting)")
-        if self.prefetch < 0 or self.accumulate < 1 or not self.bucket_cap_mb > 0:
-            raise ValueError(f"prefetch >= 0, accumulate >= 1 and bucket_cap_mb > 0 needed, got "
-                             f"{self.prefetch}, {self.accumulate}, {self.bucket_cap_mb}")
-
-
-@dataclass(frozen=True)
-class ShardedCosts:
-    """The DDP lowering's costs of the workload (compute, contention, the all-reduce stage 1 uses)
-    plus the sharded collectives of the same algorithm and world size."""
-
-    step: StepCosts
-    reduce_scatter: Callable[[int], float]  # full bucket bytes -> seconds
-    all_gather: Callable[[int], float]
-    world_size: int
-    activation_bytes: int = 0  # what the profile says the forward keeps for backward (0: unknown)
-    fresh: Callable[[int], float] | None = None  # bytes allocated anew and written once -> seconds
-    algorithm: str = "native"  # the backend's collectives need an input apart from their output
-    rows: tuple[int, ...] | None = None  # each parameter's dim 0, module order (None: not calibrated)
-    staged_gather: bool = False  # the all-gather copies through a flat buffer of its own (Gloo's)
-
-    def alloc(self, nbytes: float) -> float:
-        return self.fresh(int(nbytes)) if self.fresh is not None and nbytes > 0 else 0.0
-
-
-def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, world_size: int,
-                  activation_bytes: int = 0, fresh: Callable[[int], float] | None = None,
-                  rows: Sequence[int] | None = None, backend: str | None = None) -> ShardedCosts:
-    """ValueError if the system lacks an all-reduce, reduce-scatter or all-gather table for them."""
-    return ShardedCosts(step_costs(system, profile, algorithm, world_size, activation_bytes),
-                        system.collective("reduce_scatter", algorithm, world_size),
-                        system.collective("all_gather", algorithm, world_size), world_size, int(activation_bytes),
-                        fresh, algorithm, None if rows is None else tuple(int(r) for r in rows),
-                        staged_gather=algorithm == "native" and backend == "gloo")
 
 
 def sharded_buckets(costs: ShardedCosts, setting: ShardedSetting) -> list[list[int]]:
@@ -157,35 +109,54 @@ def lower_sharded(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequenc
             deps: tuple[str, ...] = ()  # launched by the optimizer step
         else:
             deps = (f"fwd{hook - 1}",) if hook else before_forward
-        fresh = costs.alloc(full[j]) if stage == 3 else 0.0  # stage 3 gathers into storage allocated again
-        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + fresh, deps, j)
+        # every gather receives into a rank-major buffer allocated for it (commlab/sharded/flat_bucket.py),
+        # whose other ranks' blocks fault as they arrive (stages 1-2 copy their own block in first)
+        received = costs.alloc(full[j]) * ((costs.world_size - 1) / costs.world_size if stage < 3 else 1.0)
+        comm((0, j), f"gather{j}", ALLGATHER, costs.all_gather(full[j]) + received, deps, j)
+
+    def copy_out(b: int) -> float:
+        """The training thread's copy of a gathered bucket into its parameters, a memory copy priced
+        as DDP's write-back per byte; stage 3 writes storage allocated again (fresh pages)."""
+        return sc.writeback_s_per_byte * full[b] + (costs.alloc(full[b]) if stage == 3 else 0.0)
+
     for b in range(n):
-        compute(f"fwd{b}", sc.forward_s * share[b], "forward", (f"gather{b}",), bucket=b, waits_gather=True)
+        compute(f"fwd{b}", sc.forward_s * share[b] + copy_out(b), "forward", (f"gather{b}",), bucket=b,
+                waits_gather=True)
     regather = stage == 3 and setting.reshard
     if regather:  # issued by the pre-backward hook of the first bucket (in backward) whose window holds b
         for b in range(n):
             at = min(first[h] for h in range(b, min(b + setting.prefetch, n - 1) + 1))
             deps = (f"grad{sc.ready_order[at - 1]}",) if at else (f"fwd{n - 1}",)
             comm((1, at, 0, -b), f"regather{b}", ALLGATHER, costs.all_gather(full[b]) + costs.alloc(full[b]), deps, b)
-    reduce_kind, reduce_cost = (ALLREDUCE, sc.allreduce) if stage == 1 else (REDUCESCATTER, costs.reduce_scatter)
+    regathered = {b: copy_out(b) if regather else 0.0 for b in range(n)}
+    reduce_kind, reduce_cost = ((ALLREDUCE, costs.all_reduce or sc.allreduce) if stage == 1
+                                else (REDUCESCATTER, costs.reduce_scatter))
+    done = {b: f"replicate{b}" if costs.replicate else f"reduce{b}" for b in range(n)}  # what a wait waits for
     for b in range(n):
         out = costs.alloc(full[b] / costs.world_size) if stage >= 2 else 0.0  # the reduced shard, new each step
         comm((1, when[b], 1, launches.index(b)), f"reduce{b}", reduce_kind, reduce_cost(full[b]) + out, (f"launch{b}",), b)
+        if costs.replicate:
+            moved = full[b] if stage == 1 else full[b] // costs.world_size
+            comm((1, when[b], 1, launches.index(b), 1), f"replicate{b}", ALLREDUCE, costs.replicate(moved),
+                 (f"reduce{b}",), b)
     starts = {first[b]: b for b in range(n)}
     for j, p in enumerate(sc.ready_order):
         deps = (f"regather{owner[p]}",) if regather and starts.get(j) == owner[p] else ()
         # a bucket's first gradient allocates its full gradient buffer (dropped every step)
-        alloc = costs.alloc(full[owner[p]]) if starts.get(j) == owner[p] else 0.0
+        alloc = costs.alloc(full[owner[p]]) + regathered[owner[p]] if starts.get(j) == owner[p] else 0.0
         compute(f"grad{p}", grad_s[j] + alloc, "backward", deps, param=p, bucket=owner[p], waits_gather=bool(deps))
         for b in launches:
             if when[b] == j:
                 # Stages 2-3 keep one reduce-scatter in flight (commlab/sharded/engine.py, as torch's
                 # fully_shard): the training thread waits for the previous one before launching.
                 k = launches.index(b)
-                prev = (f"reduce{launches[k - 1]}",) if stage >= 2 and k else ()
+                prev = (done[launches[k - 1]],) if stage >= 2 and k else ()
                 compute(f"launch{b}", sc.bucket_fixed_s, "launch", prev, stretched=False, bucket=b,
                         waits_reduce=bool(prev))
-    compute("optimizer", sc.optimizer_s / costs.world_size, "optimizer", tuple(f"reduce{b}" for b in range(n)))
+    # stages 1-2: the rank's new rows copied into the next gathers' (fresh) buffers, on the training
+    # thread (the step's post-hook launches the first; the forward's pre-hooks the rest)
+    copy_in = sum((sc.writeback_s_per_byte * f + costs.alloc(f)) / costs.world_size for f in full) if stage < 3 else 0.0
+    compute("optimizer", sc.optimizer_s / costs.world_size + copy_in, "optimizer", tuple(done.values()))
     return tasks + [t for _, t in sorted(chan, key=lambda kt: kt[0])]
 
 
@@ -214,7 +185,7 @@ def sharded_breakdown(result: SimResult, buckets: Sequence[Sequence[int]], costs
         previous = span.end
     t0 = s["nosync"].end if "nosync" in s else 0.0  # the step starts with the all-gathers of stages 1-2
     last_compute = max(sp.end for sp in computes if sp.name != "optimizer")
-    reduces = [s[f"reduce{b}"] for b in range(n)]
+    reduces = [s.get(f"replicate{b}", s[f"reduce{b}"]) for b in range(n)]  # hybrid: the wait ends after both
     comm = result.by_resource(CHANNEL)
     rows = [{"bucket": b, "nbytes": r.meta["nbytes"], "num_params": len(buckets[b]),
              "ready": max(s[f"grad{p}"].end for p in buckets[b]) - t0, "launched": s[f"launch{b}"].start - t0,
@@ -276,5 +247,7 @@ def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     full = padded_bytes(costs, buckets)
     gathers = 2 if setting.zero.parameters and setting.reshard else 1
     reduction = "reduce_scatter" if setting.zero.gradients else "all_reduce"
-    return int(round(sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full],
-                          costs.world_size)))
+    own = sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full], costs.world_size)
+    # hybrid sharding: each reduction's result all-reduced across the replicas
+    across = sent([("all_reduce", b if setting.stage == 1 else b // costs.world_size) for b in full], costs.replicas)
+    return int(round(own + across))

@@ -105,10 +105,11 @@ def predict_on(plan, preset: dict, calibration_path: Path | None = None,
 
     def costs_for(cfg: Config):
         profile, overheads, _ = computes[(cfg.model, cfg.model_args, cfg.batch_per_rank, optimizer_of(cfg))]
-        system = hardware.system_on(preset, overheads, cfg.world_size)
+        shard = getattr(cfg, "shard_group", 0) or None
+        system = hardware.system_on(preset, overheads, cfg.world_size, shard=shard)
         if zero_stage_of(cfg).ddp:
             return step_costs(system, profile, "native", cfg.world_size)
-        return sharded_costs(system, profile, "native", cfg.world_size)
+        return sharded_costs(system, profile, "native", cfg.world_size, shard=shard)
 
     records = predict_plan(plan.configs, costs_for)
     said = "; ".join(dict.fromkeys(c[2] for c in computes.values()))

@@ -24,6 +24,7 @@ from commlab.costmodel.terms.costs import (
 )
 from commlab.costmodel.lowering.ddp import DDPSetting, StepCosts, breakdown, simulate_step, step_costs
 from commlab.costmodel.lowering.zero import (
+    REPLICATE,
     ShardedCosts,
     ShardedSetting,
     sharded_breakdown,
@@ -59,6 +60,11 @@ def system_from_entry(entry: dict, world_size: int) -> SystemCosts:
     tables = {("allreduce", a, world_size): cost_from_entry(t) for a, t in entry["collectives"].items()}
     for collective, by_algorithm in entry.get("sharded_collectives", {}).items():  # reduce_scatter, all_gather
         tables.update({(collective, a, world_size): cost_from_entry(t) for a, t in by_algorithm.items()})
+    # hybrid sharding: each shard group size's tables, measured with every group running at once
+    for shard, kinds in entry.get("hybrid_collectives", {}).items():
+        for collective, by_algorithm in kinds.items():  # the replicas' all-reduce is over world / shard ranks
+            size = world_size // int(shard) if collective == REPLICATE else int(shard)
+            tables.update({(collective, a, size): cost_from_entry(t) for a, t in by_algorithm.items()})
     return SystemCosts(
         collectives=tables,
         contention=contention, corun=c["corun"],
@@ -82,17 +88,23 @@ def costs_from_entry(entry: dict, algorithm: str, world_size: int) -> StepCosts:
                       activation_bytes=entry["compute"].get("activation_bytes", 0))
 
 
-def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int) -> ShardedCosts:
-    """The sharded lowering's costs from one calibration entry (one with its sharded tables)."""
+def sharded_costs_from_entry(entry: dict, algorithm: str, world_size: int, shard: int | None = None) -> ShardedCosts:
+    """The sharded lowering's costs from one calibration entry (one with its sharded tables; with
+    ``shard`` < ``world_size``, hybrid sharding, its tables for that shard group size)."""
     have = entry.get("sharded_collectives", {}).get("reduce_scatter", {})
     if algorithm not in have or algorithm not in entry["collectives"]:
         raise UnpriceableConfig(f"no reduce-scatter/all-gather cost for algorithm {algorithm!r} in the calibration "
                                 f"(calibrated: {', '.join(sorted(have)) or 'none'}): calibrate again")
+    hybrid = entry.get("hybrid_collectives", {})
+    if shard and shard != world_size and algorithm not in hybrid.get(str(shard), {}).get(REPLICATE, {}):
+        raise UnpriceableConfig(f"no hybrid-sharding costs for shard groups of {shard} ({algorithm!r}) in the "
+                                f"calibration (has: {', '.join(sorted(hybrid)) or 'none'}): calibrate again "
+                                "(a sharded calibration measures every shard group size of its world)")
     fresh = entry["compute"].get("fresh_memory")  # absent from calibrations made before it was measured
     return sharded_costs(system_from_entry(entry, world_size), profile_from_entry(entry), algorithm, world_size,
                          activation_bytes=entry["compute"].get("activation_bytes", 0),
                          fresh=cost_from_entry(fresh) if fresh else None, rows=entry["params"].get("rows"),
-                         backend=entry["key"].get("backend"))
+                         backend=entry["key"].get("backend"), shard=shard)
 
 
 def knob(cfg: Any, name: str) -> Any:
@@ -112,7 +124,7 @@ def costs_for_config(entry: dict, cfg: Config) -> StepCosts | ShardedCosts:
     """Stage 0 (commlab DDP): the DDP lowering's costs; stages 1-3: the sharded lowering's."""
     if zero_stage_of(cfg).ddp:
         return costs_from_entry(entry, cfg.algorithm, cfg.world_size)
-    return sharded_costs_from_entry(entry, cfg.algorithm, cfg.world_size)
+    return sharded_costs_from_entry(entry, cfg.algorithm, cfg.world_size, getattr(cfg, "shard_group", 0) or None)
 
 
 def setting_of(cfg: Config) -> DDPSetting:

@@ -1,11 +1,12 @@
-"""Tuning the sharding: the fastest stage x bucket x prefetch x reshard whose peak fits in memory.
+"""Tuning the sharding: the fastest stage x bucket x prefetch x reshard x shard group whose peak fits in memory.
 
     sharded_answer(entry, stages=(0, 1, 2, 3), memory_bytes=16 * 2**30)   # commlab tune --stage auto
 
 Each candidate is simulated (stage 0 with the DDP lowering, commlab/costmodel/lowering/ddp.py, overlap
 on; stages 1-3 with commlab/costmodel/lowering/zero.py) and its peak bytes per rank predicted; the
 answer is the fastest candidate whose predicted peak fits, over every algorithm that has the
-collectives a stage needs. Near-ties (1e-9 relative) go to the smaller peak. When nothing fits,
+collectives a stage needs, and every shard group size the calibration has tables for (hybrid
+sharding: shards within a group, replicas across; commlab/costmodel/lowering/zero.py). Near-ties (1e-9 relative) go to the smaller peak. When nothing fits,
 a ValueError names the smallest peak found, so the user knows how much memory would do.
 
 An UNSTEADY calibration (commlab/costmodel/terms/uncertainty.py) bends the predicted times, not the
@@ -39,6 +40,7 @@ class ShardedCandidate:
     reshard: bool
     step_s: float
     peak_bytes: int
+    shard_group: int = 0  # hybrid sharding: ranks per shard group (0: every data-parallel rank)
 
     def kwargs(self) -> dict[str, Any]:
         """ShardedDataParallel's keywords (stage 0: commlab DistributedDataParallel's)."""
@@ -51,15 +53,23 @@ class ShardedCandidate:
         return out
 
     def as_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "kwargs": self.kwargs(), "predicted_step_s": self.step_s,
-                "predicted_peak_bytes": self.peak_bytes}
+        out = {"stage": self.stage, "kwargs": self.kwargs(), "predicted_step_s": self.step_s,
+               "predicted_peak_bytes": self.peak_bytes}
+        if self.shard_group:  # the process groups come from commlab.Topology.build(dp=..., shard=...)
+            out["shard_group"] = self.shard_group
+        return out
 
 
 def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | None = None,
                grid_mb: Sequence[float] = GRID_MB, prefetches: Sequence[int] = PREFETCHES,
                optimizer_bytes: float = 0.0) -> list[ShardedCandidate]:
     """Every candidate of the given stages priced from one calibration entry at its world size."""
-    from commlab.costmodel.search.predict import costs_from_entry, ddp_columns, sharded_costs_from_entry
+    from commlab.costmodel.search.predict import (
+        UnpriceableConfig,
+        costs_from_entry,
+        ddp_columns,
+        sharded_costs_from_entry,
+    )
 
     world = entry["key"]["world_size"]
     # and caps relative to the model: where memory binds, stage 3 wants buckets well under it
@@ -80,14 +90,19 @@ def candidates(entry: dict, stages: Iterable[int], algorithms: Sequence[str] | N
                     out.append(ShardedCandidate(0, a, mb, 0, True, breakdown(result, buckets, costs)[0]["step"], peak))
             continue
         knobs = itertools.product(prefetches, (True, False)) if parse_stage(stage).parameters else [(1, True)]
-        for a, (prefetch, reshard) in itertools.product(sharded_names, list(knobs)):
-            costs = sharded_costs_from_entry(entry, a, world)
+        # hybrid sharding: every shard group size the calibration measured (commlab/costmodel/calibration/sharded.py)
+        shards = [0, *sorted(int(s) for s in entry.get("hybrid_collectives", {}))]
+        for a, (prefetch, reshard), shard in itertools.product(sharded_names, list(knobs), shards):
+            try:
+                costs = sharded_costs_from_entry(entry, a, world, shard or None)
+            except UnpriceableConfig:  # an algorithm the shard groups' size refuses
+                continue
             for mb in grid_mb:
                 setting = ShardedSetting(stage=stage, prefetch=prefetch, reshard=reshard, bucket_cap_mb=mb,
                                          optimizer_bytes=optimizer_bytes)
                 result, buckets = simulate_sharded(costs, setting)
                 row = sharded_breakdown(result, buckets, costs, setting)[0]
-                out.append(ShardedCandidate(stage, a, mb, prefetch, reshard, row["step"], row["peak_bytes"]))
+                out.append(ShardedCandidate(stage, a, mb, prefetch, reshard, row["step"], row["peak_bytes"], shard))
     return out
 
 
@@ -121,7 +136,7 @@ def default_pick(found: Sequence[ShardedCandidate], memory_bytes: float | None,
     fits = [c for c in found if memory_bytes is None or c.peak_bytes <= memory_bytes]
     stage = min(c.stage for c in fits)
     return min((c for c in fits if c.stage == stage),
-               key=lambda c: (c.algorithm != defaults.get(c.stage), c.prefetch != 1, not c.reshard,
+               key=lambda c: (c.shard_group != 0, c.algorithm != defaults.get(c.stage), c.prefetch != 1, not c.reshard,
                               abs(math.log(c.bucket_cap_mb / DEFAULT_MB)), c.peak_bytes))
 
 

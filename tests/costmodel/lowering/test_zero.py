@@ -141,3 +141,22 @@ def test_predicted_buckets_are_the_sharded_wrappers_own(cap_mb):
     c = costs(param_nbytes=nbytes, ready_s=tuple(0.01 * (j + 1) for j in range(len(nbytes))),
               ready_order=tuple(reversed(range(len(nbytes)))))
     assert sharded_buckets(c, ShardedSetting(bucket_cap_mb=cap_mb)) == plan_buckets(model, make_policy("size_cap", bucket_cap_mb=cap_mb), None).buckets
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_copies_around_the_collectives_and_fresh_gather_buffers_are_priced(stage):
+    plain = costs()
+    copying = dataclasses.replace(costs(writeback_s_per_byte=1e-8), fresh=lambda n: 0.01 * n / MIB)
+    a, buckets, row_a, _ = run(plain, stage=stage, prefetch=0)
+    b, _, row_b, _ = run(copying, stage=stage, prefetch=0)
+    full = padded_bytes(plain, buckets)
+    for j, size in enumerate(full):
+        # the gather's buffer is allocated anew at every stage (stages 1-2 fault their own block while
+        # copying it in, on the training thread); the copy-out runs on the training thread
+        received = 0.01 * size / MIB * (0.5 if stage < 3 else 1.0)
+        assert b.spans[f"gather{j}"].length == pytest.approx(a.spans[f"gather{j}"].length + received)
+        refill = 0.01 * size / MIB if stage == 3 else 0.0  # stage 3's parameters' storage, fresh again
+        assert b.spans[f"fwd{j}"].length == pytest.approx(a.spans[f"fwd{j}"].length + 1e-8 * size + refill)
+    copy_in = (1e-8 + 0.01 / MIB) * sum(full) / 2 if stage < 3 else 0.0  # stages 1-2: the new rows in
+    assert b.spans["optimizer"].length == pytest.approx(a.spans["optimizer"].length + copy_in)
+    assert row_b["step"] > row_a["step"]
