@@ -92,7 +92,7 @@ class CommWorker:
         """Queue ``job``; its future is completed with ``stream`` (a comm stream or None) current."""
         future = torch.futures.Future(devices=[stream.device]) if stream is not None else torch.futures.Future()
         if self.on_worker():  # re-entrant: run now, in place (see the module docstring)
-            _complete(future, job, stream)
+            _complete(future, [job], stream)
             return future
         with self._idle:
             self._pending += 1
@@ -136,6 +136,12 @@ class CommWorker:
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
             job, future, stream = item
+            # Hold no reference to the job or its future past its completion: the caller's thread
+            # then frees the collective's tensors once it is done with them, where the loop's
+            # variables would keep the last job's (a whole bucket) until the next job arrives,
+            # and free them on this thread, out of sight of the caller's memory profiler
+            # (commlab/memtrack.py; measured, docs/measurements.md, 2026-11-27 14:48-15:20 UTC).
+            item = None
             with self._running:
                 with self._idle:
                     # Counted done before the future completes: its callbacks may run a blocking
@@ -144,18 +150,25 @@ class CommWorker:
                     self._idle.notify_all()
                 self.active = True
                 try:
-                    _complete(future, job, stream)
+                    box, job = [job], None
+                    _complete(future, box, stream)
                 finally:
+                    future = None
                     self.active = False
 
 
-def _complete(future: torch.futures.Future, job: Callable[[], object], stream: Any) -> None:
+def _complete(future: torch.futures.Future, box: list[Callable[[], object]], stream: Any) -> None:
+    """Run the job in ``box`` (taken out of it, and dropped before the future completes: see
+    ``CommWorker._loop``) and complete ``future`` with its result or its exception."""
+    job = box.pop()
     with streams.on_stream(stream):  # a CUDA future records its completion event on this stream
         try:
             result = job()
         except BaseException as exc:  # delivered to whoever waits on the handle
+            job = None
             future.set_exception(exc)
         else:
+            job = None
             future.set_result(result)
 
 

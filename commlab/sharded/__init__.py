@@ -21,18 +21,21 @@ buckets may follow a size cap, which fully_shard's units cannot.
 from commlab.sharded.distributed import ShardedDataParallel
 from commlab.sharded.memory import ShardedMemory, track_memory
 from commlab.sharded.memory_model import StageMemory, bucket_memory, mixed_precision_memory, zero_memory
+from commlab.sharded.peak_model import PeakMemory, sharded_peak
 from commlab.sharded.precision import MixedPrecision
 from commlab.sharded.timing import CollectiveTiming, ShardedIterationTiming
 
 __all__ = [
     "CollectiveTiming",
     "MixedPrecision",
+    "PeakMemory",
     "ShardedDataParallel",
     "ShardedIterationTiming",
     "ShardedMemory",
     "StageMemory",
     "bucket_memory",
     "mixed_precision_memory",
+    "sharded_peak",
     "track_memory",
     "zero_memory",
 ]

@@ -181,12 +181,13 @@ def bucket_memory(
 
 
 # Parameter-sized temporaries an optimizer's step holds at once, by its state bytes per parameter
-# (commlab/runs/optimizers.py's K): Adam and AdamW (8) compute the square root of the second
-# moment, then its quotient, before the update (torch/optim/adam.py's single-tensor path, the
-# default for CPU tensors); SGD with or without momentum (4, 0) updates in place. On CUDA torch's
-# default is the multi-tensor path, which holds one temporary for every parameter at once: not
-# modelled.
-STEP_TEMPORARIES = {0: 0, 4: 0, 8: 2}
+# (commlab/runs/optimizers.py's K), on torch's single-tensor path (its default for CPU tensors):
+# Adam and AdamW (8) hold 3 of the largest tensor, the square root of the second moment, its
+# quotient by the bias correction and one more inside the update (torch/optim/adam.py's
+# _single_tensor_adam; measured with commlab.memtrack on plain tensors and DTensor shards alike,
+# docs/measurements.md, 2026-11-27 14:48-15:20 UTC); SGD with or without momentum (4, 0) updates
+# in place. Other implementations (foreach, fused): commlab/sharded/peak_model.py.
+STEP_TEMPORARIES = {0: 0, 4: 0, 8: 3}
 
 
 def step_temporaries(optimizer_bytes: float) -> int:

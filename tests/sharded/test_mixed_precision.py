@@ -18,6 +18,7 @@ from torch import nn
 import commlab
 from commlab.sharded import MixedPrecision, ShardedDataParallel
 from commlab.sharded.memory_model import mixed_precision_memory, zero_memory
+from commlab.sharded.peak_model import optimizer_temporaries, sharded_peak
 from commlab.sharded.precision import BucketDtypes, bucket_dtypes, cast_inputs, resolve
 from tests.support import sharded_mp_cases as cases
 
@@ -117,3 +118,45 @@ def test_bf16_params_fp32_reductions_equal_fully_shard(results):
         # What memory(opt) reads from the live tensors is the mixed-precision memory model's.
         for key, m in result["memory"].items():
             assert m["measured"] == m["model"], (rank, key, m)
+
+
+def test_the_peak_model_counts_each_transient_in_its_dtype():
+    sizes, n = [64, 64, 128], 2  # padded bucket sizes; the largest parameter has 128 elements
+    fp32 = sharded_peak(sizes, 128, n, 3, 1, optimizer="fused")
+    mixed = sharded_peak(sizes, 128, n, 3, 1, param_bytes=2, reduce_bytes=2, optimizer="fused")
+    # Stage 3 backward: two gathered buckets, the one ahead again in Gloo's staging (compute dtype), two
+    # gradient buckets (reduction dtype), one autograd gradient (compute dtype).
+    assert fp32.backward == (128 + 64 + 128) * 4 + (128 + 64) * 4 + 128 * 4
+    assert mixed.backward == fp32.backward // 2
+    assert fp32.after_step == mixed.after_step == 0 and fp32.step == 0
+    # Stage 2 after the step: 2 gathers in flight, each its buffer, Gloo's copy and an input shard.
+    assert sharded_peak(sizes, 128, n, 2, 1, param_bytes=2).after_step == (2 * 192 + 96) * 2
+    # Adam's temporaries over the master shards, by implementation.
+    shards = [32, 32, 64]
+    assert optimizer_temporaries(shards, 4, "for_loop") == 3 * 64 * 4
+    assert optimizer_temporaries(shards, 4, "foreach") == 128 * 4
+    assert optimizer_temporaries(shards, 4, "fused") == 0
+    assert sharded_peak(sizes, 128, n, 1, optimizer="foreach").step == 128 * 4
+    with pytest.raises(ValueError, match="implementation"):
+        optimizer_temporaries(shards, 4, "adam")
+    # Held bytes: commlab's mixed-precision model (tested above), the peak on top.
+    assert mixed.held == mixed_precision_memory(256, n, 3, reduce_bytes=2, param_bytes=2).total
+    assert mixed.peak == mixed.held + mixed.backward
+
+
+@pytest.mark.slow
+def test_measured_peak_follows_the_peak_model_within_10_percent(results):
+    """The measured peak of each stage (median of three steps, each rank) against the peak model
+    for that configuration (commlab/sharded/peak_model.py): bf16 parameters, fp32 or bf16
+    reductions, torch's default Adam on CPU tensors (the single-tensor loop)."""
+    for rank, result in enumerate(results):
+        medians = {}
+        for (reduce, stage), m in result["peak"].items():
+            size = 4 if reduce == "torch.float32" else 2
+            model = sharded_peak(m["padded"], m["largest_param"], len(results), stage, 1, param_bytes=2,
+                                 reduce_bytes=size, optimizer="for_loop").peak
+            medians[(reduce, stage)] = measured = sorted(m["peaks"])[len(m["peaks"]) // 2]
+            assert abs(measured - model) <= 0.10 * model, (rank, reduce, stage, m["peaks"], model)
+        # Sharding shows: each stage below the one before, whatever the reduction's dtype.
+        for reduce in ("torch.float32", "torch.bfloat16"):
+            assert medians[(reduce, 1)] > medians[(reduce, 2)] > medians[(reduce, 3)], medians

@@ -6,6 +6,8 @@ to the parent, which asserts.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,6 +17,7 @@ from commlab.models import GPT, lm_loss
 from commlab.sharded import MixedPrecision, ShardedDataParallel
 
 STEPS = 5
+PEAK_STEPS = 3  # steps whose peaks are compared, after one tracked step that over-counts
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -188,6 +191,45 @@ def _memory() -> dict:
     return out
 
 
+def _peak() -> dict:
+    """Measured peak bytes of steps of Adam (torch's default implementation for these CPU tensors)
+    at each stage, fp32 and bf16 reductions, on 16 x Linear(512, 512) (the parameters dominate: a
+    batch of 2), one bucket per layer, Gloo's own collectives: their allocations and frees run
+    with the issuing thread's profiler state, where a p2p algorithm's worker thread frees unseen
+    (commlab/memtrack.py). The rank's sizes go back, for the parent's peak model."""
+    from commlab.memtrack import live_bytes
+    from commlab.sharded.memory import track_memory
+
+    out = {}
+    for reduce in (FP32, BF16):
+        for stage in (1, 2, 3):
+            gc.collect()
+            base = live_bytes()  # what earlier cases left: this one's bytes are counted above it
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(16)])
+            ours = ShardedDataParallel(model, stage=stage, units=list(model), algorithm="native", prefetch=1,
+                                       mixed_precision=MixedPrecision(BF16, reduce))
+            opt = torch.optim.Adam(ours.parameters(), lr=1e-3)
+            x = torch.randn(2, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+            def step():
+                ours(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+            step()  # Adam's state exists from here on
+            peaks = []
+            with track_memory(ours):
+                for _ in range(PEAK_STEPS + 1):
+                    step()
+                    peaks.append(ours.memory(opt).peak)  # the previous step's: a step ends at the next forward
+            peaks = [p - base for p in (*peaks[2:], ours.memory(opt).peak)]  # the first tracked step over-counts
+            out[(str(reduce), stage)] = {"peaks": peaks, "padded": [lay.padded for lay in ours.layouts],
+                                         "largest_param": max(p.numel() for p in model.parameters())}
+            del ours, opt, model
+    return out
+
+
 def run() -> dict:
     policy_torch = __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).MixedPrecisionPolicy(
         param_dtype=BF16, reduce_dtype=FP32)
@@ -195,4 +237,4 @@ def run() -> dict:
     # on commlab's ring: both policies are accepted, both kinds of collective cast alike.
     return {"mlp": _compare(_mlp, MixedPrecision(param_dtype=BF16, reduce_dtype=FP32), "native"),
             "gpt": _compare(_gpt, policy_torch, "ring"), "memory": _memory(),
-            "reduction_only": _reduction_only()}
+            "reduction_only": _reduction_only(), "peak": _peak()}

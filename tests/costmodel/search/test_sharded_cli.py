@@ -226,10 +226,10 @@ def test_predict_of_a_stage_sweep_with_adam_uses_an_adam_calibration_and_counts_
         peaks[optimizer] = dict(zip(runs["stage"], runs["peak_bytes"]))
     psi = sum(sharded_entry()["params"]["nbytes"]) / 4  # fp32 parameters
     # Adam's 8 bytes per parameter: whole at stage 0, halved over the two ranks at stages 1-3; at
-    # stage 0 (no activations in this calibration) also its step's two temporaries of the largest
-    # parameter, which stages 1-3 hold beside smaller transients of their own
+    # stage 0 (no activations in this calibration) also its step's three temporaries of the largest
+    # parameter (torch's single-tensor Adam, measured: commlab/sharded/memory_model.py), which stages 1-3 hold beside smaller transients of their own
     largest = max(sharded_entry()["params"]["nbytes"])
-    assert peaks["adam"][0] - peaks["sgd"][0] == pytest.approx(8 * psi + 2 * largest, abs=1)
+    assert peaks["adam"][0] - peaks["sgd"][0] == pytest.approx(8 * psi + 3 * largest, abs=1)
     for stage in (1, 2, 3):
         assert peaks["adam"][stage] - peaks["sgd"][stage] == pytest.approx(8 * psi / 2, abs=1)
     assert max(peaks["adam"][1], peaks["adam"][2]) < peaks["adam"][0]  # what sharding the state saves
