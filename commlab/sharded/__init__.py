@@ -5,10 +5,12 @@ Package map: ``layout`` (each parameter's rows per rank and a bucket's rank-majo
 parameters as DTensor shards, swapped for whole tensors around a forward), ``memory_model`` (the
 ZeRO memory model, pure), ``buckets`` (which parameters share a bucket), ``flat_bucket`` (one
 bucket's buffers and collectives), ``engine`` (the step's life cycle: hooks, gathers, frees,
-reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (a full
-module state dict loaded), ``optim_state`` (the full optimizer state dict), ``arguments`` (argument and
+reductions), ``comm`` (the collectives), ``timing``, ``memory`` (live bytes), ``state`` (full state:
+a module state dict loaded, the optimizer's gathered), ``arguments`` (argument and
 optimizer checks), ``precision`` (mixed precision), ``hybrid`` (HSDP: the reduction across
-replicas), ``distributed`` (the public wrapper).
+replicas), ``ordering`` (collectives every rank agrees on), ``backward`` (the engine's backward
+half), ``join`` (uneven inputs), ``peak_model`` (a step's peak by phase and dtype), ``distributed``
+(the public wrapper).
 
 The parameters are torch's ``fully_shard`` (FSDP2) parameters: each a DTensor ``Shard(0)``
 holding the rank's rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so optimizers,

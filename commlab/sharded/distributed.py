@@ -57,7 +57,6 @@ from commlab.sharded.flat_bucket import FlatBucket
 from commlab.sharded.join import UnevenInputs, joined
 from commlab.sharded.layout import ShardLayout
 from commlab.sharded.memory import ShardedMemory, measure
-from commlab.sharded.optim_state import full_optimizer_state_dict
 from commlab.sharded.timing import ShardedIterationTiming
 
 
@@ -273,9 +272,9 @@ class ShardedDataParallel(nn.Module):
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """``optimizer``'s state (built over ``self.parameters()``) as the same optimizer over the
-        unsharded module would hold it, loadable there (commlab/sharded/optim_state.py). A
+        unsharded module would hold it, loadable there (commlab/sharded/state.py). A
         collective: every rank must call it."""
-        return full_optimizer_state_dict(optimizer)
+        return state.full_optimizer_state_dict(optimizer)
 
     # --- what can be read ----------------------------------------------------------------
     @property

@@ -1,8 +1,17 @@
-"""A full (unsharded) module state dict into the shards.
+"""Full (unsharded) state: a module state dict loaded into the shards, the optimizer's gathered.
 
 ``load_full_state_dict`` needs no collective: every rank is given the same full values and keeps
 its own shard of them. (The other way, torch's ``get_model_state_dict`` gathers the DTensor shards
 one tensor at a time: ShardedDataParallel.full_state_dict.)
+
+``full_optimizer_state_dict`` is the optimizer's own ``state_dict()`` with every DTensor (the
+shards' state: Adam's moments, SGD's momentum buffer) gathered whole, loadable into the same
+optimizer built over the unsharded module. torch's ``Optimizer.state_dict`` already numbers the
+parameters (in the order of its groups) and keeps the groups and their hyper-parameters; the
+parameters are the module's own, in its own shapes (commlab/sharded/dparams.py), so only the values
+need gathering: ``full_tensor()`` of each DTensor, in index order, the same on every rank (a
+collective: every rank calls it). Other state (Adam's scalar ``step``, the state of frozen,
+replicated parameters) is the same on every rank and copied.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from commlab.sharded.engine import ShardedEngine
 
@@ -45,3 +55,15 @@ def load_full_state_dict(module: nn.Module, engine: ShardedEngine, state_dict: M
             bucket.write_full([state_dict[name_of[id(p)]] for p in bucket.params])
     # Stages 1-2: the replica now holds the loaded values everywhere; nothing to gather.
     engine.stale, engine.queued = False, []
+
+
+def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    sd = optimizer.state_dict()
+    state = {}
+    for index in sorted(sd["state"]):
+        state[index] = {
+            key: (value.full_tensor() if isinstance(value, DTensor) else
+                  value.clone() if isinstance(value, torch.Tensor) else value)
+            for key, value in sorted(sd["state"][index].items())
+        }
+    return {"state": state, "param_groups": sd["param_groups"]}
