@@ -239,11 +239,11 @@ class ShardedDataParallel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def full_state_dict(self, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-        """The whole module's state dict, gathered one tensor at a time by torch's own helper
-        (``get_model_state_dict`` with ``full_state_dict=True``); with ``cpu_offload`` on CPU and on
-        rank 0 only (the others get an empty dict). A collective: every rank must call it."""
+        """The whole module's state dict, gathered a tensor at a time by torch's ``get_model_state_dict``
+        (``full_state_dict=True``); ``cpu_offload``: on CPU, rank 0 only. Collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        state.check_full_gather(self.mesh)
         return get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
 
     def load_state_dict(  # type: ignore[override]

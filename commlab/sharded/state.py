@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -57,8 +58,23 @@ def load_full_state_dict(module: nn.Module, engine: ShardedEngine, state_dict: M
     engine.stale, engine.queued = False, []
 
 
+def check_full_gather(mesh) -> None:
+    """NotImplementedError where torch's DTensor all-gather (what gathers a full state dict) is not
+    safe: Gloo with CUDA tensors, where torch 2.11's functional all-gather crashed the process with
+    a segmentation fault (an H200, two ranks on one GPU; scripts/gpu_check.py). Refused before any
+    collective, on every rank alike."""
+    group = mesh.get_group(mesh.ndim - 1)
+    if mesh.device_type == "cuda" and str(dist.get_backend(group)).lower() == "gloo":
+        raise NotImplementedError("a full state dict of CUDA parameters over Gloo: torch's DTensor all-gather "
+                                  "crashes there; save the sharded state_dict() with torch.distributed.checkpoint, "
+                                  "or use NCCL")
+
+
 def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     sd = optimizer.state_dict()
+    for value in (v for entry in sd["state"].values() for v in entry.values() if isinstance(v, DTensor)):
+        check_full_gather(value.device_mesh)  # before any collective
+        break
     state = {}
     for index in sorted(sd["state"]):
         state[index] = {
