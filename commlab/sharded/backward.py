@@ -26,7 +26,9 @@ class BackwardPass:
         # A gradient accumulated in no_sync() is reduced now, also without one in this backward.
         held = [self.sync and not self.synced_grads and b.params[s].grad is not None for b, s in self.slots]
         counts = [self.world] * len(self.slots)  # no_sync() at stages 1-2: nothing to agree on
-        if self.sync or self.stage == 3:  # stage 3 gathers in backward, also inside no_sync()
+        # stage 3 gathers in backward, also inside no_sync(); one rank has no one to agree with (torch's
+        # fully_shard issues no collective at world size 1, and its tests count them)
+        if (self.sync or self.stage == 3) and self.world > 1:
             counts = ordering.agree([int(r or h) for r, h in zip(runs, held)], self.control)
         unused, partial = ordering.verdict(counts, self.world)
         if partial:

@@ -59,7 +59,9 @@ def fully_shard(
     if ignored_params:
         raise unsupported("ignored_params")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise unsupported(f"reshard_after_forward={reshard_after_forward!r} (resharding to a smaller group)")
+        # torch reshards to a smaller group after forward (fewer ranks to gather from in backward);
+        # commlab reshards fully: the same values, gathered from every rank again
+        reshard_after_forward = True
     group = None
     if mesh is not None:
         if mesh.ndim != 1:
