@@ -209,7 +209,7 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     gathered buckets, every one without reshard; the full gradient buckets of the reduce-scatters;
     the largest parameter's gradient as autograd makes it, before the copy into its bucket; the
     profile's activations, what autograd saves in one forward, commlab/costmodel/calibration/sharded.py,
-    0 in a calibration made without them), the optimizer's step (its temporaries, of the largest
+    0 in a calibration made without them, freed as backward goes: :func:`backward_peak`), the optimizer's step (its temporaries, of the largest
     parameter's shard) and after it (stages 1-2: the all-gathers then in flight). Left out: the
     allocator's caching and fragmentation, the forward's transient tensors that are not saved, the
     first activations of a stage 1-2 forward beside its last all-gathers, a reduction's own
@@ -226,9 +226,34 @@ def peak_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[S
     # autograd's own .grad of a parameter lives until the hook has copied it into the bucket: the
     # largest parameter's bytes at once (DDP's peak counts every .grad already)
     transient = max(costs.step.param_nbytes, default=0)
-    during = gathered + m.reduce_scatter + costs.activation_bytes + transient
+    during = gathered + backward_peak(costs, setting, buckets, full) + transient
     step = step_temporaries(k) * largest_shard_bytes(costs)
     return int(base + m.padding + max(m.after_step, during, step))
+
+
+def backward_peak(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]],
+                  full: Sequence[int]) -> float:
+    """Activations, gradients and gradient buffers alive at once in backward, at their largest, less
+    the gradients the held bytes already count. As each bucket's backward starts (in the order
+    buckets complete), the activations of the buckets done are freed (in proportion to their
+    backward time), their gradients exist (stage 1 the full ones, stages 2-3 the rank's shard; the
+    loop's ``zero_grad()`` dropped last step's before forward), and the bucket's gradient buffer
+    fills beside the previous one's in flight (stages 2-3). Adding the activations' largest (as
+    backward starts) to the buffers' and gradients' (as it ends) counted bytes twice."""
+    sc, w = costs.step, costs.world_size
+    pos = {p: j for j, p in enumerate(sc.ready_order)}
+    grad_s = [t - (sc.ready_s[j - 1] if j else 0.0) for j, t in enumerate(sc.ready_s)]
+    back = [sum(grad_s[pos[p]] for p in b) for b in buckets]
+    total = sum(back) or 1.0
+    grads = [sum(sc.param_nbytes[p] for p in b) if setting.stage == 1 else full[i] / w for i, b in enumerate(buckets)]
+    order = sorted(range(len(buckets)), key=lambda b: max(pos[p] for p in buckets[b]))
+    peak, done, made = 0.0, 0.0, 0.0
+    for i, b in enumerate(order + [None]):
+        alive = (full[b] + (full[order[i - 1]] if i else 0)) if b is not None and setting.zero.gradients else 0
+        peak = max(peak, costs.activation_bytes * (1 - done / total) + made + alive)
+        if b is not None:
+            done, made = done + back[b], made + grads[b]
+    return peak - sum(grads)
 
 
 def largest_shard_bytes(costs: ShardedCosts) -> int:

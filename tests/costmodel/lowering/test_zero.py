@@ -85,10 +85,11 @@ def test_peak_bytes_fall_with_the_stage_and_comm_bytes_follow_the_standard_accou
     ddp = ddp_columns(c.step, 4)["peak_bytes"] + 2 * total  # + Adam's 8 bytes per 4-byte parameter
     assert ddp > peaks[1] > peaks[2] > peaks[3]
     # stage 3, prefetch 0: p+g+K sharded (16 / 4 bytes per parameter) + one gathered bucket + two
-    # full gradient buckets (one reduce-scatter in flight while the next bucket fills) + autograd's
-    # gradient of the largest parameter before its copy into the bucket (the copy-out's rank-major
-    # buffer is gone by then)
-    assert peaks[3] == 4 * MIB + MIB + 2 * MIB + MIB
+    # full gradient buckets (one reduce-scatter in flight while the last bucket fills), when the
+    # gradient shards of the other three exist but not the last one's (1/4 MiB less than held) +
+    # autograd's gradient of the largest parameter before its copy into the bucket (the copy-out's
+    # rank-major buffer is gone by then)
+    assert peaks[3] == 4 * MIB + MIB + 2 * MIB - MIB // 4 + MIB
     # Gloo's all-gather stages each bucket in flight through a copy of its own: one bucket more
     # with a gather ahead, none without (the bucket in use is gathered before its gradients come)
     staged = dataclasses.replace(c, staged_gather=True)
@@ -160,3 +161,20 @@ def test_copies_around_the_collectives_and_fresh_gather_buffers_are_priced(stage
     copy_in = (1e-8 + 0.01 / MIB) * sum(full) / 2 if stage < 3 else 0.0  # stages 1-2: the new rows in
     assert b.spans["optimizer"].length == pytest.approx(a.spans["optimizer"].length + copy_in)
     assert row_b["step"] > row_a["step"]
+
+
+def test_activations_are_freed_as_gradients_are_made_in_backward():
+    # Stage 1, four 1 MiB buckets of equal backward time, SGD (no optimizer state): held are the
+    # replica and the full gradients (8 MiB); autograd's largest gradient 1 MiB on top.
+    def peak(activations):
+        c = dataclasses.replace(costs(world=2), activation_bytes=activations)
+        return run(c, stage=1, prefetch=0)[2]["peak_bytes"]
+
+    held = 8 * MIB
+    # The activations are largest as backward starts, before any of the step's gradients exist
+    # (zero_grad dropped the last ones): A - 4 MiB over the held bytes, not A (both maxima added)
+    assert peak(8 * MIB) == held + 8 * MIB - 4 * MIB + MIB
+    assert peak(16 * MIB) == held + 16 * MIB - 4 * MIB + MIB
+    # small activations: the gradients, made one bucket at a time, never exceed what is held, and
+    # the all-gather after the step is the largest moment
+    assert peak(2 * MIB) == peak(0) < held + 2 * MIB
