@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_fsdp2"))
 import shim  # noqa: E402
@@ -35,13 +35,19 @@ def test_records_units_as_fsdp_modules_and_returns_the_module():
     "kwargs, named",
     [
         ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
-        ({"reshard_after_forward": 2}, "reshard_after_forward=2"),
+        ({"offload_policy": CPUOffloadPolicy()}, "offload_policy=CPUOffloadPolicy"),
         ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "mp_policy"),
     ],
 )
 def test_refuses_options_commlab_lacks_by_name(kwargs, named):
     with pytest.raises(NotImplementedError, match=named):
         shim.fully_shard(_mlp(), **kwargs)
+
+
+def test_an_int_reshard_after_forward_reshards_fully():
+    # torch would reshard to a smaller group; commlab reshards fully: the same values, more gathering
+    model = _mlp()
+    assert shim.fully_shard(model, reshard_after_forward=2) is model
 
 
 def test_fsdp_module_methods_without_a_counterpart_refuse_by_name():
