@@ -34,6 +34,19 @@ def comm_bytes(collectives: Iterable[tuple[str, int]], world_size: int) -> float
     return sum(bus_factor(kind, world_size) * nbytes for kind, nbytes in collectives)
 
 
+# Hybrid sharding's all-reduce of a reduced bucket across the replicas: its kind in timings, tables
+# and records (it runs over the replicate group, not the shard group of the other collectives).
+REPLICATE_ALL_REDUCE = "replicate_all_reduce"
+
+
+def hybrid_comm_bytes(collectives: Iterable[tuple[str, int]], shard: int, replicas: int) -> float:
+    """Bytes one rank sends for a sharded step's (kind, buffer bytes) collectives: those of the
+    shard group at its size, the all-reduces across replicas (:data:`REPLICATE_ALL_REDUCE`) at theirs."""
+    collectives = list(collectives)
+    own = comm_bytes(((k, n) for k, n in collectives if k != REPLICATE_ALL_REDUCE), shard)
+    return own + comm_bytes((("all_reduce", n) for k, n in collectives if k == REPLICATE_ALL_REDUCE), replicas)
+
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(I?B)?\s*$", re.IGNORECASE)
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from commlab.runs.traffic import REPLICATE_ALL_REDUCE
 from commlab.sharded import comm
 
 
@@ -94,7 +95,7 @@ class Replication:
         """Its timing entry, kind "replicate_all_reduce" (commlab/sharded/timing.py)."""
         if self.chain is not None:
             self.chain.wait()  # launched: its stamps are set
-        entry = recorder.launched(bucket, "replicate_all_reduce", self.nbytes, self.ready)
+        entry = recorder.launched(bucket, REPLICATE_ALL_REDUCE, self.nbytes, self.ready)
         entry.launched = self.launched
         return entry
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from commlab.runs.traffic import comm_bytes
+from commlab.runs.traffic import comm_bytes, hybrid_comm_bytes
 
 
 def wrap(cfg, model, process_group=None, replicate_group=None):
@@ -54,19 +54,6 @@ def bucket_rows(t, num_params: list[int]) -> list[dict[str, Any]]:
              "launched": c.launched, "done": c.done} for c in t.collectives if c.kind != "all_gather"]
 
 
-# The sharded wrapper's collective kinds -> the ranks each runs over: the shard group, or the
-# replicas of a hybrid layout (commlab/sharded: the all-reduce of reduced shards across them).
-REPLICATE_KIND = "replicate_all_reduce"
-
-
-def sent_bytes(kinds_nbytes, shard: int, replicas: int) -> float:
-    """Bytes one rank sends for a sharded step's (kind, buffer bytes) collectives: the shard
-    group's at its size, the replicas' all-reduces at theirs."""
-    kinds_nbytes = list(kinds_nbytes)
-    own = comm_bytes(((k, n) for k, n in kinds_nbytes if k != REPLICATE_KIND), shard)
-    return own + comm_bytes((("all_reduce", n) for k, n in kinds_nbytes if k == REPLICATE_KIND), replicas)
-
-
 def step_measures(wrapper, cfg, timings: list) -> dict[str, float]:
     """comm_bytes and the exposed all-gather / reduction seconds of one rank: medians over its
     measured iterations (DDP: the all-reduced buckets, nothing exposed by gathers)."""
@@ -75,7 +62,7 @@ def step_measures(wrapper, cfg, timings: list) -> dict[str, float]:
     if cfg.zero_stage.ddp:
         sent = [comm_bytes((("all_reduce", b.nbytes) for b in t.buckets), cfg.dp) for t in timings]
         return {"comm_bytes": median(sent), "exposed_allgather": 0.0, "exposed_reducescatter": 0.0}
-    sent = [sent_bytes(((c.kind, c.nbytes) for c in t.collectives), cfg.shard, cfg.replicas) for t in timings]
+    sent = [hybrid_comm_bytes(((c.kind, c.nbytes) for c in t.collectives), cfg.shard, cfg.replicas) for t in timings]
     return {"comm_bytes": median(sent), "exposed_allgather": median(t.exposed_all_gather for t in timings),
             "exposed_reducescatter": median(t.exposed_reduction for t in timings)}
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.costmodel.calibration.devicetime import clock_for, collective_timer
+from commlab.runs.traffic import REPLICATE_ALL_REDUCE
 from commlab.runtime.timer import time_collective
 from commlab.sharded import comm
 
@@ -71,7 +72,7 @@ def time_hybrid(algorithms: list[str], sizes: list[int], iters: int,
         mine = time_sharded(algorithms, sizes, iters, device, shard_groups[rank // s],
                             ("reduce_scatter", "all_gather", "all_reduce"))
         across = time_sharded(algorithms, sizes, iters, device, replica_groups[rank % s], ("all_reduce",))
-        out[str(s)] = {**mine, "replicate_all_reduce": across["all_reduce"]}
+        out[str(s)] = {**mine, REPLICATE_ALL_REDUCE: across["all_reduce"]}
     return out
 
 

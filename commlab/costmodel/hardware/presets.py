@@ -27,6 +27,7 @@ from commlab._lazy import renamed_getattr
 from commlab.costmodel.hardware import flops as flop_model
 from commlab.costmodel.hardware import nccl
 from commlab.costmodel.terms.costs import Contention, DDPProfile, Overheads, SystemCosts
+from commlab.runs.traffic import REPLICATE_ALL_REDUCE
 
 PRESETS = Path(__file__).with_name("hardware.yaml")
 NUMBERS = ("gpus_per_node", "nvlink_busbw_gbps", "nic_busbw_gbps", "nics_per_node", "channels",
@@ -116,7 +117,7 @@ def system_on(preset: dict[str, Any], overheads: Overheads, world_size: int, alg
         within, across = nccl.hybrid_groups(network(preset), world_size, shard)
         collectives.update({(op, algorithm, shard): collective_cost(preset, op, within)
                             for op in ("all_reduce", "reduce_scatter", "all_gather")})
-        collectives[("replicate_all_reduce", algorithm, world_size // shard)] = collective_cost(preset, "all_reduce", across)
+        collectives[(REPLICATE_ALL_REDUCE, algorithm, world_size // shard)] = collective_cost(preset, "all_reduce", across)
     return SystemCosts(collectives=collectives, overheads=overheads,
                        contention={algorithm: Contention(kc=float(preset["overlap_slowdown"]))})
 

@@ -266,13 +266,13 @@ def largest_shard_bytes(costs: ShardedCosts) -> int:
 
 def comm_bytes(costs: ShardedCosts, setting: ShardedSetting, buckets: Sequence[Sequence[int]]) -> int:
     """Bytes one rank sends per step, counted as the sweep counts what a run sent
-    (commlab/sweep/wrap.py: the standard accounting of the bandwidth-optimal collectives)."""
-    from commlab.runs.traffic import comm_bytes as sent
+    (commlab/runs/traffic.py: the standard accounting of the bandwidth-optimal collectives)."""
+    from commlab.runs.traffic import REPLICATE_ALL_REDUCE, hybrid_comm_bytes
 
     full = padded_bytes(costs, buckets)
     gathers = 2 if setting.zero.parameters and setting.reshard else 1
     reduction = "reduce_scatter" if setting.zero.gradients else "all_reduce"
-    own = sent([("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full], costs.world_size)
-    # hybrid sharding: each reduction's result all-reduced across the replicas
-    across = sent([("all_reduce", b if setting.stage == 1 else b // costs.world_size) for b in full], costs.replicas)
-    return int(round(own + across))
+    # hybrid sharding: each reduction's result (stage 1 the bucket, else the shard) across the replicas
+    across = [(REPLICATE_ALL_REDUCE, b if setting.stage == 1 else b // costs.world_size) for b in full]
+    kinds = [("all_gather", b) for b in full] * gathers + [(reduction, b) for b in full]
+    return int(round(hybrid_comm_bytes(kinds + across, costs.world_size, costs.replicas)))

@@ -15,6 +15,7 @@ from typing import Any
 from commlab.costmodel.lowering.buckets import DEFAULT_POLICY
 from commlab.costmodel.lowering.ddp import StepCosts, step_costs
 from commlab.costmodel.terms.costs import DDPProfile, SystemCosts
+from commlab.runs.traffic import REPLICATE_ALL_REDUCE
 from commlab.runs.zero_stage import ZeroStage, parse_stage
 
 
@@ -87,4 +88,4 @@ def sharded_costs(system: SystemCosts, profile: DDPProfile, algorithm: str, worl
                         all_reduce=system.collective("all_reduce", algorithm, s) if hybrid else None)
 
 
-REPLICATE = "replicate_all_reduce"  # the table of hybrid sharding's all-reduce across the replicas
+REPLICATE = REPLICATE_ALL_REDUCE  # the table of hybrid sharding's all-reduce across the replicas
