@@ -166,7 +166,8 @@ class FlatBucket:
             o = self.layout.offsets[slot]
             self.grad_buffer[o : o + p.numel()].zero_()
         else:
-            copies.copy_in(self.grad_buffer, self.layout, slot, torch.zeros((), dtype=p.dtype).expand(p.shape))
+            zero = torch.zeros((), dtype=p.dtype, device=p.device)  # on the bucket's device: no host copy
+            copies.copy_in(self.grad_buffer, self.layout, slot, zero.expand(p.shape))
 
     def launch_reduction(self):
         """Stage 1 all-reduces the whole buffer; stages 2-3 reduce-scatter it into a new shard;
