@@ -90,7 +90,9 @@ def plan_buckets(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Mod
             )
         mine = [index[id(p)] for p in unit.parameters() if id(p) in index]
         if not mine:
-            raise ValueError(f"units[{u}] ({type(unit).__name__}) holds no trainable parameters")
+            # fully_shard accepts a unit without parameters to shard; here it makes no bucket (its
+            # frozen parameters, if any, stay replicated like every frozen parameter).
+            continue
         for i in mine:
             if i in taken:
                 raise ValueError(f"units[{taken[i]}] and units[{u}] overlap: they share parameter {i}")

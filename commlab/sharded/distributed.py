@@ -63,9 +63,9 @@ from commlab.sharded.timing import ShardedIterationTiming
 class ShardedDataParallel(nn.Module):
     """Sharded data parallelism: ``stage`` 1 shards optimizer state, 2 also gradients, 3 also
     parameters (ZeRO, Rajbhandari et al. 2020). ``bucket_policy`` with ``bucket_cap_mb`` makes the
-    buckets as DDP's, unless ``units`` (submodules) makes one bucket per unit plus one for the rest; ``prefetch``
-    all-gathers run ahead of use (stage 3); ``reshard_after_forward`` frees gathered parameters
-    between forward and backward (stage 3)."""
+    buckets as DDP's, unless ``units`` (submodules) makes one bucket per unit with trainable
+    parameters plus one for the rest; ``prefetch`` all-gathers run ahead of use (stage 3);
+    ``reshard_after_forward`` frees gathered parameters between forward and backward (stage 3)."""
 
     def __init__(
         self,

@@ -238,15 +238,25 @@ def test_bad_units_are_refused():
     assert "overlap" in _error(module=net, units=[net.a, net.b, net.a])
     seq = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 1))
     assert "overlap" in _error(module=seq, units=[seq[0], seq[0][1]])
-    relu_net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    assert "holds no trainable parameters" in _error(module=relu_net, units=[relu_net[1]])
     assert "not a submodule" in _error(module=net, units=[nn.Linear(2, 2)])
     assert "the wrapped module itself" in _error(module=net, units=[net])
     assert "pass [module]" in _error(module=net, units=net.a)  # one module, not a list of them
     assert "pass [module]" in _error(module=seq, units=seq[0])  # a Sequential would iterate its children
+
+
+def test_a_unit_without_trainable_parameters_makes_no_bucket():
+    """fully_shard takes a unit with nothing to shard (an activation, a frozen layer); so do units=."""
+    from commlab.ddp.policy import make_policy
+    from commlab.sharded.buckets import plan_buckets
+
+    policy = make_policy("size_cap", bucket_cap_mb=25)
+    relu_net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert plan_buckets(relu_net, policy, [relu_net[1]]) == plan_buckets(relu_net, policy, [])
     frozen = Net()
     frozen.head.requires_grad_(False)
-    assert "holds no trainable parameters" in _error(module=frozen, units=[frozen.head])
+    plan = plan_buckets(frozen, policy, [frozen.a, frozen.head])
+    assert plan == plan_buckets(frozen, policy, [frozen.a])
+    assert len(plan.buckets) == 2 and plan.owners[1] == [frozen.a]  # the root's (scale, b), then a's
 
 
 def test_a_module_on_several_devices_or_without_trainable_parameters_is_refused():
