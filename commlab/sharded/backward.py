@@ -24,7 +24,7 @@ class BackwardPass:
         self.planned, self.next_reduce = True, len(self.buckets) - 1
         runs = [ordering.will_accumulate(node) for node in self.accumulators]
         # A gradient accumulated in no_sync() is reduced now, also without one in this backward.
-        held = [self.sync and not self.synced_grads and b.params[s].grad is not None for b, s in self.slots]
+        held = [self.sync and not self.synced_grads and b.has_gradient(s) for b, s in self.slots]
         counts = [self.world] * len(self.slots)  # no_sync() at stages 1-2: nothing to agree on
         # stage 3 gathers in backward, also inside no_sync(); one rank has no one to agree with (torch's
         # fully_shard issues no collective at world size 1, and its tests count them)
@@ -68,6 +68,8 @@ class BackwardPass:
             self._begin_backward()
             if self.sync:
                 bucket.add_gradient(slot)
+            else:
+                bucket.hold_gradient(slot)
             self.arrived.add((bucket.index, slot))
             bucket.pending -= 1
             if bucket.pending == 0:

@@ -36,7 +36,8 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    optimizer, reaches the other ranks with the next step's gather. Stage 3 gathers here nothing.
 
 Inside ``no_sync()`` step 4 only counts: gradients accumulate, full size, in the module's
-parameters' .grad, and the next synchronised backward reduces the sum.
+parameters' .grad (in the reduction's dtype where mixed precision computes in another), and the
+next synchronised backward reduces the sum.
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ class FlatBucket:
         self.gathered = True
         self.pending = len(params)  # gradients still to arrive in this backward
         self.no_gradient: set[int] = set()  # slots no rank has a gradient of in this backward
+        self.held: dict[int, torch.Tensor] = {}  # no_sync()'s sums in the reduction's dtype (hold_gradient)
 
     def _wholes(self) -> list[torch.Tensor]:
         return [self.full[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.layout.offsets)]
@@ -141,16 +142,44 @@ class FlatBucket:
         gradient stays as the parameters' .grad (ZeRO-1); stages 2-3 copy into the rank-major
         order the reduce-scatter needs, and drop the parameter's own."""
         self._ensure_grad_buffer()
-        p = self.params[slot]
+        p, grad = self.params[slot], self._gradient(slot)
         if self.stage == 1:
             o = self.layout.offsets[slot]
             view = self.grad_buffer[o : o + p.numel()].view(p.shape)
-            torch.mul(p.grad, 1.0 / self.divisor, out=view)
+            torch.mul(grad, 1.0 / self.divisor, out=view)
             # Mixed precision: the reduced gradient's dtype is not the compute parameter's.
             p.grad = view if view.dtype == p.dtype else None
         else:
-            copies.copy_in(self.grad_buffer, self.layout, slot, p.grad, 1.0 / self.divisor)
+            copies.copy_in(self.grad_buffer, self.layout, slot, grad, 1.0 / self.divisor)
             p.grad = None
+
+    def hold_gradient(self, slot: int) -> None:
+        """Inside ``no_sync()``, where the reduction's dtype is not the computation's: parameter
+        ``slot``'s gradient moves into a sum of its own in the reduction's dtype, so micro-batches
+        add in fp32, not in 16 bits (fully_shard's to_accumulated_grad_if_needed and
+        accumulate_unsharded_grad_if_needed, torch/distributed/fsdp/_fully_shard/_fsdp_param.py).
+        Otherwise autograd's ``.grad`` accumulates, as without a wrapper."""
+        p = self.params[slot]
+        if p.grad is None or p.grad.dtype == self.dtypes.reduce:
+            return
+        with torch.no_grad():
+            if slot in self.held:
+                self.held[slot].add_(p.grad)
+            else:
+                self.held[slot] = p.grad.to(self.dtypes.reduce)
+        p.grad = None
+
+    def has_gradient(self, slot: int) -> bool:
+        return self.params[slot].grad is not None or slot in self.held
+
+    def _gradient(self, slot: int) -> torch.Tensor:
+        """What the reduction of ``slot`` reads: autograd's gradient, added to no_sync()'s sum."""
+        grad, held = self.params[slot].grad, self.held.pop(slot, None)
+        if held is None:
+            return grad
+        if grad is not None:
+            held.add_(grad)
+        return held
 
     def _ensure_grad_buffer(self) -> None:
         if self.grad_buffer is None:  # every element is written (a gradient or zeros) before the reduction reads it
@@ -223,6 +252,7 @@ class FlatBucket:
         stage after a backward that left the bucket incomplete."""
         for p in self.params:
             p.grad = None
+        self.held.clear()
         self.grad_buffer = self.replication = None
 
     # --- state ---------------------------------------------------------------------------

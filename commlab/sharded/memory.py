@@ -66,7 +66,7 @@ def measure(engine: ShardedEngine, frozen: list[torch.Tensor], optimizer=None) -
     shards = [b.shard if b.shard is not None else b.full for b in buckets]
     fulls = [b.full for b in buckets if b.gathered]
     grads = [b.grad_buffer for b in buckets] + [_local(dp.grad) for dp in sharded]
-    grads += [p.grad for b in buckets for p in b.params]
+    grads += [p.grad for b in buckets for p in b.params] + [g for b in buckets for g in b.held.values()]
     state = []
     if optimizer is not None:
         for dp in sharded:

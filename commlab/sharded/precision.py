@@ -14,8 +14,8 @@ optimizer steps and the all-gather after the step casts and sends. So a rank hol
 parameter of replica plus 4/N of master, the ZeRO paper's mixed-precision accounting
 (commlab/sharded/memory_model.py). Stage 1's full reduced gradient stays in the reduction's
 buffer (``reduce_dtype``) and is not given to the compute parameters, whose dtype differs.
-Inside ``no_sync()`` gradients accumulate in ``param_dtype`` (autograd's, on the compute
-parameters), where fully_shard accumulates in ``reduce_dtype``: the sum then rounds to 16 bits.
+Inside ``no_sync()`` each micro-batch's gradient is added to a sum in ``reduce_dtype``, as
+fully_shard's is (FlatBucket.hold_gradient), not left to autograd's 16-bit ``.grad``.
 """
 
 from __future__ import annotations

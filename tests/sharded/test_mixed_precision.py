@@ -115,6 +115,8 @@ def test_bf16_params_fp32_reductions_equal_fully_shard(results):
         for stage, r in result["reduction_only"].items():
             assert r["exact"] and r["losses"], (rank, stage)
             assert r["own_master"] == (stage == 3), (rank, stage)
+        # Micro-batches under no_sync() sum their gradients in fp32, as fully_shard's do.
+        assert result["accumulation"] == {1: 0.0, 2: 0.0, 3: 0.0}, (rank, result["accumulation"])
         # What memory(opt) reads from the live tensors is the mixed-precision memory model's.
         for key, m in result["memory"].items():
             assert m["measured"] == m["model"], (rank, key, m)

@@ -166,6 +166,48 @@ def _reduction_only() -> dict:
     return out
 
 
+MICRO = 3  # micro-batches per step in the accumulation case: the first two without a reduction
+
+
+def _accumulate(model: nn.Module, base: nn.Module, pause) -> dict:
+    """3 steps of SGD with momentum, each over MICRO micro-batches; ``pause(flag)`` turns the
+    reduction off (True) for all but the last."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(MICRO):
+            pause(micro < MICRO - 1)
+            x, loss_of = _batch(base, 10 * step + micro)
+            loss_of(model(x)).backward()
+        opt.step()
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _accumulation() -> dict:
+    """Gradient accumulation under bf16 compute and fp32 reductions: fully_shard sums the
+    micro-batches' gradients in reduce_dtype (_fsdp_param.py, to_accumulated_grad_if_needed);
+    each stage against it, exact equality of this rank's rows."""
+    import contextlib
+
+    theirs_model = _fully_shard(_mlp, FP32)
+    theirs = _accumulate(theirs_model, _mlp(), lambda off: theirs_model.set_requires_gradient_sync(not off))
+    out = {}
+    for stage in (1, 2, 3):
+        base = _mlp()
+        kw = {"units": _units(base)} if stage == 3 else {"bucket_cap_mb": 0.002}
+        ours = ShardedDataParallel(base, stage=stage, mixed_precision=MixedPrecision(BF16, FP32), **kw)
+        held = contextlib.ExitStack()
+
+        def pause(off: bool) -> None:
+            held.close()
+            if off:
+                held.enter_context(ours.no_sync())
+
+        mine = _accumulate(ours, base, pause)
+        out[stage] = max((mine[n] - t).abs().max().item() for n, t in theirs.items() if t.numel())
+    return out
+
+
 def _memory() -> dict:
     """Bytes held after a step of Adam (memory(opt)), each stage, on a model of even rows (no
     padding), against commlab's mixed-precision memory model, fp32 and bf16 reductions."""
@@ -237,4 +279,4 @@ def run() -> dict:
     # on commlab's ring: both policies are accepted, both kinds of collective cast alike.
     return {"mlp": _compare(_mlp, MixedPrecision(param_dtype=BF16, reduce_dtype=FP32), "native"),
             "gpt": _compare(_gpt, policy_torch, "ring"), "memory": _memory(),
-            "reduction_only": _reduction_only(), "peak": _peak()}
+            "reduction_only": _reduction_only(), "accumulation": _accumulation(), "peak": _peak()}
