@@ -39,10 +39,19 @@ def copy_in(buffer: torch.Tensor, layout: ShardLayout, i: int, full: torch.Tenso
         dst[whole, rest:].zero_()
     dst[whole + (1 if rest else 0) :].zero_()
     for d, s in parts:
-        if scale is None:
-            d.copy_(s)
-        else:
-            torch.mul(s, scale, out=d)
+        scaled_copy(d, s, scale)
+
+
+def scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float | None = None) -> None:
+    """``dst = src * scale``, the product taken in ``dst``'s dtype: a 16-bit gradient copied into an
+    fp32 reduction is cast first, so that 1/N (N not a power of two) is not rounded to 16 bits."""
+    if scale is None:
+        dst.copy_(src)
+    elif src.dtype == dst.dtype:
+        torch.mul(src, scale, out=dst)
+    else:
+        dst.copy_(src)
+        dst.mul_(scale)
 
 
 def copy_out(buffer: torch.Tensor, layout: ShardLayout, i: int, full: torch.Tensor) -> None:

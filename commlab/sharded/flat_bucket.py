@@ -146,7 +146,7 @@ class FlatBucket:
         if self.stage == 1:
             o = self.layout.offsets[slot]
             view = self.grad_buffer[o : o + p.numel()].view(p.shape)
-            torch.mul(grad, 1.0 / self.divisor, out=view)
+            copies.scaled_copy(view, grad, 1.0 / self.divisor)
             # Mixed precision: the reduced gradient's dtype is not the compute parameter's.
             p.grad = view if view.dtype == p.dtype else None
         else:

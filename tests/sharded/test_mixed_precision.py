@@ -17,6 +17,7 @@ from torch import nn
 
 import commlab
 from commlab.sharded import MixedPrecision, ShardedDataParallel
+from commlab.sharded.copies import scaled_copy
 from commlab.sharded.memory_model import mixed_precision_memory, zero_memory
 from commlab.sharded.peak_model import optimizer_temporaries, sharded_peak
 from commlab.sharded.precision import BucketDtypes, bucket_dtypes, cast_inputs, resolve
@@ -162,3 +163,16 @@ def test_measured_peak_follows_the_peak_model_within_10_percent(results):
         # Sharding shows: each stage below the one before, whatever the reduction's dtype.
         for reduce in ("torch.float32", "torch.bfloat16"):
             assert medians[(reduce, 1)] > medians[(reduce, 2)] > medians[(reduce, 3)], medians
+
+
+def test_a_scaled_copy_into_a_wider_dtype_multiplies_in_that_dtype():
+    """1/3 applied to bf16 gradients in bf16 loses 8 bits the fp32 reduction would keep."""
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = torch.empty(1000)
+    scaled_copy(out, grad, 1 / 3)
+    assert torch.equal(out, grad.float() * (1 / 3))
+    rounded = torch.mul(grad, 1 / 3).float()
+    assert not torch.equal(out, rounded)  # the 16-bit product differs: the case is real
+    same = torch.empty(1000, dtype=torch.bfloat16)
+    scaled_copy(same, grad, 0.5)
+    assert torch.equal(same, grad * 0.5)
