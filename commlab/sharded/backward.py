@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 
+import torch
 from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from commlab.sharded import ordering
 from commlab.sharded.flat_bucket import FlatBucket
@@ -115,8 +117,9 @@ class BackwardPass:
     def _end_backward(self) -> None:
         """Every bucket back to its state before a backward (stage 3: nothing gathered)."""
         for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
+            bucket.pending = bucket.expected
             bucket.no_gradient = set()
+        self.backward_users.clear()
         self.backward_done.clear()
         self.reduced.clear()
         self.arrived.clear()
@@ -145,3 +148,41 @@ class BackwardPass:
             self.stale = self.stage < 3
             self.synced_grads = True
             self.recorder.end(backward_end)
+
+    def _free_after_backward(self, frozen: list[int], args: tuple) -> tuple | None:
+        """Stage 3: no gradient says when a frozen bucket's module is done in backward, so its
+        inputs pass through an identity whose backward runs after the module's (fully_shard's
+        RegisterPostBackwardFunction, torch/distributed/fsdp/_fully_shard/_fsdp_state.py) and frees
+        the bucket once every such backward of it has run; without inputs that need a gradient,
+        the end of backward frees it."""
+        flat, spec = tree_flatten(args)
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return None
+        for b in frozen:
+            self.backward_users[b] = self.backward_users.get(b, 0) + 1
+        outs = _AfterBackward.apply(lambda: self._module_backward_done(frozen), *[flat[i] for i in where])
+        for i, t in zip(where, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _module_backward_done(self, frozen: list[int]) -> None:
+        for b in frozen:
+            left = self.backward_users.get(b, 0) - 1
+            self.backward_users[b] = max(left, 0)
+            if left <= 0:
+                self.free([b])
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on tensors; its backward calls ``done`` first (see _free_after_backward)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)

@@ -11,7 +11,9 @@ optimizer holds, fixed at construction.
 
 Buckets are then put in forward order (each bucket's parameters in module order, buckets by their
 first parameter), the order stage 3 gathers them in forward and, reversed, in backward. Frozen
-parameters (``requires_grad=False``) join no bucket: they stay replicated, as the module holds them.
+parameters (``requires_grad=False``) join no bucket at stages 1-2 (which shard no parameters: they
+stay replicated, as the module holds them); stage 3 shards them as fully_shard does, in buckets of
+their own (by the same policy or units), which are gathered and never reduced (``sharded_plan``).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def policy_buckets(specs: Sequence[TensorSpec], policy: BucketPolicy) -> list[li
     return sorted(buckets, key=lambda b: b[0])
 
 
-def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The module's trainable parameters, each once (shared ones under their first name)."""
+def trainable(module: nn.Module, frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """The module's trainable parameters (or, with ``frozen``, its frozen floating-point ones),
+    each once (shared ones under their first name)."""
+    if frozen:
+        return [(name, p) for name, p in module.named_parameters() if not p.requires_grad and p.is_floating_point()]
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
@@ -62,11 +67,16 @@ def owners_of(module: nn.Module) -> dict[int, list[nn.Module]]:
     return result
 
 
-def plan_buckets(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Module] | None) -> BucketPlan:
-    """The buckets of ``module``'s trainable parameters: by ``policy``, or one per unit plus one for
-    the parameters outside every unit; raises ValueError for bad units."""
-    params = [p for _, p in trainable(module)]
+def plan_buckets(
+    module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Module] | None, frozen: bool = False
+) -> BucketPlan:
+    """The buckets of ``module``'s trainable parameters (``frozen``: of its frozen ones, indices
+    into those): by ``policy``, or one per unit plus one for the parameters outside every unit;
+    raises ValueError for bad units."""
+    params = [p for _, p in trainable(module, frozen)]
     if not params:
+        if frozen:
+            return BucketPlan([], [])
         raise ValueError("the module has no trainable parameters to shard")
     index = {id(p): i for i, p in enumerate(params)}
     holders = owners_of(module)
@@ -107,6 +117,22 @@ def plan_buckets(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Mod
         groups.append((rest, _unique([m for i in rest for m in holders[id(params[i])]])))
     groups.sort(key=lambda g: g[0][0])
     return BucketPlan([g[0] for g in groups], [g[1] for g in groups])
+
+
+def sharded_plan(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Module] | None,
+                 with_frozen: bool) -> tuple[list[tuple[str, nn.Parameter]], BucketPlan, list[bool]]:
+    """The parameters to shard (trainable ones, then with ``with_frozen`` the frozen ones), their
+    buckets (indices into that list) in forward order, and whether each bucket's parameters train."""
+    named, plan = trainable(module), plan_buckets(module, policy, units)
+    if not with_frozen:
+        return named, plan, [True] * len(plan.buckets)
+    frozen, fplan = trainable(module, frozen=True), plan_buckets(module, policy, units, frozen=True)
+    params = named + frozen
+    position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+    groups = [(b, o, True) for b, o in zip(plan.buckets, plan.owners)]
+    groups += [([len(named) + j for j in b], o, False) for b, o in zip(fplan.buckets, fplan.owners)]
+    groups.sort(key=lambda g: position[id(params[g[0][0]][1])])
+    return params, BucketPlan([g[0] for g in groups], [g[1] for g in groups]), [g[2] for g in groups]
 
 
 def _unique(modules: list[nn.Module]) -> list[nn.Module]:

@@ -19,9 +19,9 @@ Contract, and what is not supported:
   (an output the loss does not read, a module skipped everywhere) keeps ``.grad`` None, as under
   ``fully_shard``; one some ranks only used is a RuntimeError naming it on every rank at the start
   of that backward (ordering.py; stage 3 gathers a module skipped here too, so no hang comes first).
-  Trainable parameters are fixed at construction (requires_grad changed later: a ValueError). Stage
-  3 needs each parameter used inside the forward of a module holding it, of its unit or of a module
-  holding another of its bucket (else a RuntimeError naming the fix, units=[...]).
+  Trainable parameters are fixed at construction (requires_grad changed later: a ValueError); stage
+  3 shards frozen ones too, as fully_shard. Stage 3 needs each parameter used inside the forward of
+  a module holding it or another of its bucket (else a RuntimeError naming the fix, units=[...]).
 - Uneven inputs: inside ``with sharded.join():`` a rank out of batches while others run a forward is
   a ValueError on every rank at that iteration (join.py: why no shadowing, as DDP's join does).
 - Buffers are not broadcast after construction (nor by fully_shard). ``no_sync()``: full gradients.
@@ -50,7 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from commlab.ddp.policy import DEFAULT_POLICY, BucketPolicy, make_policy
 from commlab.ddp.sync import broadcast_coalesced, verify_param_shapes
 from commlab.sharded import arguments, comm, hybrid, ordering, precision, state
-from commlab.sharded.buckets import plan_buckets, trainable
+from commlab.sharded.buckets import sharded_plan
 from commlab.sharded.dparams import ParamSwap, mesh_of
 from commlab.sharded.engine import ShardedEngine, gather_after_step_hook
 from commlab.sharded.flat_bucket import FlatBucket
@@ -87,7 +87,7 @@ class ShardedDataParallel(nn.Module):
         self.mixed_precision = precision.resolve(mixed_precision)
         comm.check_algorithm(algorithm)
         policy = make_policy(bucket_policy, bucket_cap_mb=bucket_cap_mb)
-        plan = plan_buckets(module, policy, units)  # unit and policy errors, still before any collective
+        named, plan, trains = sharded_plan(module, policy, units, stage == 3)  # errors before any collective
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs an initialised process group (commlab.launch or torchrun)")
         self.stage, self.prefetch, self.reshard_after_forward = stage, prefetch, reshard_after_forward
@@ -106,15 +106,14 @@ class ShardedDataParallel(nn.Module):
         for group in [process_group] + ([replicate_group] if replicas > 1 else []):
             verify_param_shapes(names, tensors, group)
             broadcast_coalesced([t.detach() for t in dict.fromkeys(tensors)], group)
-        params = [p for _, p in trainable(module)]
-        self.param_names = [name for name, _ in trainable(module)]
+        params, self.param_names = [p for _, p in named], [name for name, _ in named]
         self._bucket_params = plan.buckets
         self.mesh = (hybrid.hybrid_mesh(process_group, replicate_group, device_type) if replicas > 1
                      else mesh_of(process_group, device_type))
         buckets = [
             FlatBucket(i, [params[j] for j in idx], rank, world, stage, process_group, algorithm, self.mesh,
                        precision.bucket_dtypes(self.mixed_precision, params[idx[0]].dtype),
-                       replicate_group if replicas > 1 else None)
+                       replicate_group if replicas > 1 else None, trains[i])
             for i, idx in enumerate(plan.buckets)
         ]
         sharded = {id(p) for p in params}
@@ -132,7 +131,7 @@ class ShardedDataParallel(nn.Module):
         self._swap = ParamSwap(module, [pair for b in buckets for pair in zip(b.params, b.sharded)])
         self._whole_by_shard = {id(shard): whole for b in buckets for whole, shard in zip(b.params, b.sharded)}
         names = {id(p): n for n, p in zip(self.param_names, params)}
-        self._requires_grad = [(names[id(p)], dp, True) for b in buckets for p, dp in zip(b.params, b.sharded)]
+        self._requires_grad = [(names[id(p)], dp, b.trains) for b in buckets for p, dp in zip(b.params, b.sharded)]
         self._requires_grad += [(n, p, False) for n, p in module.named_parameters() if id(p) not in sharded]
         self._engine.handles += self._swap.install(module)
         self._engine.handles += self._swap.install_within(m for ms in plan.owners for m in ms if m is not module)
@@ -171,7 +170,7 @@ class ShardedDataParallel(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The module's own parameters, names and shapes: DTensor shards for the trainable ones
-        (commlab/sharded/dparams.py), frozen ones as they are (replicated)."""
+        (commlab/sharded/dparams.py) and at stage 3 the frozen ones, else frozen ones whole."""
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def whole_of(self, shard: torch.Tensor) -> torch.Tensor:

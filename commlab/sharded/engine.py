@@ -71,8 +71,9 @@ class ShardedEngine(BackwardPass):
         control,
     ):
         self.buckets, self.stage, self.prefetch = buckets, stage, prefetch
-        self.names = [n for ns in names for n in ns]  # of each bucket's parameters, buckets in order
-        self.slots = [(b, s) for b in buckets for s in range(len(b.params))]
+        # Of each trained bucket's parameters, buckets in order (frozen buckets have no gradients)
+        self.names = [n for b, ns in zip(buckets, names) if b.trains for n in ns]
+        self.slots = [(b, s) for b in buckets if b.trains for s in range(len(b.params))]
         self.accumulators = [ordering.accumulator(b.params[s]) for b, s in self.slots]
         self.control, self.world = control, ordering.data_parallel_size(control)  # the agreements' groups
         self.planned = False  # this backward's usage agreed (ordering.py)
@@ -90,6 +91,7 @@ class ShardedEngine(BackwardPass):
         self.reductions: list[tuple] = []  # (bucket, work, timing entry)
         self.callback_queued = False
         self.backward_done: set[int] = set()
+        self.backward_users: dict[int, int] = {}  # stage 3, frozen bucket -> module backwards still to run
         self.peak_gathered = self.gathered_bytes()
         self.last_peak_gathered = self.peak_gathered
         self.reshard = [
@@ -105,7 +107,7 @@ class ShardedEngine(BackwardPass):
         for m, bs in uses.values():
             self.handles.append(m.register_forward_pre_hook(self._forward_pre_hook(bs)))
             self.handles.append(m.register_forward_hook(self._forward_hook(id(m), bs)))
-        for bucket in buckets:
+        for bucket in (b for b in buckets if b.trains):
             for slot, p in enumerate(bucket.params):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, slot)))
 
@@ -221,6 +223,8 @@ class ShardedEngine(BackwardPass):
             self.free([b for b in range(len(self.buckets)) if self.reshard[b] or not torch.is_grad_enabled()])
 
     def _forward_pre_hook(self, bs: list[int]):
+        frozen = [b for b in bs if not self.buckets[b].trains]
+
         def hook(module, args):
             for b in bs:
                 if self.stage == 3:
@@ -228,6 +232,9 @@ class ShardedEngine(BackwardPass):
                 else:
                     self._refresh()  # the module called without the wrapper still gets fresh values
                     self._wait_gather(b)
+            if frozen and torch.is_grad_enabled():
+                return self._free_after_backward(frozen, args)
+            return None
 
         return hook
 

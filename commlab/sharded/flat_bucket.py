@@ -37,7 +37,7 @@ class FlatBucket:
 
     def __init__(
         self, index: int, params: list[nn.Parameter], rank: int, world_size: int, stage: int, group,
-        algorithm: str, mesh, dtypes: BucketDtypes | None = None, replicate_group=None,
+        algorithm: str, mesh, dtypes: BucketDtypes | None = None, replicate_group=None, trains: bool = True,
     ):
         self.index, self.params, self.rank, self.stage, self.group = index, params, rank, stage, group
         self.algorithm, self.mesh = algorithm, mesh  # the collectives' (commlab/sharded/comm.py)
@@ -64,12 +64,16 @@ class FlatBucket:
                 self.shard = torch.zeros(self.layout.shard_size, dtype=self.dtypes.master, device=first.device)
                 for i, value in enumerate(values):
                     copies.in_shard(self.shard, self.layout, i, rank).copy_(self._local_rows(value.contiguous(), i))
-        self.sharded = [nn.Parameter(as_dtensor(self.local(i), mesh, p)) for i, p in enumerate(params)]
+        # A frozen bucket (stage 3) is gathered like any other and never reduced: no gradient is
+        # expected of it in a backward.
+        self.trains, self.expected = trains, len(params) if trains else 0
+        self.sharded = [nn.Parameter(as_dtensor(self.local(i), mesh, p), requires_grad=trains)
+                        for i, p in enumerate(params)]
         self.gather_buffer: torch.Tensor | None = None  # rank-major, while an all-gather is in flight
         self.grad_buffer: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None  # where the reduction writes the rank's shard
         self.gathered = True
-        self.pending = len(params)  # gradients still to arrive in this backward
+        self.pending = self.expected  # gradients still to arrive in this backward
         self.no_gradient: set[int] = set()  # slots no rank has a gradient of in this backward
         self.held: dict[int, torch.Tensor] = {}  # no_sync()'s sums in the reduction's dtype (hold_gradient)
 

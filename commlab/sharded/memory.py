@@ -37,7 +37,7 @@ class ShardedMemory:
     parameters: int
     gradients: int
     optimizer: int
-    replicated: int  # frozen parameters, outside the shards
+    replicated: int  # frozen parameters kept whole (stages 1-2; stage 3 shards them)
     peak_gathered: int  # during the last synchronised step (forward to end of backward)
     # Measured (commlab/memtrack.py): live bytes at the step's start plus its allocations' peak,
     # for the last synchronised step run inside track_memory(); None if none was.

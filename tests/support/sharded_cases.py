@@ -10,6 +10,7 @@ import warnings
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -87,7 +88,10 @@ def against_ddp(
     result["finite_times"] = all(c.ready <= c.launched <= c.done for t in timings for c in t.collectives)
     result["gathers_before_forward"] = sum(c.kind == "all_gather" and c.launched < 0 for c in timings[-1].collectives)
     result["optimizer_state"] = _optimizer_state(ours, opt_o, opt_t, opt, MODELS[model](frozen))
-    result["frozen_equal"] = torch.equal(base.b.bias, theirs.module.b.bias) if frozen else None
+    # Stage 3 shards a frozen parameter too (a DTensor, as fully_shard's): compare it whole.
+    if frozen:
+        mine = base.b.bias.full_tensor() if isinstance(base.b.bias, DTensor) else base.b.bias
+    result["frozen_equal"] = torch.equal(mine, theirs.module.b.bias) if frozen else None
     return result
 
 
