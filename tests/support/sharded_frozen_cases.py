@@ -10,27 +10,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from commlab.sharded import ShardedDataParallel
+from examples.lora import Adapted
 
 VOCAB, WIDTH, RANK, DEPTH, STEPS = 32, 48, 4, 6, 4
-
-
-class Adapted(nn.Module):
-    """A frozen Linear plus a trainable low-rank update (LoRA, Hu et al. 2021)."""
-
-    def __init__(self):
-        super().__init__()
-        self.base = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
-        self.down, self.up = nn.Linear(WIDTH, RANK, bias=False), nn.Linear(RANK, WIDTH, bias=False)
-
-    def forward(self, x):
-        return self.base(x) + self.up(self.down(x))
 
 
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH).requires_grad_(False)
-        self.mix = Adapted()
+        self.mix = Adapted(WIDTH, RANK)
 
     def forward(self, x):
         return x + torch.tanh(self.mix(self.norm(x)))

@@ -1,12 +1,11 @@
-"""Memory of stage 3 on a LoRA-style model whose frozen weights dominate, against fully_shard.
+"""A LoRA-style model (Hu et al. 2021: a frozen Linear plus a trainable low-rank update), and the
+memory of stage 3 on it against fully_shard.
 
-8 blocks of a frozen Linear(512, 512) plus a rank-8 trainable update (Hu et al. 2021), a
-trainable head, Adam over the trainable parameters, 2 Gloo ranks. Prints, per rank, the bytes
-held between steps and the peak of a step (commlab.memtrack: live bytes at the step's start plus
-its allocations' highest point; the lowest of 3 steps).
-
-    python scripts/frozen_peak.py commlab      # commlab.ShardedDataParallel, stage 3, units = blocks
-    python scripts/frozen_peak.py fully_shard  # torch's fully_shard on the same blocks
+``python examples/lora.py [commlab|fully_shard]``: 8 residual blocks of a frozen Linear(512, 512)
+with a rank-8 update, a trainable head, Adam over the trainable parameters, 2 Gloo ranks; prints,
+per rank, the bytes held between steps and the peak of a step (commlab.memtrack: live bytes at the
+step's start plus its allocations' highest point; the lowest of 3 steps), commlab at stage 3 with
+one unit per block, or torch's fully_shard on the same blocks.
 """
 
 import gc
@@ -23,13 +22,24 @@ WIDTH, RANK, DEPTH = 512, 8, 8
 
 
 class Adapted(nn.Module):
-    def __init__(self):
+    """A frozen ``Linear(width, width)`` plus a trainable update through ``rank`` features."""
+
+    def __init__(self, width: int, rank: int):
         super().__init__()
-        self.base = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
-        self.down, self.up = nn.Linear(WIDTH, RANK, bias=False), nn.Linear(RANK, WIDTH, bias=False)
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down, self.up = nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)
 
     def forward(self, x):
-        return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+        return self.base(x) + self.up(self.down(x))
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int, rank: int):
+        super().__init__()
+        self.mix = Adapted(width, rank)
+
+    def forward(self, x):
+        return x + torch.tanh(self.mix(x))
 
 
 def wrap(model: nn.Sequential, impl: str) -> nn.Module:
@@ -48,7 +58,7 @@ def wrap(model: nn.Sequential, impl: str) -> nn.Module:
 def run(impl: str) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = wrap(nn.Sequential(*[Adapted() for _ in range(DEPTH)], nn.Linear(WIDTH, 10)), impl)
+    model = wrap(nn.Sequential(*[Residual(WIDTH, RANK) for _ in range(DEPTH)], nn.Linear(WIDTH, 10)), impl)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
     y = torch.randint(0, 10, (16,))
@@ -74,5 +84,5 @@ def run(impl: str) -> dict:
 if __name__ == "__main__":
     impl = sys.argv[1] if len(sys.argv) > 1 else "commlab"
     if impl not in ("commlab", "fully_shard"):
-        raise SystemExit(f"usage: python scripts/frozen_peak.py [commlab|fully_shard], not {impl!r}")
+        raise SystemExit(f"usage: python examples/lora.py [commlab|fully_shard], not {impl!r}")
     print(impl, commlab.launch(run, impl, world_size=2, backend="gloo", timeout=300))
