@@ -32,8 +32,10 @@ One iteration, bucket by bucket (buckets in forward order 0..n-1):
    every shard queues every bucket's all-gather and launches the first ``1 + prefetch`` of them,
    so that they overlap whatever the training loop does before the next forward (zero_grad, the
    next batch); waiting for one (step 2) launches the next (a window: each holds a rank-major copy
-   of its bucket until its copy-out). A shard changed in place after the step, not by an
-   optimizer, reaches the other ranks with the next step's gather. Stage 3 gathers here nothing.
+   of its bucket until its copy-out). A shard written in place outside the optimizer (an init
+   after wrapping, a clamp after the step, an EMA swap) moves its DTensor's version counter: the
+   next forward gathers it again, and a gather whose rows moved since it sent them is sent again
+   (every rank writes its own rows, so every rank sees it). Stage 3 gathers here nothing.
 
 Inside ``no_sync()`` step 4 only counts: gradients accumulate, full size, in the module's
 parameters' .grad (in the reduction's dtype where mixed precision computes in another), and the
@@ -127,13 +129,20 @@ class ShardedEngine(BackwardPass):
         self.gathers[b] = (bucket.launch_gather(), entry)
         self._count()
 
-    def _wait_gather(self, b: int) -> None:
+    def _wait_gather(self, b: int, again: bool = True) -> None:
         while b in self.queued:  # stages 1-2: needed before its turn; the queue's order kept (ordering.py)
             self._launch_gather(self.queued.pop(0))
         if b in self.gathers:
             work, entry = self.gathers.pop(b)
             self.recorder.wait(work, entry)
-            self.buckets[b].finish_gather()
+            if not self.buckets[b].finish_gather():
+                # Stages 1-2: rows written after they were sent (a clamp after the step): send
+                # them again (every rank wrote its own), or leave it to the next forward.
+                if again:
+                    self._launch_gather(b)
+                    self._wait_gather(b)
+                else:
+                    self.stale = True
         self._pump()
 
     def _pump(self) -> None:
@@ -179,6 +188,8 @@ class ShardedEngine(BackwardPass):
         # Gathers launched after the optimizer step belong to this iteration (their stamps precede it).
         self.recorder.start(carry=[entry for _, entry in self.gathers.values()])
         self.peak_gathered = self.gathered_bytes()
+        if any(bucket.edited() for bucket in self.buckets if bucket.index not in self.gathers):
+            self.stale = True  # stages 1-2: rows written outside the optimizer (an init, a clamp)
         self._refresh()
         self.forward_pending = {b: set(self.owner_ids[b]) for b in range(len(self.buckets)) if self.reshard[b]}
         self.forward_next = 0
@@ -199,7 +210,7 @@ class ShardedEngine(BackwardPass):
             return
         queued, self.queued = self.queued, []  # waiting must not launch more
         for b in list(self.gathers):
-            self._wait_gather(b)
+            self._wait_gather(b, again=False)
         self.queued = queued
 
     def _refresh(self) -> None:

@@ -69,6 +69,8 @@ class FlatBucket:
         self.trains, self.expected = trains, len(params) if trains else 0
         self.sharded = [nn.Parameter(as_dtensor(self.local(i), mesh, p), requires_grad=trains)
                         for i, p in enumerate(params)]
+        # Stages 1-2: the shards' version when last sent and when last current (edited()).
+        self.sent_version = self.seen_version = self._rows_version()
         self.gather_buffer: torch.Tensor | None = None  # rank-major, while an all-gather is in flight
         self.grad_buffer: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None  # where the reduction writes the rank's shard
@@ -123,19 +125,37 @@ class FlatBucket:
             # algorithm gathers in place around its own block.
             source = own.clone() if self.algorithm == "native" else own
         self.gather_buffer = buffer
+        self.sent_version = self._rows_version()
         return comm.all_gather(buffer, source, self.group, self.algorithm)
 
-    def finish_gather(self) -> None:
-        """After the all-gather's wait: the parameters, whole, from the rank-major buffer."""
+    def finish_gather(self) -> bool:
+        """After the all-gather's wait: the parameters, whole, from the rank-major buffer. False,
+        with nothing copied, at stages 1-2 if the rank's rows were written since they were sent:
+        copying out would undo that write (the caller gathers again)."""
         buffer, self.gather_buffer = self.gather_buffer, None
         if buffer is None:
-            return
+            return True
+        if self.stage < 3 and self._rows_version() != self.sent_version:
+            return False
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.layout.total * self.element_size)
         with torch.no_grad():
             for i, whole in enumerate(self._wholes()):
                 copies.copy_out(buffer, self.layout, i, whole)
+        self.seen_version = self._rows_version()
+        return True
+
+    def _rows_version(self) -> int:
+        """The version counters of the DTensor shards, summed: an in-place write through one (the
+        optimizer's step, a clamp) moves its counter; commlab's own copies write the local
+        tensors below DTensor's dispatch, which moves none."""
+        return sum(dp._version for dp in self.sharded)
+
+    def edited(self) -> bool:
+        """Stages 1-2: the rank's rows were written since the replica was last made current (by
+        something other than commlab's own gathers and loads: an init, a clamp, an EMA swap)."""
+        return self.stage < 3 and self._rows_version() != self.seen_version
 
     # --- gradients -----------------------------------------------------------------------
     def add_gradient(self, slot: int) -> None:
@@ -270,3 +290,4 @@ class FlatBucket:
             if self.shard is not None:
                 for i, value in enumerate(values):
                     self.local(i).copy_(self._local_rows(value.detach().contiguous(), i))
+        self.seen_version = self._rows_version()

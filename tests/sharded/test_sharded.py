@@ -37,10 +37,11 @@ def _cases(results):
 
 @pytest.mark.slow
 def test_world2_same_parameters_as_torch_ddp_exactly(world2):
-    # Stages 1-3 x (SGD, Adam, AdamW, split, units, no_sync, frozen, tied, batch norm), and stage 3
-    # x prefetch 0-2 x reshard on/off, with size buckets and with units.
+    # Stages 1-3 x (SGD, Adam, AdamW, split, units, no_sync, frozen, tied, batch norm, weights
+    # edited outside the optimizer), and stage 3 x prefetch 0-2 x reshard on/off, with size buckets
+    # and with units.
     cases = _cases(world2)
-    assert len(cases) == 2 * 39
+    assert len(cases) == 2 * 42
     for rank, name, r in cases:
         assert r["exact"], (rank, name, r["rel"])
 

@@ -38,7 +38,20 @@ def _data(step: int, micro: int = 0):
     return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
-def _train(model, opt, steps: int, micro: int, no_sync=None, after_last_step=None) -> None:
+def _edit(model, scale: float | None = None) -> None:
+    """Weights written outside the optimizer, in place: a scaled init after wrapping, or a clamp
+    after each step (WGAN's weight clipping); through the DTensor shards on a sharded model."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if scale is not None:
+                p.mul_(scale)
+            else:
+                p.clamp_(-0.2, 0.2)
+
+
+def _train(model, opt, steps: int, micro: int, no_sync=None, after_last_step=None, edit: bool = False) -> None:
+    if edit:
+        _edit(model, 0.5)
     for step in range(steps):
         for m in range(micro):
             x, y = _data(step, m)
@@ -48,6 +61,8 @@ def _train(model, opt, steps: int, micro: int, no_sync=None, after_last_step=Non
             else:
                 nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if edit:
+            _edit(model)
         if after_last_step is not None and step == steps - 1:
             after_last_step()  # the end of a step: gradients and state still held
         opt.zero_grad()
@@ -62,7 +77,8 @@ def _diff(ours: dict, theirs: dict) -> dict:
 
 
 def against_ddp(
-    stage: int, opt: str = "adam", micro: int = 1, frozen: bool = False, units: bool = False, model: str = "net", **kw
+    stage: int, opt: str = "adam", micro: int = 1, frozen: bool = False, units: bool = False, model: str = "net",
+    edit: bool = False, **kw
 ) -> dict:
     torch.manual_seed(dist.get_rank())  # ranks start different: construction must broadcast
     base = MODELS[model](frozen)
@@ -76,8 +92,8 @@ def against_ddp(
         memory.update(_memory(ours, opt_o))
         memory["gathers_in_flight"] = len(ours._engine.gathers)  # launched by the step's post-hook
 
-    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, at_end_of_step)
-    _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None)
+    _train(ours, opt_o, STEPS, micro, ours.no_sync if micro > 1 else None, at_end_of_step, edit)
+    _train(theirs, opt_t, STEPS, micro, theirs.no_sync if micro > 1 else None, edit=edit)
     result = _diff(ours.full_state_dict(), theirs.module.state_dict())
     result["buckets"] = ours.bucket_names
     result["memory"] = memory
@@ -289,6 +305,7 @@ def run_world2() -> dict:
         cases[f"s{stage}-frozen"] = against_ddp(stage, frozen=True, bucket_cap_mb=SPLIT_MB)
         cases[f"s{stage}-tied"] = against_ddp(stage, model="tied", bucket_cap_mb=SPLIT_MB)
         cases[f"s{stage}-bn"] = against_ddp(stage, model="bn", bucket_cap_mb=SPLIT_MB)
+        cases[f"s{stage}-edited"] = against_ddp(stage, edit=True, bucket_cap_mb=SPLIT_MB)
     for prefetch in (0, 1, 2):
         for reshard in (True, False):
             cases[f"s3-p{prefetch}-r{int(reshard)}"] = against_ddp(
