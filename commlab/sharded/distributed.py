@@ -134,7 +134,8 @@ class ShardedDataParallel(nn.Module):
         self._requires_grad = [(names[id(p)], dp, b.trains) for b in buckets for p, dp in zip(b.params, b.sharded)]
         self._requires_grad += [(n, p, False) for n, p in module.named_parameters() if id(p) not in sharded]
         self._engine.handles += self._swap.install(module)
-        self._engine.handles += self._swap.install_within(m for ms in plan.owners for m in ms if m is not module)
+        holders = [m for ms in plan.owners for m in ms] + [e[0] for e in self._swap.entries]  # + slots': see dparams
+        self._engine.handles += self._swap.install_within(m for m in holders if m is not module)
         shard_ids = {id(dp) for b in buckets for dp in b.sharded}
         # The hook sees sets of ids only: nothing in it may hold the wrapper alive.
         guard = arguments.optimizer_guard(self, sharded, shard_ids)

@@ -86,7 +86,9 @@ class ParamSwap:
         """Hooks on each of ``modules`` that give it the whole tensors for a forward that runs while
         the slots hold the shards: outside the root's forward, a submodule called on its own or
         recomputed in backward by activation checkpointing (fully_shard's pre-forward hook
-        unshards every unit the same way). Returns their handles."""
+        unshards every unit the same way). The wrapper passes its units and every module holding
+        a slot: ``checkpoint_wrapper`` recomputes the unit's inner module, whose hooks are not the
+        unit's. Returns their handles."""
         handles = []
         for module in {id(m): m for m in modules}.values():
             inside = {id(m) for m in module.modules()}

@@ -39,9 +39,14 @@ class Tuned(nn.Module):
         return self.head(x)
 
 
-def _model() -> Tuned:
+def _model(checkpointed: bool = False) -> Tuned:
     torch.manual_seed(0)  # fully_shard does not broadcast: every rank builds the same values
-    return Tuned()
+    model = Tuned()
+    if checkpointed:  # recomputed in backward: the wrapper runs the block inside it, not itself
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
+    return model
 
 
 def _train(model: nn.Module, steps: int = STEPS) -> dict:
@@ -58,11 +63,11 @@ def _train(model: nn.Module, steps: int = STEPS) -> dict:
     return {"losses": losses, "local": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
 
 
-def _fully_shard(policy=None) -> nn.Module:
+def _fully_shard(policy=None, checkpointed: bool = False) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = _model(checkpointed)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     kw = {"mp_policy": policy} if policy is not None else {}
     for block in model.blocks:
@@ -75,14 +80,18 @@ BF16 = __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).M
 
 
 def run() -> dict:
-    oracle = {False: _train(_fully_shard()), True: _train(_fully_shard(BF16))}
-    original = {n: p.detach().clone() for n, p in _model().named_parameters()}
+    oracle = {(False, False): _train(_fully_shard()), (True, False): _train(_fully_shard(BF16)),
+              (False, True): _train(_fully_shard(checkpointed=True))}
     out = {"cases": {}}
     for name, kw in {"units": {"units": None}, "units-prefetch0": {"units": None, "prefetch": 0},
                      "policy": {"bucket_cap_mb": 0.01}, "units-no-reshard": {"units": None, "reshard_after_forward": False},
-                     "ring": {"units": None, "algorithm": "ring"}, "bf16": {"units": None, "mixed_precision": BF16}}.items():
-        theirs = oracle["mixed_precision" in kw]
-        base = _model()
+                     "ring": {"units": None, "algorithm": "ring"}, "bf16": {"units": None, "mixed_precision": BF16},
+                     "checkpointed": {"units": None, "checkpointed": True}}.items():
+        kw = dict(kw)
+        checkpointed = kw.pop("checkpointed", False)
+        theirs = oracle[("mixed_precision" in kw, checkpointed)]
+        base = _model(checkpointed)
+        original = {n: p.detach().clone() for n, p in base.named_parameters()}
         if "units" in kw:
             kw = {**kw, "units": list(base.blocks)}
         ours = ShardedDataParallel(base, stage=3, **kw)
@@ -93,14 +102,16 @@ def run() -> dict:
         out["cases"][name] = {
             "losses": mine["losses"] == theirs["losses"],
             "largest_difference": max((mine["local"][n] - t).abs().max().item() for n, t in theirs["local"].items() if t.numel()),
-            "frozen": sorted(frozen),
+            "frozen": sorted(n.replace("_checkpoint_wrapped_module.", "") for n in frozen),
             "dtensors": all(isinstance(p, DTensor) for p in ours.parameters()),
             "frozen_unchanged": all(torch.equal(mine["local"][n], _rows(original[n])) for n in frozen),
             "replicated": held.replicated,
             "peak_gathered": held.peak_gathered,
             "frozen_buckets": sum(not b.trains for b in ours.buckets),
             "gathered_bound": _bound(ours, base),
-            "full_frozen": all(torch.equal(full[n], original[n]) for n in frozen),
+            # (state dict keys leave checkpoint_wrapper's prefix out, parameter names keep it)
+            "full_frozen": all(torch.equal(full[n.replace("_checkpoint_wrapped_module.", "")], original[n])
+                               for n in frozen),
         }
     return out
 
