@@ -50,9 +50,9 @@ def policy_buckets(specs: Sequence[TensorSpec], policy: BucketPolicy) -> list[li
     return sorted(buckets, key=lambda b: b[0])
 
 
-def trainable(module: nn.Module, frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
-    """The module's trainable parameters (or, with ``frozen``, its frozen floating-point ones),
-    each once (shared ones under their first name)."""
+def shardable(module: nn.Module, frozen: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """The module's trainable parameters, or with ``frozen`` its frozen floating-point ones (an
+    integer one stays whole), each once (shared ones under their first name)."""
     if frozen:
         return [(name, p) for name, p in module.named_parameters() if not p.requires_grad and p.is_floating_point()]
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -73,7 +73,7 @@ def plan_buckets(
     """The buckets of ``module``'s trainable parameters (``frozen``: of its frozen ones, indices
     into those): by ``policy``, or one per unit plus one for the parameters outside every unit;
     raises ValueError for bad units."""
-    params = [p for _, p in trainable(module, frozen)]
+    params = [p for _, p in shardable(module, frozen)]
     if not params:
         if frozen:
             return BucketPlan([], [])
@@ -123,10 +123,10 @@ def sharded_plan(module: nn.Module, policy: BucketPolicy, units: Sequence[nn.Mod
                  with_frozen: bool) -> tuple[list[tuple[str, nn.Parameter]], BucketPlan, list[bool]]:
     """The parameters to shard (trainable ones, then with ``with_frozen`` the frozen ones), their
     buckets (indices into that list) in forward order, and whether each bucket's parameters train."""
-    named, plan = trainable(module), plan_buckets(module, policy, units)
+    named, plan = shardable(module), plan_buckets(module, policy, units)
     if not with_frozen:
         return named, plan, [True] * len(plan.buckets)
-    frozen, fplan = trainable(module, frozen=True), plan_buckets(module, policy, units, frozen=True)
+    frozen, fplan = shardable(module, frozen=True), plan_buckets(module, policy, units, frozen=True)
     params = named + frozen
     position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
     groups = [(b, o, True) for b, o in zip(plan.buckets, plan.owners)]

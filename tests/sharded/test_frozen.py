@@ -5,8 +5,12 @@ blocks under torch's checkpoint_wrapper)
 norms, trainable adapters and head)."""
 
 import pytest
+import torch
+from torch import nn
 
 import commlab
+from commlab.ddp.policy import make_policy
+from commlab.sharded.buckets import sharded_plan
 from tests.support import sharded_frozen_cases as cases
 
 FROZEN = {"embed.weight"} | {f"blocks.{i}.{n}" for i in range(cases.DEPTH)
@@ -36,3 +40,20 @@ def test_frozen_parameters_are_sharded_freed_after_backward_and_train_as_fully_s
                 # Without the free after each block's backward the frozen buckets of every block
                 # stay gathered until the end of backward (3x this bound here).
                 assert r["peak_gathered"] <= r["gathered_bound"], (where, r["peak_gathered"], r["gathered_bound"])
+
+
+def test_stage3_plans_frozen_buckets_in_forward_order_and_leaves_integer_parameters_whole():
+    model = cases.Tuned()
+    model.register_parameter("seen", nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False))
+    policy = make_policy("size_cap", bucket_cap_mb=25)
+    named, plan, trains = sharded_plan(model, policy, list(model.blocks), with_frozen=True)
+    names = [[named[i][0] for i in bucket] for bucket in plan.buckets]
+    block = [["blocks.{i}.norm.weight", "blocks.{i}.norm.bias", "blocks.{i}.mix.base.weight", "blocks.{i}.mix.base.bias"],
+             ["blocks.{i}.mix.down.weight", "blocks.{i}.mix.up.weight"]]
+    expected = [["embed.weight"]] + [[n.format(i=i) for n in b] for i in range(cases.DEPTH) for b in block]
+    assert names == expected + [["head.weight", "head.bias"]]
+    assert trains == [False] + [False, True] * cases.DEPTH + [True]
+    assert all(name != "seen" for name, _ in named)  # an integer parameter stays whole
+    # Stages 1-2: trainable parameters only, as before.
+    named, plan, trains = sharded_plan(model, policy, list(model.blocks), with_frozen=False)
+    assert all(p.requires_grad for _, p in named) and all(trains) and len(plan.buckets) == cases.DEPTH + 1
