@@ -18,14 +18,16 @@ FROZEN = {"embed.weight"} | {f"blocks.{i}.{n}" for i in range(cases.DEPTH)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def ranks(request):
-    return request.param, commlab.launch(cases.run, world_size=request.param, backend="gloo", timeout=300)
+def ranks(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"frozen-dcp-{request.param}"))
+    return request.param, commlab.launch(cases.run, path, world_size=request.param, backend="gloo", timeout=300)
 
 
 @pytest.mark.slow
 def test_frozen_parameters_are_sharded_freed_after_backward_and_train_as_fully_shard(ranks):
     world, results = ranks
     for rank, result in enumerate(results):
+        assert result["dcp"], (world, rank)  # DCP saves and loads the frozen shards too
         for name, r in result["cases"].items():
             where = (world, rank, name)
             # Trainable rows equal fully_shard's (at world size 3 the sums' order differs by an ulp).

@@ -79,10 +79,33 @@ BF16 = __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).M
     param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def run() -> dict:
+def _dcp_round_trip(path: str) -> bool:
+    """Saved by torch.distributed.checkpoint from units, the frozen weights scaled after wrapping,
+    and loaded into size buckets: every tensor back as saved, the frozen shards too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    base = _model()
+    saved = ShardedDataParallel(base, stage=3, units=list(base.blocks))
+    _train(saved, steps=2)
+    with torch.no_grad():
+        for p in saved.parameters():
+            if not p.requires_grad:
+                p.mul_(1.5)
+    dcp.save({"model": get_model_state_dict(saved)}, checkpoint_id=path)
+    torch.manual_seed(1)  # other values (construction broadcasts rank 0's)
+    loaded = ShardedDataParallel(Tuned(), stage=3, bucket_cap_mb=0.01)
+    state = {"model": get_model_state_dict(loaded)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(loaded, state["model"])
+    want, got = saved.full_state_dict(), loaded.full_state_dict()
+    return want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def run(path: str) -> dict:
     oracle = {(False, False): _train(_fully_shard()), (True, False): _train(_fully_shard(BF16)),
               (False, True): _train(_fully_shard(checkpointed=True))}
-    out = {"cases": {}}
+    out = {"cases": {}, "dcp": _dcp_round_trip(path)}
     for name, kw in {"units": {"units": None}, "units-prefetch0": {"units": None, "prefetch": 0},
                      "policy": {"bucket_cap_mb": 0.01}, "units-no-reshard": {"units": None, "reshard_after_forward": False},
                      "ring": {"units": None, "algorithm": "ring"}, "bf16": {"units": None, "mixed_precision": BF16},
