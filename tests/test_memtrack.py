@@ -105,7 +105,8 @@ def _stage3_bound(s) -> float:
     object, and a worker thread drops a finished work only after the waiting rank has gone on:
     under load the clones of up to one earlier reduction per worker thread are still alive when
     the next reduction clones its own (the profiler saw 1 to 4 chunk-sized clones at the peak;
-    one reduce-scatter in flight at a time, commlab/sharded/backward.py)."""
+    one reduce-scatter in flight at a time, commlab/sharded/backward.py). The measured peak is the
+    lowest of three steps (tests/support/memtrack_cases.py: why identical steps measure apart)."""
     from tests.support import memtrack_cases as c
 
     model = zero_memory(s["params"], 2, 3, "fp32").total
