@@ -56,8 +56,8 @@ def _stage_peak(stage: int) -> dict:
                 step()
                 peaks.append(wrapper.memory(opt).peak)  # the previous step's: a step ends at the next forward
         # Steps 2-4 (the first tracked one over-counts, commlab/sharded/memory.py). Identical steps
-        # measure up to a sixth apart here: whether a collective's buffer is freed on the training
-        # thread or on Gloo's decides whether the profiler sees the free. The lowest is kept.
+        # measure up to a sixth apart here, most likely because whether a collective's buffer is freed
+        # on the training thread or on Gloo's decides whether the profiler sees the free. The lowest is kept.
         out["peak"] = min([*peaks[2:], wrapper.memory(opt).peak]) - base
         out["padded"] = [b.layout.padded for b in wrapper.buckets]
         out["numels"] = [b.layout.total for b in wrapper.buckets]
