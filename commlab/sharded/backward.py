@@ -168,9 +168,8 @@ class BackwardPass:
 
     def _module_backward_done(self, frozen: list[int]) -> None:
         for b in frozen:
-            left = self.backward_users.get(b, 0) - 1
-            self.backward_users[b] = max(left, 0)
-            if left <= 0:
+            self.backward_users[b] = max(self.backward_users.get(b, 0) - 1, 0)
+            if not self.backward_users[b]:
                 self.free([b])
 
 

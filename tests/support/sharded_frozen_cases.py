@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from commlab.sharded import ShardedDataParallel
@@ -75,8 +76,7 @@ def _fully_shard(policy=None, checkpointed: bool = False) -> nn.Module:
     return fully_shard(model, mesh=mesh, **kw)
 
 
-BF16 = __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).MixedPrecisionPolicy(
-    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _dcp_round_trip(path: str) -> bool:
